@@ -1,0 +1,132 @@
+"""The trace file's contract: one long table of rows, each row one `kind` of record.
+
+Every row shares one Arrow schema (``TRACE_SCHEMA``); a kind uses the columns listed for
+it in ``KIND_COLUMNS`` and leaves the rest null.  All timestamps are CLOCK_MONOTONIC
+nanoseconds (what ``bpf_ktime_get_ns`` returns); other clocks are converted at record
+time using the offset stored in the metadata (``clock.wall_minus_mono_ns``).
+
+The file is self-describing: the Parquet key/value metadata key ``trainbpf`` holds a JSON
+document (see ``TraceMeta``) with the schema version, host, kernel, command line, clock
+alignment, topology, probes, thresholds and lost-event counts.  Thread names and
+symbolised stacks travel as rows (``thread`` and ``stack`` kinds), so a trace can be
+analysed on another machine without the traced process alive.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_NAME = "trainbpf.trace"
+SCHEMA_VERSION = 1
+SCHEMA_ID = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
+METADATA_KEY = b"trainbpf"
+
+TRACE_SCHEMA = pa.schema(
+    [
+        ("kind", pa.string()),
+        ("ts_ns", pa.int64()),  # CLOCK_MONOTONIC start of the event / interval
+        ("dur_ns", pa.int64()),  # interval length
+        ("tid", pa.int32()),  # kernel pid of the thread
+        ("pid", pa.int32()),  # kernel tgid (the process)
+        ("cpu", pa.int32()),
+        ("comm", pa.string()),
+        ("state", pa.string()),
+        ("peer_tid", pa.int32()),  # the other thread: waker, parent
+        ("peer_pid", pa.int32()),
+        ("runq_ns", pa.int64()),  # runnable part of an off-CPU interval
+        ("kstack_id", pa.int32()),
+        ("ustack_id", pa.int32()),
+        ("peer_kstack_id", pa.int32()),
+        ("peer_ustack_id", pa.int32()),
+        ("addr", pa.uint64()),
+        ("op", pa.int32()),
+        ("size", pa.int64()),  # bytes
+        ("count", pa.int64()),
+        ("value", pa.float64()),
+        ("name", pa.string()),
+        ("node", pa.int32()),  # NUMA node
+    ]
+)
+
+COLUMNS = tuple(TRACE_SCHEMA.names)
+
+# What each kind means and which columns it fills.  Analyzers rely on exactly this.
+KIND_COLUMNS: dict[str, tuple[str, ...]] = {
+    # A thread seen: at start (name="seed"), created (name="thread"/"process"), exec'd
+    # ("exec") or renamed ("rename").  peer_tid = parent/creator.  The newest row per tid
+    # carries its current comm.
+    "thread": ("ts_ns", "tid", "pid", "comm", "peer_tid", "name"),
+    # A thread exited.
+    "exit": ("ts_ns", "tid", "pid", "comm"),
+    # An off-CPU interval >= min_block_ns: switched out at ts_ns with `state`
+    # ("S" sleep, "D" uninterruptible, "R" preempted while runnable, "I", "T", "X", ...),
+    # switched back in after dur_ns on `cpu`.  runq_ns is the part spent runnable
+    # (wake-up -> switch-in; all of dur_ns for "R").  peer_* name the waker and its stacks
+    # at the wake-up (null when preempted or woken from interrupt context with no task).
+    # kstack_id/ustack_id: stacks at switch-out.
+    "offcpu": (
+        "ts_ns", "dur_ns", "tid", "pid", "cpu", "state", "runq_ns", "peer_tid", "peer_pid",
+        "kstack_id", "ustack_id", "peer_kstack_id", "peer_ustack_id",
+    ),
+    # Off-CPU intervals below min_block_ns, summed in the kernel per (tid, state) and
+    # flushed as deltas: count intervals, dur_ns total off-CPU, runq_ns total runnable.
+    # ts_ns is the flush time.
+    "offcpu_short": ("ts_ns", "dur_ns", "tid", "pid", "state", "count", "runq_ns"),
+    # A CPU-clock sample of a traced thread (rate in metadata thresholds.oncpu_hz).
+    "oncpu": ("ts_ns", "tid", "pid", "cpu", "kstack_id", "ustack_id"),
+    # A futex wait >= min_futex_ns: addr = uaddr, op = futex command (op & 0x7f; 256+ for
+    # futex_wait / futex_waitv syscalls), ustack_id at entry.
+    "futex": ("ts_ns", "dur_ns", "tid", "pid", "addr", "op", "ustack_id"),
+    # User page faults counted in the kernel per (tid, time bucket of dur_ns).
+    "faults": ("ts_ns", "dur_ns", "tid", "pid", "count"),
+    # mmap_lock wait start_locking -> acquire_returned; state "read"/"write";
+    # count = 1 on success.
+    "mmap_lock": ("ts_ns", "dur_ns", "tid", "pid", "state", "count"),
+    # Direct or memcg reclaim in a traced thread; state "direct"/"memcg";
+    # count = pages reclaimed.
+    "reclaim": ("ts_ns", "dur_ns", "tid", "pid", "state", "count"),
+    # Memory compaction run by a traced thread; op = status.
+    "compaction": ("ts_ns", "dur_ns", "tid", "pid", "op"),
+    # mmap/munmap/brk/madvise/mremap calls: name = syscall, addr, size = length,
+    # op = flags/advice, count = return value.
+    "mm_syscall": ("ts_ns", "dur_ns", "tid", "pid", "name", "addr", "size", "op", "count"),
+    # Scheduler NUMA move/swap of a task: op = source node, node = destination node,
+    # cpu = destination cpu, name "move"/"swap".
+    "numa_move": ("ts_ns", "tid", "pid", "cpu", "op", "node", "name"),
+    # Page migrations done in a traced thread: count = pages migrated, size = failed,
+    # op = reason.
+    "numa_migrate": ("ts_ns", "tid", "pid", "count", "size", "op"),
+    # writeback:balance_dirty_pages throttling pause of a writer: dur_ns = pause
+    # (converted from jiffies with the measured HZ), count = dirty pages,
+    # size = dirty limit in pages, name = backing device.
+    "dirty_pause": ("ts_ns", "dur_ns", "tid", "pid", "count", "size", "name"),
+    # A block request issued for a traced thread: dur_ns = issue -> completion,
+    # size = bytes, name = rwbs, op = device number, addr = sector.
+    "block_rq": ("ts_ns", "dur_ns", "tid", "pid", "size", "name", "op", "addr"),
+    # GPU sample: op = GPU index, value = utilization.gpu percent, count = memory.used
+    # MiB, size = utilization.memory percent, name = uuid.
+    "gpu": ("ts_ns", "op", "value", "count", "size", "name"),
+    # /proc/vmstat counter delta over dur_ns: name = key, count = delta.
+    "vmstat": ("ts_ns", "dur_ns", "name", "count"),
+    # Pressure stall information delta: name = "cpu.some", "memory.full", ...;
+    # count = stalled microseconds over dur_ns.
+    "psi": ("ts_ns", "dur_ns", "name", "count"),
+    # Per-thread delay accounting (taskstats): state = "start"/"end", name = field
+    # ("cpu_delay", "blkio_delay", "swapin_delay", "freepages_delay", "thrashing_delay",
+    # "compact_delay", ...), count = total ns.
+    "taskstats": ("ts_ns", "tid", "pid", "state", "name", "count"),
+    # The target's numa_maps summed per node: state = "start"/"end", count = pages.
+    "numa_maps": ("ts_ns", "pid", "state", "node", "count"),
+    # Cumulative lost events for probe `name` (ring buffer full).
+    "lost": ("ts_ns", "name", "count"),
+    # A symbolised stack: kstack_id = the stack id (kernel and user ids share one map),
+    # state = "kernel"/"user", pid = process for user stacks, name = frames leaf first,
+    # joined by ";".
+    "stack": ("ts_ns", "kstack_id", "state", "pid", "name"),
+}
+
+KINDS = tuple(KIND_COLUMNS)
+
+
+def empty_table() -> pa.Table:
+    return TRACE_SCHEMA.empty_table()

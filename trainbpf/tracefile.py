@@ -1,0 +1,311 @@
+"""Writing and reading trace files.
+
+While recording, rows go to an Arrow IPC stream (``<output>.spool``) in complete record
+batches, flushed about once a second: a recorder killed with SIGKILL or stopped by a full
+disk leaves every batch before the last flush readable.  ``finalize`` turns the spool into
+the Parquet file (footer and final metadata written once, then an atomic rename) and
+removes the spool.  ``read_trace`` reads either form, so `analyze` works on an unfinished
+recording too; ``recover`` finalises a spool left behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
+from trainbpf.errors import OutputError, TraceReadError, TraceSchemaError
+from trainbpf.schema import (
+    COLUMNS,
+    KIND_COLUMNS,
+    METADATA_KEY,
+    SCHEMA_ID,
+    SCHEMA_NAME,
+    SCHEMA_VERSION,
+    TRACE_SCHEMA,
+)
+
+SPOOL_SUFFIX = ".spool"
+
+
+def spool_path_for(output: Path) -> Path:
+    return output.with_name(output.name + SPOOL_SUFFIX)
+
+
+def make_batch(kind: str, columns: Mapping[str, Any]) -> pa.RecordBatch:
+    """One record batch of `kind` rows; columns not given are null.
+
+    `columns` maps column names to equal-length sequences (numpy arrays, lists)."""
+    allowed = KIND_COLUMNS[kind]
+    lengths = {len(v) for v in columns.values()}
+    if len(lengths) != 1:
+        raise ValueError(f"{kind}: columns of unequal length {lengths}")
+    n = lengths.pop()
+    arrays = []
+    for name in COLUMNS:
+        typ = TRACE_SCHEMA.field(name).type
+        if name == "kind":
+            arrays.append(pa.array([kind] * n, type=typ))
+        elif name in columns:
+            if name not in allowed:
+                raise ValueError(f"{kind} rows do not use column {name}")
+            arrays.append(pa.array(columns[name], type=typ, from_pandas=True))
+        else:
+            arrays.append(pa.nulls(n, type=typ))
+    return pa.RecordBatch.from_arrays(arrays, schema=TRACE_SCHEMA)
+
+
+def _open_private(path: Path):
+    """Create `path` 0600 (traces hold command names, paths and addresses)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "wb")
+
+
+def _chown_to_invoker(path: Path) -> None:
+    """Under sudo, hand the file to the user who ran sudo."""
+    uid, gid = os.environ.get("SUDO_UID"), os.environ.get("SUDO_GID")
+    if os.geteuid() == 0 and uid and gid:
+        try:
+            os.chown(path, int(uid), int(gid))
+        except (OSError, ValueError):
+            pass
+
+
+def _output_error(path: Path, exc: OSError) -> OutputError:
+    if exc.errno == errno.ENOSPC:
+        return OutputError(f"disk full while writing {path}")
+    return OutputError(f"cannot write {path}: {exc.strerror or exc}")
+
+
+def _meta_bytes(meta: Mapping[str, Any]) -> dict[bytes, bytes]:
+    return {METADATA_KEY: json.dumps(meta, sort_keys=True, default=_json_default).encode()}
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+class SpoolWriter:
+    """Appends record batches to the crash-safe spool of `output`."""
+
+    def __init__(self, output: Path, meta: Mapping[str, Any]):
+        self.output = Path(output)
+        self.spool = spool_path_for(self.output)
+        self.bytes_written = 0
+        self.rows_written = 0
+        self._pending: list[pa.RecordBatch] = []
+        self.failed: OutputError | None = None
+        try:
+            self._file = _open_private(self.spool)
+            _chown_to_invoker(self.spool)
+            schema = TRACE_SCHEMA.with_metadata(_meta_bytes(meta))
+            self._writer = ipc.new_stream(self._file, schema)
+            self._file.flush()
+        except OSError as exc:
+            raise _output_error(self.spool, exc) from exc
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        if batch.num_rows:
+            self._pending.append(batch)
+
+    def flush(self) -> None:
+        """Write pending rows as one complete batch and push it to the file."""
+        if not self._pending or self.failed:
+            return
+        table = pa.Table.from_batches(self._pending, schema=TRACE_SCHEMA)
+        self._pending = []
+        try:
+            for batch in table.combine_chunks().to_batches():
+                self._writer.write_batch(batch)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as exc:
+            # Keep what is already on disk readable; the recorder stops and reports.
+            self.failed = _output_error(self.spool, exc)
+            return
+        self.rows_written += table.num_rows
+        self.bytes_written = self._file.tell()
+
+    def close(self) -> None:
+        try:
+            if not self.failed:
+                self._writer.close()
+            self._file.close()
+        except OSError as exc:
+            self.failed = self.failed or _output_error(self.spool, exc)
+
+
+def _read_spool(path: Path) -> tuple[pa.Table, dict[str, Any]]:
+    """Every complete batch of a spool, tolerating a torn tail."""
+    batches = []
+    try:
+        reader = ipc.open_stream(pa.OSFile(str(path), "rb"))
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise TraceReadError(f"{path}: not a readable trainbpf spool ({exc})") from exc
+    meta = _decode_meta(reader.schema.metadata, path)
+    while True:
+        try:
+            batches.append(reader.read_next_batch())
+        except StopIteration:
+            break
+        except (pa.ArrowInvalid, OSError):
+            break  # torn last batch after a crash: keep what came before
+    return pa.Table.from_batches(batches, schema=TRACE_SCHEMA), meta
+
+
+def _decode_meta(raw: Mapping[bytes, bytes] | None, path: Path) -> dict[str, Any]:
+    if not raw or METADATA_KEY not in raw:
+        raise TraceReadError(f"{path}: not a trainbpf trace (no trainbpf metadata)")
+    try:
+        meta = json.loads(raw[METADATA_KEY])
+    except ValueError as exc:
+        raise TraceReadError(f"{path}: corrupt trainbpf metadata") from exc
+    schema = str(meta.get("schema", ""))
+    name, _, version = schema.partition("/")
+    if name != SCHEMA_NAME:
+        raise TraceSchemaError(f"{path}: unknown trace schema {schema!r}, expected {SCHEMA_ID}")
+    if not version.isdigit() or int(version) != SCHEMA_VERSION:
+        newer = version.isdigit() and int(version) > SCHEMA_VERSION
+        hint = "upgrade trainbpf to read it" if newer else "re-record it with this version"
+        raise TraceSchemaError(f"{path}: trace schema {schema} is not {SCHEMA_ID}; {hint}")
+    return meta
+
+
+def _derive_final_meta(table: pa.Table, meta: dict[str, Any]) -> dict[str, Any]:
+    """Fill what only the end of a recording knows from the rows, for recovered spools."""
+    meta = dict(meta)
+    lost = table.filter(pc.equal(table["kind"], "lost"))
+    counts: dict[str, int] = dict(meta.get("lost") or {})
+    if lost.num_rows:
+        df = lost.select(["name", "count"]).to_pandas()
+        counts.update({k: int(v) for k, v in df.groupby("name")["count"].max().items()})
+    meta["lost"] = counts
+    clock = dict(meta.get("clock") or {})
+    if not clock.get("end_mono_ns") and table.num_rows:
+        ends = pc.add(table["ts_ns"], pc.fill_null(table["dur_ns"], 0))
+        clock["end_mono_ns"] = int(pc.max(ends).as_py() or clock.get("start_mono_ns", 0))
+    meta["clock"] = clock
+    return meta
+
+
+def finalize(spool: Path, output: Path, final_meta: Mapping[str, Any] | None = None) -> Path:
+    """Write the Parquet file from a spool (atomically) and remove the spool."""
+    table, meta = _read_spool(spool)
+    meta.update(final_meta or {})
+    meta = _derive_final_meta(table, meta)
+    tmp = output.with_name(output.name + ".tmp")
+    try:
+        with _open_private(tmp) as fh:
+            pq.write_table(
+                table.replace_schema_metadata(_meta_bytes(meta)), fh, compression="zstd"
+            )
+        _chown_to_invoker(tmp)
+        os.replace(tmp, output)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise _output_error(output, exc) from exc
+    spool.unlink(missing_ok=True)
+    return output
+
+
+def recover(spool: Path, output: Path | None = None) -> Path:
+    """Finalise a spool left by a recorder that did not finish (killed, disk full)."""
+    spool = Path(spool)
+    if not spool.exists():
+        raise TraceReadError(f"{spool}: no such file")
+    if output is None:
+        name = spool.name[: -len(SPOOL_SUFFIX)] if spool.name.endswith(SPOOL_SUFFIX) else spool.name + ".parquet"
+        output = spool.with_name(name)
+    return finalize(spool, Path(output), {"recovered": True, "complete": False})
+
+
+@dataclass
+class Trace:
+    """A loaded trace: its metadata and the long table of rows."""
+
+    path: Path
+    meta: dict[str, Any]
+    table: pa.Table
+    _frames: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
+
+    def frame(self, kind: str) -> pd.DataFrame:
+        """Rows of one kind with exactly that kind's columns (empty frame if none).
+
+        Integer columns without nulls are numpy int64/int32; with nulls, pandas Int64."""
+        if kind not in self._frames:
+            self._frames[kind] = _kind_frame(self.table, kind)
+        return self._frames[kind]
+
+    @property
+    def duration_ns(self) -> int:
+        clock = self.meta.get("clock", {})
+        return max(0, int(clock.get("end_mono_ns") or 0) - int(clock.get("start_mono_ns") or 0))
+
+
+def _kind_frame(table: pa.Table, kind: str) -> pd.DataFrame:
+    cols = list(KIND_COLUMNS[kind])
+    sub = table.filter(pc.equal(table["kind"], kind)).select(cols)
+    out = {}
+    for name in cols:
+        col = sub[name]
+        typ = TRACE_SCHEMA.field(name).type
+        if pa.types.is_integer(typ):
+            if col.null_count:
+                out[name] = pd.array(col.to_pylist(), dtype="Int64")
+            else:
+                out[name] = col.to_numpy().astype(typ.to_pandas_dtype(), copy=False)
+        elif pa.types.is_floating(typ):
+            out[name] = col.to_numpy(zero_copy_only=False).astype("float64")
+        else:
+            out[name] = np.asarray(col.to_pylist(), dtype=object)
+    return pd.DataFrame(out, columns=cols)
+
+
+def read_trace(path: str | os.PathLike) -> Trace:
+    """Load a finished trace or, if given (or if only it exists), a recording's spool."""
+    path = Path(path)
+    if not path.exists():
+        spool = spool_path_for(path)
+        if spool.exists():
+            path = spool
+        else:
+            raise TraceReadError(f"{path}: no such file")
+    if path.is_dir():
+        raise TraceReadError(f"{path}: is a directory, not a trace file")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic == b"PAR1":
+        try:
+            pf = pq.ParquetFile(path)
+            meta = _decode_meta(pf.schema_arrow.metadata, path)
+            table = pf.read()
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise TraceReadError(f"{path}: truncated or corrupt Parquet file ({exc})") from exc
+        missing = [c for c in COLUMNS if c not in table.column_names]
+        if missing:
+            raise TraceReadError(f"{path}: not a trainbpf trace (missing columns {missing})")
+        table = table.select(list(COLUMNS)).cast(TRACE_SCHEMA)
+    elif magic == b"\xff\xff\xff\xff":  # Arrow IPC stream continuation marker
+        table, meta = _read_spool(path)
+        meta = _derive_final_meta(table, meta)
+        meta.setdefault("complete", False)
+    elif not magic:
+        raise TraceReadError(f"{path}: empty file, not a trace")
+    else:
+        raise TraceReadError(f"{path}: not a Parquet trace file")
+    return Trace(path=path, meta=meta, table=table)
