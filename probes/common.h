@@ -1,0 +1,68 @@
+/* Shared by every probe: the traced-thread set, lost-event counters and the stack map.
+ *
+ * Probes read only tracepoint fields and stable helpers, never kernel struct layouts:
+ * bcc compiles against whatever headers are at hand (often older than the running
+ * kernel), and a struct read through mismatched headers returns garbage.
+ * Settings arrive as -D defines; the defaults below apply when a define is absent. */
+#ifndef TRAINBPF_COMMON_H
+#define TRAINBPF_COMMON_H
+
+#include <uapi/linux/ptrace.h>
+
+#ifndef MAX_THREADS
+#define MAX_THREADS 65536
+#endif
+#ifndef STACK_ENTRIES
+#define STACK_ENTRIES 16384
+#endif
+#ifndef RINGBUF_PAGES
+#define RINGBUF_PAGES 512 /* per probe, must be a power of two */
+#endif
+/* 1: every thread on the machine is traced (node-wide health check). */
+#ifndef TRACE_ALL
+#define TRACE_ALL 0
+#endif
+
+/* Index into `lost`; the collector side names them (tracer/collector.py PROBE_IDS). */
+#define PROBE_SCHED 0
+#define PROBE_TASK 1
+#define PROBE_FUTEX 2
+#define PROBE_FAULTS 3
+#define PROBE_ONCPU 4
+#define PROBE_MM 5
+#define PROBE_WRITEBACK 6
+#define PROBE_BLOCK 7
+#define PROBE_COUNT 8
+
+/* tid -> tgid of every traced thread: seeded from /proc at start, extended at fork.
+ * Kept in a map because sched_switch's incoming task is not `current`. */
+BPF_HASH(traced, u32, u32, MAX_THREADS);
+BPF_PERCPU_ARRAY(lost, u64, PROBE_COUNT);
+BPF_STACK_TRACE(stacks, STACK_ENTRIES);
+
+static __always_inline u32 current_tid(void)
+{
+    return (u32)bpf_get_current_pid_tgid();
+}
+
+static __always_inline u32 current_tgid(void)
+{
+    return (u32)(bpf_get_current_pid_tgid() >> 32);
+}
+
+/* True when `tid` belongs to the traced tree. */
+static __always_inline int is_traced(u32 tid)
+{
+    if (TRACE_ALL)
+        return tid != 0;
+    return traced.lookup(&tid) != NULL;
+}
+
+static __always_inline void count_lost(u32 probe)
+{
+    u64 *n = lost.lookup(&probe);
+    if (n)
+        (*n)++;
+}
+
+#endif

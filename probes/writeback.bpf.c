@@ -1,0 +1,35 @@
+/* Dirty-page throttling: writeback:balance_dirty_pages fires in the writer's context
+ * just before it sleeps for `pause` jiffies.  Jiffies go out raw; the collector converts
+ * them with the HZ it measured (CONFIG_HZ varies between kernels). */
+struct dirty_event {
+    u64 ts_ns;
+    s64 pause_jiffies;
+    u64 dirty_pages;
+    u64 limit_pages;
+    u32 tid;
+    u32 pid;
+    char bdi[32];
+};
+
+BPF_RINGBUF_OUTPUT(writeback_events, RINGBUF_PAGES);
+
+TRACEPOINT_PROBE(writeback, balance_dirty_pages)
+{
+    u32 tid = current_tid();
+    if (!is_traced(tid) || args->pause <= 0)
+        return 0;
+    struct dirty_event *e = writeback_events.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        count_lost(PROBE_WRITEBACK);
+        return 0;
+    }
+    e->ts_ns = bpf_ktime_get_ns();
+    e->pause_jiffies = args->pause;
+    e->dirty_pages = args->dirty;
+    e->limit_pages = args->limit;
+    e->tid = tid;
+    e->pid = current_tgid();
+    __builtin_memcpy(e->bdi, args->bdi, sizeof(e->bdi));
+    writeback_events.ringbuf_submit(e, 0);
+    return 0;
+}
