@@ -1,0 +1,168 @@
+"""GPU utilisation sampling: NVML when importable, else `nvidia-smi -lms`.
+
+nvidia-smi prints local wall-clock timestamps; each is converted to the trace clock
+(CLOCK_MONOTONIC) with the offset measured at start."""
+
+from __future__ import annotations
+
+import datetime as dt
+import shutil
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+
+from trainbpf.tracefile import make_batch
+
+QUERY = "timestamp,index,uuid,pci.bus_id,utilization.gpu,utilization.memory,memory.used"
+
+
+def parse_smi_line(line: str, wall_minus_mono_ns: int) -> tuple | None:
+    """One nvidia-smi CSV line -> (mono_ns, index, uuid, bus_id, util, mem_util, mem_mib).
+
+    Lines that are not samples (errors, '[N/A]' fields) give None."""
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) != 7:
+        return None
+    try:
+        wall = dt.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")  # local time
+        wall_ns = int(wall.timestamp() * 1e9)  # naive datetime -> local time zone
+        return (
+            wall_ns - wall_minus_mono_ns,
+            int(parts[1]),
+            parts[2],
+            parts[3],
+            float(parts[4]),
+            float(parts[5]),
+            float(parts[6]),
+        )
+    except ValueError:
+        return None
+
+
+def samples_batch(samples: list[tuple]) -> pa.RecordBatch:
+    cols = list(zip(*samples)) if samples else [[]] * 7
+    return make_batch(
+        "gpu",
+        {
+            "ts_ns": np.array(cols[0], dtype=np.int64),
+            "op": np.array(cols[1], dtype=np.int32),
+            "name": list(cols[2]),
+            "value": np.array(cols[4], dtype=np.float64),
+            "size": np.array(cols[5], dtype=np.int64),
+            "count": np.array(cols[6], dtype=np.int64),
+        },
+    )
+
+
+class GpuSampler:
+    """Samples every GPU every `interval_ms` in a background thread."""
+
+    def __init__(self, *, mode: str, wall_minus_mono_ns: int, interval_ms: int = 100,
+                 smi: str = "nvidia-smi"):
+        self.mode = mode  # auto | nvml | nvidia-smi | off
+        self.offset = wall_minus_mono_ns
+        self.interval_ms = interval_ms
+        self.smi = smi
+        self.source: str | None = None
+        self.gpus: list[dict] = []  # index, uuid, bus_id
+        self.count = 0
+        self._samples: list[tuple] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._first = threading.Event()
+        self._proc: subprocess.Popen | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.mode == "off":
+            return
+        if self.mode in ("auto", "nvml") and self._start_nvml():
+            return
+        if self.mode in ("auto", "nvidia-smi"):
+            self._start_smi()
+
+    def _start_nvml(self) -> bool:
+        try:
+            import pynvml  # type: ignore[import-not-found]
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:
+            return False
+        for i, h in enumerate(handles):
+            uuid = pynvml.nvmlDeviceGetUUID(h)
+            bus = pynvml.nvmlDeviceGetPciInfo(h).busId
+            self.gpus.append({"index": i, "uuid": _text(uuid), "bus_id": _text(bus)})
+        self.source = "nvml"
+
+        def loop() -> None:
+            while not self._stop.wait(self.interval_ms / 1000):
+                now = time.monotonic_ns()
+                for g, h in zip(self.gpus, handles):
+                    try:
+                        u = pynvml.nvmlDeviceGetUtilizationRates(h)
+                        mem = pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**20
+                    except Exception:
+                        continue
+                    self._add((now, g["index"], g["uuid"], g["bus_id"], float(u.gpu), float(u.memory), mem))
+
+        self._thread = threading.Thread(target=loop, name="trainbpf-gpu", daemon=True)
+        self._thread.start()
+        return True
+
+    def _start_smi(self) -> None:
+        exe = shutil.which(self.smi)
+        if exe is None:
+            return
+        try:
+            self._proc = subprocess.Popen(
+                [exe, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", str(self.interval_ms)],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True,
+            )
+        except OSError:
+            return
+        self.source = "nvidia-smi"
+
+        def reader() -> None:
+            assert self._proc and self._proc.stdout
+            for line in self._proc.stdout:
+                sample = parse_smi_line(line, self.offset)
+                if sample is None:
+                    continue
+                if not any(g["index"] == sample[1] for g in self.gpus):
+                    self.gpus.append({"index": sample[1], "uuid": sample[2], "bus_id": sample[3]})
+                self._add(sample)
+
+        self._thread = threading.Thread(target=reader, name="trainbpf-gpu", daemon=True)
+        self._thread.start()
+        self._first.wait(timeout=1.5)  # the first lines name the GPUs for the topology
+
+    def _add(self, sample: tuple) -> None:
+        with self._lock:
+            self._samples.append(sample)
+            self.count += 1
+        self._first.set()
+
+    def take(self) -> pa.RecordBatch | None:
+        with self._lock:
+            samples, self._samples = self._samples, []
+        return samples_batch(samples) if samples else None
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

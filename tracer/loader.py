@@ -1,0 +1,155 @@
+"""Compiling and loading the probes with bcc.
+
+bcc rewrites map calls (`map.lookup()`) and generates tracepoint argument structs only in
+the main source text, not in included files, so the loader concatenates probes/common.h
+and each selected probe's .bpf.c into one text (with #line markers so compiler messages
+name the right file) instead of #include-ing them."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.resources
+import os
+import subprocess
+from pathlib import Path
+
+from trainbpf.errors import EnvironmentCheckError
+from trainbpf.tracer.block import BlockCollector
+from trainbpf.tracer.collector import Collector, Settings, ctypes_to_dtype
+from trainbpf.tracer.faults import FaultsCollector
+from trainbpf.tracer.futex import FutexCollector
+from trainbpf.tracer.kheaders import use_headers
+from trainbpf.tracer.mm import MmCollector
+from trainbpf.tracer.oncpu import OnCpuCollector
+from trainbpf.tracer.sched import SchedCollector
+from trainbpf.tracer.writeback import WritebackCollector
+
+ALL_COLLECTORS: tuple[type[Collector], ...] = (
+    SchedCollector, FutexCollector, FaultsCollector, OnCpuCollector, MmCollector,
+    WritebackCollector, BlockCollector,
+)
+PROBE_NAMES = tuple(c.name for c in ALL_COLLECTORS)
+TRACEFS = Path("/sys/kernel/tracing")
+DOCTOR = "run `trainbpf doctor`"
+
+
+def probes_dir() -> Path:
+    return Path(str(importlib.resources.files("trainbpf.probes")))
+
+
+def ensure_tracefs(*, mount: bool = True) -> Path:
+    """tracefs's root, mounting it when missing (bcc reads tracepoint layouts there)."""
+    if (TRACEFS / "events").is_dir():
+        return TRACEFS
+    legacy = Path("/sys/kernel/debug/tracing")
+    if (legacy / "events").is_dir():
+        return legacy
+    if mount and os.geteuid() == 0:
+        subprocess.run(["mount", "-t", "tracefs", "nodev", str(TRACEFS)],
+                       stdin=subprocess.DEVNULL, capture_output=True, check=False)
+        if (TRACEFS / "events").is_dir():
+            return TRACEFS
+    raise EnvironmentCheckError(f"tracefs is not mounted at {TRACEFS}; {DOCTOR}")
+
+
+def tracepoint_exists(tp: str, root: Path = TRACEFS) -> bool:
+    category, _, event = tp.partition(":")
+    return (root / "events" / category / event / "format").exists()
+
+
+def have_define(tp: str) -> str:
+    """-D name announcing an optional tracepoint (see #ifdef HAVE_TP_... in the probes)."""
+    return "HAVE_TP_" + tp.replace(":", "_").upper()
+
+
+def select(names: list[str] | None, settings: Settings) -> list[Collector]:
+    if not names:
+        return [c(settings) for c in ALL_COLLECTORS]
+    unknown = sorted(set(names) - set(PROBE_NAMES))
+    if unknown:
+        from trainbpf.errors import UsageError
+
+        raise UsageError(f"unknown probe(s) {', '.join(unknown)}; choose from {', '.join(PROBE_NAMES)}")
+    chosen = [c(settings) for c in ALL_COLLECTORS if c.name in names]
+    if not any(c.name == "sched" for c in chosen):  # the thread table and off-CPU states
+        chosen.insert(0, SchedCollector(settings))
+    return chosen
+
+
+def import_bcc():
+    try:
+        import bcc  # noqa: F401  (Debian's python3-bpfcc)
+    except ImportError as exc:
+        raise EnvironmentCheckError(
+            f"bcc is not importable ({exc}); install python3-bpfcc and use a venv made with "
+            f"--system-site-packages; {DOCTOR}"
+        ) from exc
+    return bcc
+
+
+def build_source(collectors: list[Collector]) -> str:
+    pdir = probes_dir()
+    parts = [f'#line 1 "common.h"\n', (pdir / "common.h").read_text()]
+    for c in collectors:
+        parts.append(f'\n#line 1 "{c.source}"\n')
+        parts.append((pdir / c.source).read_text())
+    return "".join(parts)
+
+
+def cflags(collectors: list[Collector], settings: Settings, tracefs: Path) -> list[str]:
+    defines = {
+        "RINGBUF_PAGES": settings.ringbuf_pages,
+        "TRACE_ALL": int(settings.trace_all),
+    }
+    for c in collectors:
+        defines.update(c.defines())
+    flags = [f"-D{k}={v}" for k, v in defines.items()]
+    for c in collectors:
+        flags += [f"-D{have_define(tp)}" for tp in c.optional_tracepoints if tracepoint_exists(tp, tracefs)]
+    return flags + ["-I" + str(probes_dir()), "-w"]
+
+
+def check_tracepoints(collectors: list[Collector], tracefs: Path) -> None:
+    missing = [tp for c in collectors for tp in c.tracepoints if not tracepoint_exists(tp, tracefs)]
+    if missing:
+        raise EnvironmentCheckError(f"kernel lacks tracepoint(s) {', '.join(missing)}; {DOCTOR}")
+
+
+def load(collectors: list[Collector], settings: Settings):
+    """Compile and load the probes; tracepoint programs attach as they load."""
+    tracefs = ensure_tracefs()
+    check_tracepoints(collectors, tracefs)
+    use_headers()
+    bcc = import_bcc()
+    try:
+        bpf = bcc.BPF(text=build_source(collectors), cflags=cflags(collectors, settings, tracefs))
+        for c in collectors:
+            c.attach(bpf)
+    except Exception as exc:  # bcc raises bare Exception for compile and load failures
+        raise EnvironmentCheckError(f"loading the probes failed: {str(exc).splitlines()[0]}; {DOCTOR}") from exc
+    return bpf
+
+
+def event_dtypes(bpf, collectors: list[Collector]) -> dict[str, "object"]:
+    """numpy dtype of each ring buffer's records, from the C struct bcc parsed."""
+    from bcc.table import _get_event_class
+
+    return {rb: ctypes_to_dtype(_get_event_class(bpf[rb])) for c in collectors for rb in c.ringbufs}
+
+
+def set_traced(bpf, tid: int, tgid: int) -> None:
+    bpf["traced"][ctypes.c_uint32(tid)] = ctypes.c_uint32(tgid)
+
+
+def untrace(bpf, tid: int) -> None:
+    try:
+        del bpf["traced"][ctypes.c_uint32(tid)]
+    except KeyError:
+        pass
+
+
+def lost_counts(bpf) -> dict[str, int]:
+    from trainbpf.tracer.collector import PROBE_IDS
+
+    table = bpf["lost"]
+    return {name: int(sum(table[ctypes.c_int(i)])) for name, i in PROBE_IDS.items()}

@@ -1,0 +1,196 @@
+"""Samplers and facts from /proc and /sys: vmstat and PSI deltas, numa_maps per node,
+CPU/NUMA/GPU topology, and the kernel's HZ."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from trainbpf.errors import UsageError
+from trainbpf.tracefile import make_batch
+
+# The vmstat counters that speak to stalls: faults, reclaim, compaction, NUMA, dirty state.
+VMSTAT_PREFIXES = (
+    "pgfault", "pgmajfault", "pgscan", "pgsteal", "allocstall", "compact_", "numa_",
+    "pgmigrate", "nr_dirty", "nr_writeback", "thp_", "workingset_", "pgpgin", "pgpgout",
+    "pswp", "oom_kill",
+)
+GAUGES = ("nr_dirty", "nr_writeback", "nr_dirty_threshold", "nr_dirty_background_threshold")
+
+
+def read_vmstat(path: Path = Path("/proc/vmstat")) -> dict[str, int]:
+    out = {}
+    for line in path.read_text().splitlines():
+        key, _, val = line.partition(" ")
+        if key.startswith(VMSTAT_PREFIXES):
+            out[key] = int(val)
+    return out
+
+
+def read_psi(root: Path = Path("/proc/pressure")) -> dict[str, int]:
+    """`resource.some|full` -> total stalled microseconds (cumulative)."""
+    out = {}
+    for res in ("cpu", "memory", "io"):
+        try:
+            text = (root / res).read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            kind, _, rest = line.partition(" ")
+            m = re.search(r"total=(\d+)", rest)
+            if m:
+                out[f"{res}.{kind}"] = int(m.group(1))
+    return out
+
+
+class ProcSampler:
+    """vmstat and PSI, as deltas since the previous sample (gauges as values)."""
+
+    def __init__(self) -> None:
+        self._t = time.monotonic_ns()
+        self._vm = read_vmstat()
+        self._psi = read_psi()
+
+    def take(self) -> list[pa.RecordBatch]:
+        now = time.monotonic_ns()
+        vm, psi = read_vmstat(), read_psi()
+        dur = now - self._t
+        vm_rows = {k: (v if k in GAUGES else v - self._vm.get(k, 0)) for k, v in vm.items()}
+        vm_rows = {k: v for k, v in vm_rows.items() if v or k in GAUGES}
+        psi_rows = {k: v - self._psi.get(k, 0) for k, v in psi.items()}
+        self._t, self._vm, self._psi = now, vm, psi
+        out = []
+        for kind, rows in (("vmstat", vm_rows), ("psi", psi_rows)):
+            if rows:
+                out.append(make_batch(kind, {
+                    "ts_ns": np.full(len(rows), now, dtype=np.int64),
+                    "dur_ns": np.full(len(rows), dur, dtype=np.int64),
+                    "name": list(rows), "count": np.array(list(rows.values()), dtype=np.int64),
+                }))
+        return out
+
+
+def numa_maps_pages(pid: int) -> dict[int, int]:
+    """Pages of process `pid` per NUMA node, from /proc/PID/numa_maps."""
+    pages: dict[int, int] = {}
+    try:
+        text = Path(f"/proc/{pid}/numa_maps").read_text()
+    except OSError:
+        return pages
+    for node, n in re.findall(r"\bN(\d+)=(\d+)", text):
+        pages[int(node)] = pages.get(int(node), 0) + int(n)
+    return pages
+
+
+def numa_maps_batch(pids: list[int], phase: str) -> pa.RecordBatch | None:
+    rows = [(p, node, n) for p in pids for node, n in numa_maps_pages(p).items()]
+    if not rows:
+        return None
+    now = time.monotonic_ns()
+    return make_batch("numa_maps", {
+        "ts_ns": np.full(len(rows), now, dtype=np.int64),
+        "pid": np.array([r[0] for r in rows], dtype=np.int32),
+        "state": [phase] * len(rows),
+        "node": np.array([r[1] for r in rows], dtype=np.int32),
+        "count": np.array([r[2] for r in rows], dtype=np.int64),
+    })
+
+
+def parse_cpulist(text: str) -> list[int]:
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def numa_nodes(root: Path = Path("/sys/devices/system/node")) -> dict[str, list[int]]:
+    nodes = {}
+    for d in sorted(root.glob("node[0-9]*")):
+        try:
+            nodes[d.name[4:]] = parse_cpulist((d / "cpulist").read_text())
+        except OSError:
+            continue
+    return nodes
+
+
+def pci_numa_node(bus_id: str) -> int | None:
+    """NUMA node of a PCI device given nvidia-smi's bus id (00000000:19:00.0)."""
+    dom, _, rest = bus_id.lower().partition(":")
+    sysfs = Path("/sys/bus/pci/devices") / f"{dom[-4:]}:{rest}"
+    try:
+        node = int((sysfs / "numa_node").read_text())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
+def topology(gpus: list[dict], declared: Path | None) -> dict:
+    """CPUs per node and each GPU's node; a declared topology file overrides both."""
+    if declared is not None:
+        try:
+            spec = json.loads(Path(declared).read_text())
+            nodes = {str(k): [int(c) for c in v] for k, v in spec["nodes"].items()}
+            gpu_list = [{"index": int(g["index"]), "node": g.get("node"), "bus_id": g.get("bus_id")}
+                        for g in spec.get("gpus", [])]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UsageError(f"--topology {declared}: expected JSON "
+                             '{"nodes": {"0": [cpus]}, "gpus": [{"index": 0, "node": 0}]} '
+                             f"({exc.__class__.__name__})") from exc
+        is_declared = True
+    else:
+        nodes = numa_nodes()
+        gpu_list = [{"index": g["index"], "bus_id": g["bus_id"], "node": pci_numa_node(g["bus_id"])}
+                    for g in gpus]
+        is_declared = False
+    gpu_nodes = {g["node"] for g in gpu_list if g.get("node") is not None}
+    return {
+        "nodes": nodes,
+        "gpus": gpu_list,
+        "gpu_node": gpu_nodes.pop() if len(gpu_nodes) == 1 else None,
+        "declared": is_declared,
+    }
+
+
+def kernel_hz() -> int:
+    """CONFIG_HZ: from the kernel config when readable, else measured from jiffies."""
+    for path in (Path("/proc/config.gz"), Path(f"/boot/config-{_release()}")):
+        try:
+            raw = path.read_bytes()
+            text = gzip.decompress(raw).decode() if path.suffix == ".gz" else raw.decode()
+        except OSError:
+            continue
+        m = re.search(r"^CONFIG_HZ=(\d+)$", text, re.M)
+        if m:
+            return int(m.group(1))
+    return _measure_hz()
+
+
+def _release() -> str:
+    import platform
+
+    return platform.release()
+
+
+def _jiffies() -> int:
+    text = Path("/proc/timer_list").read_text()
+    return max(int(x) for x in re.findall(r"jiffies\s*:\s*(\d+)", text))
+
+
+def _measure_hz() -> int:
+    try:
+        t0, j0 = time.monotonic(), _jiffies()
+        time.sleep(0.2)
+        t1, j1 = time.monotonic(), _jiffies()
+    except (OSError, ValueError):
+        return 250
+    rate = (j1 - j0) / (t1 - t0)
+    return min((100, 250, 300, 1000), key=lambda hz: abs(hz - rate))

@@ -1,0 +1,97 @@
+"""The traced process tree as /proc shows it: the target, its threads and descendants."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class ThreadInfo:
+    tid: int
+    pid: int  # tgid
+    comm: str
+    parent_tid: int  # the process's parent for main threads, else the tgid
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _stat_fields(text: str) -> tuple[str, list[str]]:
+    """(comm, fields after comm) of a /proc stat line; comm may hold spaces and ')'."""
+    start, end = text.index("("), text.rindex(")")
+    return text[start + 1 : end], text[end + 2 :].split()
+
+
+def process_state(pid: int) -> str | None:
+    """One-letter state of a process, None when it is gone."""
+    text = _read(PROC / str(pid) / "stat")
+    if text is None:
+        return None
+    return _stat_fields(text)[1][0]
+
+
+def is_alive(pid: int) -> bool:
+    return process_state(pid) not in (None, "Z", "X")
+
+
+def _children(pids: list[int]) -> dict[int, list[int]]:
+    """ppid -> child pids for every process on the machine."""
+    kids: dict[int, list[int]] = {}
+    for entry in os.scandir(PROC):
+        if not entry.name.isdigit():
+            continue
+        text = _read(PROC / entry.name / "stat")
+        if text is None:
+            continue
+        ppid = int(_stat_fields(text)[1][1])
+        kids.setdefault(ppid, []).append(int(entry.name))
+    return kids
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendant processes (tgids)."""
+    kids = _children([pid])
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if p in tree:
+            continue
+        tree.append(p)
+        todo.extend(kids.get(p, []))
+    return tree
+
+
+def threads_of(pid: int) -> list[ThreadInfo]:
+    out = []
+    try:
+        tids = sorted(int(t) for t in os.listdir(PROC / str(pid) / "task"))
+    except OSError:
+        return out
+    ppid = None
+    for tid in tids:
+        text = _read(PROC / str(pid) / "task" / str(tid) / "stat")
+        if text is None:
+            continue
+        comm, fields = _stat_fields(text)
+        if tid == pid:
+            ppid = int(fields[1])
+        out.append(ThreadInfo(tid, pid, comm, ppid if tid == pid and ppid is not None else pid))
+    return out
+
+
+def tree_threads(pid: int) -> list[ThreadInfo]:
+    """Every thread of `pid` and of its descendants."""
+    return [t for p in process_tree(pid) for t in threads_of(p)]
+
+
+def cmdline(pid: int) -> list[str]:
+    raw = _read(PROC / str(pid) / "cmdline") or ""
+    return [a for a in raw.split("\0") if a]

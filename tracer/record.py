@@ -1,0 +1,308 @@
+"""`trainbpf record`: attach the probes to a process tree and write one trace file."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+
+from trainbpf import doctor
+from trainbpf.errors import NotRootError, OutputError, TargetError
+from trainbpf.schema import SCHEMA_ID
+from trainbpf.tracefile import SpoolWriter, finalize, make_batch
+from trainbpf.tracer import loader, procs, procfs, taskstats
+from trainbpf.tracer.collector import Settings
+from trainbpf.tracer.gpu import GpuSampler
+from trainbpf.tracer.sched import SchedCollector
+from trainbpf.tracer.stacks import StackSymbolizer, stack_refs
+
+FLUSH_INTERVAL_S = 1.0
+POLL_MS = 100
+
+
+@dataclass
+class RecordResult:
+    output: Path
+    duration_s: float
+    rows: int
+    lost: dict[str, int]
+    stop_reason: str
+    threads: int
+    gpu_source: str | None
+    bytes: int
+
+
+@dataclass
+class _Raw:
+    """Raw records of one ring buffer since the last flush."""
+
+    chunks: list[bytes] = field(default_factory=list)
+
+    def callback(self, ctx, data, size) -> None:
+        self.chunks.append(ctypes.string_at(data, size))
+
+    def take(self) -> bytes:
+        chunks, self.chunks = self.chunks, []
+        return b"".join(chunks)
+
+
+def check_root() -> None:
+    if os.geteuid() != 0:
+        raise NotRootError("recording needs root (BPF and tracefs): run it with sudo")
+
+
+def check_target(pid: int) -> None:
+    if pid <= 0 or not procs.is_alive(pid):
+        raise TargetError(f"no such process: {pid} (--pid takes a process id, the kernel's tgid)")
+
+
+def check_output(output: Path) -> None:
+    parent = output.parent if str(output.parent) else Path(".")
+    if not parent.is_dir():
+        raise OutputError(f"output folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise OutputError(f"output folder {parent} is not writable")
+    if output.is_dir():
+        raise OutputError(f"output {output} is a folder; give a file name such as trace.parquet")
+
+
+class Recorder:
+    def __init__(self, *, pid: int | None, output: Path, duration: float | None, settings: Settings,
+                 probes: list[str] | None, gpu: str, topology_file: Path | None,
+                 status: Callable[[str], None] | None, trainer_tid: int | None = None,
+                 on_attached: Callable[[], None] | None = None):
+        self.pid = pid
+        self.output = output
+        self.duration = duration
+        self.settings = settings
+        self.probe_names = probes
+        self.gpu_mode = gpu
+        self.topology_file = topology_file
+        self.status = status
+        self.trainer_tid = trainer_tid
+        self.on_attached = on_attached
+        self.stop_reason = ""
+        self._stop = threading.Event()
+        self.threads: dict[int, int] = {}  # tid -> tgid, every thread seen
+        self.exited: set[int] = set()
+
+    # -- lifecycle -------------------------------------------------------------------
+    def request_stop(self, reason: str) -> None:
+        if not self._stop.is_set():
+            self.stop_reason = reason
+            self._stop.set()
+
+    def run(self) -> RecordResult:
+        check_root()
+        if self.pid is not None:
+            check_target(self.pid)
+        check_output(self.output)
+        doctor.preflight()
+        hz = procfs.kernel_hz()
+        self.settings = Settings(**{**self.settings.__dict__, "hz": hz})
+        collectors = loader.select(self.probe_names, self.settings)
+        wall_minus_mono = time.time_ns() - time.monotonic_ns()
+        gpu = GpuSampler(mode=self.gpu_mode, wall_minus_mono_ns=wall_minus_mono)
+
+        seed = procs.tree_threads(self.pid) if self.pid is not None else []
+        bpf = loader.load(collectors, self.settings)  # compile before the spool exists
+        try:
+            if self.pid is not None and not procs.is_alive(self.pid):
+                raise TargetError(f"process {self.pid} exited before the probes attached")
+            gpu.start()
+            self.meta = self._meta(collectors, wall_minus_mono, gpu)
+            writer = SpoolWriter(self.output, self.meta)
+            try:
+                return self._record(bpf, collectors, writer, gpu, seed)
+            finally:
+                gpu.stop()
+        finally:
+            bpf.cleanup()  # detaches every program and perf event we attached
+
+    def _meta(self, collectors, wall_minus_mono: int, gpu: GpuSampler) -> dict:
+        return {
+            "schema": SCHEMA_ID,
+            "host": socket.gethostname(),
+            "kernel": platform.release(),
+            "argv": sys.argv,
+            "target_pid": self.pid,
+            "target_cmdline": procs.cmdline(self.pid) if self.pid else [],
+            "trainer_tid": self.trainer_tid,
+            "clock": {
+                "start_mono_ns": time.monotonic_ns(),
+                "wall_minus_mono_ns": wall_minus_mono,
+                "source": "CLOCK_MONOTONIC",
+            },
+            "topology": procfs.topology(gpu.gpus, self.topology_file),
+            "probes": [c.name for c in collectors],
+            "thresholds": self.settings.thresholds(),
+            "gpu": {"source": gpu.source},
+            "delayacct": taskstats.delayacct_enabled(),
+            "system_wide": self.settings.trace_all,
+            "complete": False,
+        }
+
+    def _seed(self, bpf, writer: SpoolWriter, threads: list[procs.ThreadInfo]) -> None:
+        new = [t for t in threads if t.tid not in self.threads]
+        if not new:
+            return
+        for t in new:
+            loader.set_traced(bpf, t.tid, t.pid)
+            self.threads[t.tid] = t.pid
+        now = time.monotonic_ns()
+        writer.add(make_batch("thread", {
+            "ts_ns": np.full(len(new), now, dtype=np.int64),
+            "tid": np.array([t.tid for t in new], dtype=np.int32),
+            "pid": np.array([t.pid for t in new], dtype=np.int32),
+            "comm": [t.comm for t in new],
+            "peer_tid": np.array([t.parent_tid for t in new], dtype=np.int32),
+            "name": ["seed"] * len(new),
+        }))
+
+    def _record(self, bpf, collectors, writer: SpoolWriter, gpu: GpuSampler, seed) -> RecordResult:
+        dtypes = loader.event_dtypes(bpf, collectors)
+        raw = {rb: _Raw() for rb in dtypes}
+        for rb, r in raw.items():
+            bpf[rb].open_ring_buffer(r.callback)
+        owner = {rb: c for c in collectors for rb in c.ringbufs}
+        symbolizer = StackSymbolizer(bpf)
+        procsampler = procfs.ProcSampler()
+
+        self._seed(bpf, writer, seed)
+        if self.pid is not None:  # threads born between the first walk and the attach
+            self._seed(bpf, writer, procs.tree_threads(self.pid))
+        tgids = sorted(set(self.threads.values()))
+        for batch in (procfs.numa_maps_batch(tgids, "start"), taskstats.snapshot(dict(self.threads), "start")):
+            if batch is not None:
+                writer.add(batch)
+        writer.flush()
+        if self.on_attached:
+            self.on_attached()
+
+        start = time.monotonic()
+        deadline = start + self.duration if self.duration else None
+        next_flush = start + FLUSH_INTERVAL_S
+        total_rows = 0
+        lost: dict[str, int] = {}
+        while True:
+            bpf.ring_buffer_poll(POLL_MS)
+            now = time.monotonic()
+            if deadline and now >= deadline:
+                self.request_stop("duration")
+            if self.pid is not None and not procs.is_alive(self.pid):
+                self.request_stop("target exited")
+            if now >= next_flush or self._stop.is_set():
+                if self._stop.is_set():
+                    bpf.ring_buffer_consume()  # what is still in the ring buffers
+                total_rows += self._flush(bpf, collectors, raw, dtypes, owner, symbolizer, writer, gpu, procsampler)
+                lost = loader.lost_counts(bpf)
+                if any(lost.values()):
+                    n = time.monotonic_ns()
+                    writer.add(make_batch("lost", {
+                        "ts_ns": np.full(len(lost), n, dtype=np.int64), "name": list(lost),
+                        "count": np.array(list(lost.values()), dtype=np.int64)}))
+                writer.flush()
+                next_flush = now + FLUSH_INTERVAL_S
+                if writer.failed:
+                    self.request_stop("output failed")
+                if self.status:
+                    self.status(f"recording {now - start:6.1f}s  events {total_rows}  "
+                                f"lost {sum(lost.values())}  written {writer.bytes_written / 1e6:.1f} MB")
+            if self._stop.is_set():
+                break
+
+        tgids = sorted({tg for tid, tg in self.threads.items()})
+        live = {tid: tg for tid, tg in self.threads.items() if tid not in self.exited}
+        for batch in (procfs.numa_maps_batch(tgids, "end"), taskstats.snapshot(live, "end")):
+            if batch is not None:
+                writer.add(batch)
+        writer.flush()
+        writer.close()
+        duration = time.monotonic() - start
+        if writer.failed:
+            raise OutputError(f"{writer.failed}; what was recorded is kept in {writer.spool} "
+                              f"(`trainbpf recover {writer.spool}`)")
+        final = {
+            "complete": True,
+            "stop_reason": self.stop_reason,
+            "lost": lost,
+            "clock": {**self.meta["clock"], "end_mono_ns": time.monotonic_ns()},
+            "gpu": {"source": gpu.source, "samples": gpu.count},
+        }
+        try:
+            finalize(writer.spool, self.output, final)
+        except OutputError as exc:
+            raise OutputError(f"{exc}; what was recorded is kept in {writer.spool}") from exc
+        return RecordResult(self.output, duration, total_rows, lost, self.stop_reason,
+                            len(self.threads), gpu.source, self.output.stat().st_size)
+
+    def _flush(self, bpf, collectors, raw, dtypes, owner, symbolizer, writer, gpu, procsampler) -> int:
+        now_ns = time.monotonic_ns()
+        batches: list[pa.RecordBatch] = []
+        for rb, r in raw.items():
+            data = r.take()
+            if data:
+                records = np.frombuffer(data, dtype=dtypes[rb])
+                batches += owner[rb].decode(rb, records)
+                if rb == "task_events":
+                    self._track_tasks(bpf, records)
+        for c in collectors:
+            batches += c.drain(bpf, now_ns)
+        kernel, user = [], []
+        for b in batches:
+            k, u = stack_refs(b)
+            kernel.append(k)
+            user.append(u)
+        if kernel:
+            sym = symbolizer.symbolize(np.concatenate(kernel), np.concatenate(user) if user else [])
+            if sym is not None:
+                batches.append(sym)
+        gpu_batch = gpu.take()
+        if gpu_batch is not None:
+            batches.append(gpu_batch)
+        batches += procsampler.take()
+        for b in batches:
+            writer.add(b)
+        for tid in list(self.exited):  # drained: the map entries can go
+            loader.untrace(bpf, tid)
+        return sum(b.num_rows for b in batches)
+
+    def _track_tasks(self, bpf, records: np.ndarray) -> None:
+        for tid, pid, what in zip(records["tid"].tolist(), records["pid"].tolist(), records["what"].tolist()):
+            if what == 5:  # TASK_EXIT
+                self.exited.add(tid)
+            else:
+                self.threads.setdefault(tid, pid)
+
+
+def record(*, pid: int | None, output: Path, duration: float | None = None,
+           settings: Settings | None = None, probes: list[str] | None = None, gpu: str = "auto",
+           topology_file: Path | None = None, status: Callable[[str], None] | None = None,
+           trainer_tid: int | None = None, handle_signals: bool = True,
+           on_attached: Callable[[], None] | None = None) -> RecordResult:
+    """Record `pid`'s process tree (or, with pid None and settings.trace_all, the whole
+    machine) into `output` until `duration` passes, the target exits, or SIGINT/SIGTERM.
+    `on_attached` runs once the probes are live and the tree is seeded."""
+    rec = Recorder(pid=pid, output=Path(output), duration=duration, settings=settings or Settings(),
+                   probes=probes, gpu=gpu, topology_file=topology_file, status=status,
+                   trainer_tid=trainer_tid, on_attached=on_attached)
+    previous = {}
+    if handle_signals and threading.current_thread() is threading.main_thread():
+        for sig, name in ((signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")):
+            previous[sig] = signal.signal(sig, lambda *_a, n=name: rec.request_stop(n))
+    try:
+        return rec.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

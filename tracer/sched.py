@@ -1,0 +1,126 @@
+"""Collector for probes/sched.bpf.c: off-CPU intervals, short-wait sums, thread table."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from trainbpf.tracefile import make_batch
+from trainbpf.tracer.collector import Collector, cstrings, drain_hash, stack_ids
+
+# prev_state bits as sched_switch reports them (TASK_REPORT); 0x100 = preempted.
+STATE_LETTERS = {0x100: "R", 0: "R", 1: "S", 2: "D", 4: "T", 8: "t", 16: "X", 32: "Z", 64: "P", 128: "I"}
+TASK_WHAT = {0: "seed", 1: "thread", 2: "process", 3: "exec", 4: "rename", 5: "exit"}
+
+
+def state_letters(raw: np.ndarray) -> np.ndarray:
+    """Map raw prev_state values to one letter; the lowest set bit wins (S|NOLOAD -> S)."""
+    raw = raw.astype(np.int64)
+    low = raw & -raw  # lowest set bit
+    out = np.full(raw.shape, "?", dtype=object)
+    for bit, letter in STATE_LETTERS.items():
+        out[low == bit] = letter
+    out[(raw == 0) | (raw == 0x100)] = "R"
+    return out
+
+
+class SchedCollector(Collector):
+    name = "sched"
+    source = "sched.bpf.c"
+    tracepoints = (
+        "sched:sched_switch",
+        "sched:sched_waking",
+        "task:task_newtask",
+        "task:task_rename",
+        "sched:sched_process_exec",
+        "sched:sched_process_exit",
+    )
+    ringbufs = ("sched_events", "task_events")
+    lost_names = ("sched", "task")
+
+    def defines(self) -> dict[str, int]:
+        return {"MIN_BLOCK_NS": self.settings.min_block_ns}
+
+    def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
+        if ringbuf == "sched_events":
+            waker = r["waker_tid"] != 0
+            return [
+                make_batch(
+                    "offcpu",
+                    {
+                        "ts_ns": r["ts_ns"].astype(np.int64),
+                        "dur_ns": r["dur_ns"].astype(np.int64),
+                        "tid": r["tid"].astype(np.int32),
+                        "pid": r["pid"].astype(np.int32),
+                        "cpu": r["cpu"],
+                        "state": state_letters(r["state"]),
+                        "runq_ns": r["runq_ns"].astype(np.int64),
+                        "peer_tid": pa.array(r["waker_tid"].astype(np.int32), mask=~waker),
+                        "peer_pid": pa.array(r["waker_pid"].astype(np.int32), mask=~waker),
+                        "kstack_id": stack_ids(r["kstack_id"]),
+                        "ustack_id": stack_ids(r["ustack_id"]),
+                        "peer_kstack_id": stack_ids(r["waker_kstack_id"]),
+                        "peer_ustack_id": stack_ids(r["waker_ustack_id"]),
+                    },
+                )
+            ]
+        return [self.task_batch(r)]
+
+    @staticmethod
+    def task_batch(r: np.ndarray) -> pa.RecordBatch:
+        """task_events -> `thread` rows, and `exit` rows for exits."""
+        what = np.array([TASK_WHAT.get(int(w), "?") for w in r["what"]], dtype=object)
+        comm = np.array(cstrings(r["comm"]), dtype=object)
+        exits = what == "exit"
+        batches = []
+        seen = ~exits
+        if seen.any():
+            batches.append(
+                make_batch(
+                    "thread",
+                    {
+                        "ts_ns": r["ts_ns"][seen].astype(np.int64),
+                        "tid": r["tid"][seen].astype(np.int32),
+                        "pid": r["pid"][seen].astype(np.int32),
+                        "comm": comm[seen],
+                        "peer_tid": pa.array(
+                            r["parent_tid"][seen].astype(np.int32), mask=r["parent_tid"][seen] == 0
+                        ),
+                        "name": what[seen],
+                    },
+                )
+            )
+        if exits.any():
+            batches.append(
+                make_batch(
+                    "exit",
+                    {
+                        "ts_ns": r["ts_ns"][exits].astype(np.int64),
+                        "tid": r["tid"][exits].astype(np.int32),
+                        "pid": r["pid"][exits].astype(np.int32),
+                        "comm": comm[exits],
+                    },
+                )
+            )
+        return pa.concat_batches(batches) if len(batches) > 1 else batches[0]
+
+    def drain(self, bpf, now_ns: int) -> list[pa.RecordBatch]:
+        items = drain_hash(bpf["short_waits"])
+        if not items:
+            return []
+        tid = np.array([k.tid for k, _ in items], dtype=np.int32)
+        state = np.array([k.state for k, _ in items], dtype=np.int64)
+        return [
+            make_batch(
+                "offcpu_short",
+                {
+                    "ts_ns": np.full(len(items), now_ns, dtype=np.int64),
+                    "dur_ns": np.array([v.dur_ns for _, v in items], dtype=np.int64),
+                    "tid": tid,
+                    "pid": np.array([v.pid for _, v in items], dtype=np.int32),
+                    "state": state_letters(state),
+                    "count": np.array([v.count for _, v in items], dtype=np.int64),
+                    "runq_ns": np.array([v.runq_ns for _, v in items], dtype=np.int64),
+                },
+            )
+        ]

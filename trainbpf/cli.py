@@ -1,0 +1,183 @@
+"""The command line: typer commands parse options and forward to keyword-only library
+functions.  Only here do the project's exceptions become one-line messages and exit
+codes (trainbpf.errors); nothing below prints a traceback for a user's mistake."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import typer
+
+from trainbpf.errors import TrainbpfError
+
+app = typer.Typer(
+    name="trainbpf",
+    help="Find out why a training job's GPUs sit idle: record what its threads wait on "
+    "with eBPF, then attribute every stall to a cause.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _fail(exc: TrainbpfError) -> None:
+    typer.echo(f"trainbpf: error: {exc}", err=True)
+    raise typer.Exit(exc.exit_code)
+
+
+def _status_printer() -> Callable[[str], None] | None:
+    """A live status line on a terminal; nothing when stderr is a file or pipe."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(text: str) -> None:
+        sys.stderr.write("\r\033[K" + text)
+        sys.stderr.flush()
+
+    return show
+
+
+@app.command()
+def record(
+    pid: Optional[int] = typer.Option(None, "--pid", "-p", help="Process to trace (its kernel tgid), with its threads and every descendant."),
+    output: Path = typer.Option(Path("trace.parquet"), "--output", "-o", help="Trace file to write (created 0600)."),
+    duration: Optional[float] = typer.Option(None, "--duration", "-d", help="Seconds to record; default: until Ctrl-C, SIGTERM or the target exits."),
+    min_block_us: float = typer.Option(20.0, help="Off-CPU intervals at least this long stream out with stacks; shorter ones are summed in the kernel."),
+    min_futex_us: float = typer.Option(20.0, help="Futex waits at least this long are recorded."),
+    min_lock_us: float = typer.Option(10.0, help="mmap_lock waits at least this long are recorded."),
+    oncpu_hz: int = typer.Option(199, help="On-CPU sampling frequency per CPU."),
+    probes: Optional[str] = typer.Option(None, help="Comma-separated subset of probes: sched,futex,faults,oncpu,mm,writeback,block (default all)."),
+    gpu: str = typer.Option("auto", help="GPU sampling: auto (NVML, else nvidia-smi), nvml, nvidia-smi, off."),
+    topology: Optional[Path] = typer.Option(None, help='Declared topology JSON {"nodes": {"0": [cpus]}, "gpus": [{"index": 0, "node": 0}]} overriding /sys.'),
+    trainer_tid: Optional[int] = typer.Option(None, help="The thread that feeds the GPU (default: the target's main thread)."),
+    ringbuf_pages: int = typer.Option(512, help="Ring-buffer size per probe in pages (a power of two)."),
+    system_wide: bool = typer.Option(False, "--system-wide", help="Trace every thread on the machine instead of one process tree."),
+) -> None:
+    """Record what a training process tree waits on into one trace file (needs root)."""
+    from trainbpf.errors import UsageError
+    from trainbpf.tracer.collector import Settings
+    from trainbpf.tracer.record import record as do_record
+
+    try:
+        if pid is None and not system_wide:
+            raise UsageError("give --pid PID (the training process) or --system-wide")
+        if gpu not in ("auto", "nvml", "nvidia-smi", "off"):
+            raise UsageError(f"--gpu {gpu}: choose auto, nvml, nvidia-smi or off")
+        if ringbuf_pages < 1 or ringbuf_pages & (ringbuf_pages - 1):
+            raise UsageError(f"--ringbuf-pages {ringbuf_pages}: must be a power of two")
+        if duration is not None and duration <= 0:
+            raise UsageError("--duration must be positive")
+        settings = Settings(
+            min_block_ns=int(min_block_us * 1000), min_futex_ns=int(min_futex_us * 1000),
+            min_lock_ns=int(min_lock_us * 1000), oncpu_hz=oncpu_hz, ringbuf_pages=ringbuf_pages,
+            trace_all=system_wide,
+        )
+        status = _status_printer()
+        result = do_record(
+            pid=pid, output=output, duration=duration, settings=settings,
+            probes=[p.strip() for p in probes.split(",") if p.strip()] if probes else None,
+            gpu=gpu, topology_file=topology, status=status, trainer_tid=trainer_tid,
+        )
+    except TrainbpfError as exc:
+        if sys.stderr.isatty():
+            sys.stderr.write("\n")
+        _fail(exc)
+    if sys.stderr.isatty():
+        sys.stderr.write("\n")
+    lost = sum(result.lost.values())
+    typer.echo(
+        f"wrote {result.output} ({result.bytes / 1e6:.1f} MB): {result.duration_s:.1f} s, "
+        f"{result.rows} rows, {result.threads} threads, lost {lost}, GPU samples from "
+        f"{result.gpu_source or 'nowhere (no nvidia-smi/NVML)'}; stopped: {result.stop_reason}",
+        err=True,
+    )
+    if lost:
+        typer.echo(f"trainbpf: warning: {lost} events lost ({result.lost}); "
+                   "try a larger --ringbuf-pages or higher thresholds", err=True)
+
+
+@app.command()
+def doctor(
+    no_load: bool = typer.Option(False, "--no-load", help="Skip compiling and loading the probes."),
+) -> None:
+    """Check that this machine can record, with a fix for everything that is missing."""
+    from trainbpf.doctor import FAIL, render, run_checks
+
+    checks = run_checks(load_probes=not no_load)
+    typer.echo(render(checks))
+    if any(c.status == FAIL for c in checks):
+        raise typer.Exit(12)
+
+
+@app.command()
+def analyze(
+    trace: Path = typer.Argument(..., help="trace.parquet written by `trainbpf record`."),
+    format: str = typer.Option("text", "--format", "-f", help="text, json or html."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the report here instead of stdout."),
+    trainer_tid: Optional[int] = typer.Option(None, help="The thread that feeds the GPU (default: recorded or the target's main thread)."),
+    gpu_idle_threshold: float = typer.Option(10.0, help="GPU utilisation percent below which a sample counts as idle."),
+    window: Optional[str] = typer.Option(None, help="START:END seconds from the trace start to analyse."),
+) -> None:
+    """Attribute every stall of the trainer's threads to a cause; rank the findings (no root)."""
+    from trainbpf.report import parse_window, run_analyze
+
+    try:
+        if format not in ("text", "json", "html"):
+            from trainbpf.errors import UsageError
+
+            raise UsageError(f"--format {format}: choose text, json or html")
+        text = run_analyze(
+            path=trace, fmt=format, output=output, trainer_tid=trainer_tid,
+            gpu_idle_threshold=gpu_idle_threshold, window=parse_window(window) if window else None,
+        )
+    except TrainbpfError as exc:
+        _fail(exc)
+    if output is None:
+        typer.echo(text, nl=not text.endswith("\n"))
+    else:
+        typer.echo(f"wrote {output}", err=True)
+
+
+@app.command()
+def export(
+    trace: Path = typer.Argument(..., help="trace.parquet to export."),
+    perfetto: bool = typer.Option(True, "--perfetto/--no-perfetto", help="Chrome trace-event JSON for ui.perfetto.dev."),
+    output: Path = typer.Option(Path("trace.json"), "--output", "-o", help="File to write."),
+) -> None:
+    """Export a trace as a timeline that ui.perfetto.dev opens."""
+    from trainbpf.perfetto import run_export
+
+    try:
+        path = run_export(path=trace, output=output)
+    except TrainbpfError as exc:
+        _fail(exc)
+    typer.echo(f"wrote {path}", err=True)
+
+
+@app.command()
+def recover(
+    spool: Path = typer.Argument(..., help="The .spool file a recorder left behind."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Parquet file to write (default: the spool's name without .spool)."),
+) -> None:
+    """Turn the spool of an interrupted recording into a trace file."""
+    from trainbpf.tracefile import recover as do_recover
+
+    try:
+        path = do_recover(spool, output)
+    except TrainbpfError as exc:
+        _fail(exc)
+    typer.echo(f"wrote {path}", err=True)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        typer.echo("trainbpf: interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

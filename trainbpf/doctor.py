@@ -1,0 +1,201 @@
+"""`trainbpf doctor`: can this machine record, and if not, what to do about it.
+
+Each check gives a status (ok / warn / fail), what it found, and a fix hint.  `record`
+runs the fail-able checks first (``preflight``) and stops with one line pointing here."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainbpf.errors import EnvironmentCheckError, TrainbpfError
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+def _effective_caps() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+def check_privileges() -> Check:
+    if os.geteuid() == 0:
+        return Check("privileges", OK, "running as root")
+    caps = _effective_caps()
+    if caps & (1 << CAP_SYS_ADMIN) or (caps & (1 << CAP_BPF) and caps & (1 << CAP_PERFMON)):
+        return Check("privileges", OK, "CAP_BPF and CAP_PERFMON (or CAP_SYS_ADMIN)")
+    return Check("privileges", FAIL, "not root and no CAP_BPF/CAP_PERFMON",
+                 "run with sudo (see README: sudo keeps PATH out, so give the venv's full path)")
+
+
+def check_bpf_syscall() -> Check:
+    """Create (and close) a one-entry BPF array map through the raw syscall."""
+    if os.geteuid() != 0 and not _effective_caps() & (1 << CAP_BPF | 1 << CAP_SYS_ADMIN):
+        return Check("bpf syscall", WARN, "not checked without privileges", "run doctor with sudo")
+    libc = ctypes.CDLL(None, use_errno=True)
+    attr = (ctypes.c_uint32 * 32)()
+    attr[0], attr[1], attr[2], attr[3] = 2, 4, 8, 1  # BPF_MAP_TYPE_ARRAY, key 4, value 8, 1 entry
+    nr_bpf = {"x86_64": 321, "aarch64": 280}.get(os.uname().machine, 321)
+    fd = libc.syscall(nr_bpf, 0, ctypes.byref(attr), ctypes.sizeof(attr))
+    if fd < 0:
+        err = ctypes.get_errno()
+        return Check("bpf syscall", FAIL, f"bpf(BPF_MAP_CREATE) failed: {os.strerror(err)}",
+                     "the kernel needs CONFIG_BPF_SYSCALL; in containers allow the bpf syscall")
+    os.close(fd)
+    return Check("bpf syscall", OK, "BPF maps can be created")
+
+
+def check_tracefs() -> Check:
+    from trainbpf.tracer.loader import ensure_tracefs
+
+    try:
+        root = ensure_tracefs(mount=True)
+    except TrainbpfError:
+        return Check("tracefs", FAIL, "not mounted and could not mount it",
+                     "sudo mount -t tracefs nodev /sys/kernel/tracing")
+    return Check("tracefs", OK, f"mounted at {root}")
+
+
+def check_headers() -> Check:
+    from trainbpf.tracer.kheaders import find_headers
+
+    try:
+        headers = find_headers(create=os.geteuid() == 0)
+    except TrainbpfError as exc:
+        return Check("kernel headers", FAIL, str(exc), "run scripts/setup.sh as root")
+    if headers is None:
+        return Check("kernel headers", FAIL, "none found for bcc",
+                     "apt-get install linux-headers-$(uname -r) or linux-headers-amd64")
+    if headers.exact:
+        return Check("kernel headers", OK, f"{headers.origin}: {headers.path}")
+    return Check("kernel headers", OK,
+                 f"{headers.origin} at {headers.path} (not the running kernel's; the probes read "
+                 "only tracepoint fields, so any recent headers serve)")
+
+
+def check_bcc() -> Check:
+    try:
+        import bcc
+    except ImportError as exc:
+        return Check("bcc", FAIL, f"not importable: {exc}",
+                     "apt-get install python3-bpfcc; use a venv created with --system-site-packages "
+                     "from /usr/bin/python3 (scripts/setup.sh does this)")
+    version = getattr(getattr(bcc, "version", None), "__version__", "?")
+    return Check("bcc", OK, f"bcc {version} from {Path(bcc.__file__).parent}")
+
+
+def check_tracepoints() -> list[Check]:
+    from trainbpf.tracer.loader import ALL_COLLECTORS, TRACEFS, tracepoint_exists
+
+    out = []
+    for c in ALL_COLLECTORS:
+        missing = [tp for tp in c.tracepoints if not tracepoint_exists(tp, TRACEFS)]
+        optional = [tp for tp in c.optional_tracepoints if not tracepoint_exists(tp, TRACEFS)]
+        if missing:
+            out.append(Check(f"tracepoints: {c.name}", FAIL, "missing " + ", ".join(missing),
+                             "a kernel built with these tracepoints (CONFIG_FTRACE_SYSCALLS etc.) "
+                             f"or record with --probes excluding {c.name}"))
+        elif optional:
+            out.append(Check(f"tracepoints: {c.name}", WARN, "optional missing " + ", ".join(optional),
+                             "recorded without them"))
+        else:
+            n = len(c.tracepoints) + len(c.optional_tracepoints)
+            out.append(Check(f"tracepoints: {c.name}", OK, f"{n} present" if n else "perf event (CPU clock)"))
+    return out
+
+
+def check_uprobes() -> Check:
+    from trainbpf.tracer.loader import TRACEFS
+
+    if (TRACEFS / "uprobe_events").exists():
+        return Check("uprobes", OK, "supported (kprobes/fentry are not needed)")
+    return Check("uprobes", WARN, "uprobe_events missing", "not needed by the current probes")
+
+
+def check_gpu() -> Check:
+    try:
+        import pynvml  # type: ignore[import-not-found]  # noqa: F401
+
+        return Check("gpu sampling", OK, "NVML (pynvml) importable")
+    except ImportError:
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        return Check("gpu sampling", OK, f"nvidia-smi at {smi}")
+    return Check("gpu sampling", WARN, "no nvidia-smi and no NVML",
+                 "without GPU samples starved time is the trainer's non-running time")
+
+
+def check_delayacct() -> Check:
+    from trainbpf.tracer.taskstats import delayacct_enabled
+
+    if delayacct_enabled():
+        return Check("delay accounting", OK, "kernel.task_delayacct=1")
+    return Check("delay accounting", WARN, "kernel.task_delayacct=0 (taskstats delays read as 0)",
+                 "sudo sysctl kernel.task_delayacct=1")
+
+
+def check_psi() -> Check:
+    if Path("/proc/pressure/cpu").exists():
+        return Check("pressure (PSI)", OK, "/proc/pressure present")
+    return Check("pressure (PSI)", WARN, "PSI disabled", "boot with psi=1")
+
+
+def check_probes_load() -> Check:
+    """The real test: compile and load every probe, then detach."""
+    if os.geteuid() != 0:
+        return Check("probes load", WARN, "not tried without root", "run doctor with sudo")
+    from trainbpf.tracer import loader
+    from trainbpf.tracer.collector import Settings
+
+    try:
+        bpf = loader.load(loader.select(None, Settings()), Settings())
+    except TrainbpfError as exc:
+        return Check("probes load", FAIL, str(exc).replace("; run `trainbpf doctor`", ""),
+                     "see the checks above")
+    bpf.cleanup()
+    return Check("probes load", OK, f"all {len(loader.ALL_COLLECTORS)} probes compiled, loaded and detached")
+
+
+def run_checks(*, load_probes: bool = True) -> list[Check]:
+    checks = [check_privileges(), check_bpf_syscall(), check_tracefs(), check_headers(), check_bcc()]
+    checks += check_tracepoints()
+    checks += [check_uprobes(), check_gpu(), check_delayacct(), check_psi()]
+    if load_probes and not any(c.status == FAIL for c in checks):
+        checks.append(check_probes_load())
+    return checks
+
+
+def preflight() -> None:
+    """Raise on the first check that makes recording impossible (record runs this)."""
+    for check in (check_privileges, check_tracefs, check_headers, check_bcc):
+        c = check()
+        if c.status == FAIL:
+            raise EnvironmentCheckError(f"{c.name}: {c.detail}; run `trainbpf doctor`")
+
+
+def render(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = [f"{'check'.ljust(width)}  status  detail"]
+    for c in checks:
+        lines.append(f"{c.name.ljust(width)}  {c.status.upper():6}  {c.detail}")
+        if c.fix and c.status != OK:
+            lines.append(f"{''.ljust(width)}          fix: {c.fix}")
+    failed = [c.name for c in checks if c.status == FAIL]
+    lines.append("")
+    lines.append(f"recording cannot work: {', '.join(failed)}" if failed else "recording can work on this machine")
+    return "\n".join(lines)
