@@ -62,7 +62,10 @@ def ctypes_to_dtype(cls: type[ctypes.Structure]) -> np.dtype:
 
 
 def cstrings(arr: np.ndarray) -> list[str]:
-    """Fixed-size C char arrays (dtype S*) to str, cut at the first NUL."""
+    """Fixed-size C char arrays to str, cut at the first NUL.  bcc's ctypes classes make
+    char[N] an (N,) array of S1, which we view as one SN string per record."""
+    if arr.ndim == 2:
+        arr = np.ascontiguousarray(arr).view(f"S{arr.shape[1]}").reshape(-1)
     return [b.split(b"\0", 1)[0].decode(errors="replace") for b in arr.tolist()]
 
 

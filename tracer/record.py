@@ -25,7 +25,7 @@ from trainbpf.tracer import loader, procs, procfs, taskstats
 from trainbpf.tracer.collector import Settings
 from trainbpf.tracer.gpu import GpuSampler
 from trainbpf.tracer.sched import SchedCollector
-from trainbpf.tracer.stacks import StackSymbolizer, stack_refs
+from trainbpf.tracer.stacks import StackSymbolizer, drop_irq_wakers, stack_refs
 
 FLUSH_INTERVAL_S = 1.0
 POLL_MS = 100
@@ -259,15 +259,15 @@ class Recorder:
                     self._track_tasks(bpf, records)
         for c in collectors:
             batches += c.drain(bpf, now_ns)
-        kernel, user = [], []
-        for b in batches:
-            k, u = stack_refs(b)
-            kernel.append(k)
-            user.append(u)
-        if kernel:
-            sym = symbolizer.symbolize(np.concatenate(kernel), np.concatenate(user) if user else [])
-            if sym is not None:
-                batches.append(sym)
+        # Kernel stacks first: they tell which wake-ups came from interrupt context, whose
+        # "waker" (and its user stack) must be dropped before user stacks are resolved.
+        refs = [stack_refs(b) for b in batches]
+        kernel = np.concatenate([k for k, _ in refs]) if refs else np.empty(0, np.int64)
+        sym_kernel = symbolizer.symbolize(kernel, [])
+        batches = [drop_irq_wakers(b, symbolizer.irq_ids) for b in batches]
+        user = [stack_refs(b)[1] for b in batches]
+        sym_user = symbolizer.symbolize([], np.concatenate(user) if user else [])
+        batches += [s for s in (sym_kernel, sym_user) if s is not None]
         gpu_batch = gpu.take()
         if gpu_batch is not None:
             batches.append(gpu_batch)

@@ -7,10 +7,15 @@ import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from trainbpf.tracefile import make_batch
 
 MAX_FRAMES = 32
+# A wake-up whose kernel stack holds one of these ran in interrupt context (a timer
+# expiring, an I/O completing): `current` there is whoever was interrupted, not a waker.
+IRQ_FRAMES = ("asm_sysvec_", "asm_common_interrupt", "__sysvec_", "sysvec_", "hrtimer_interrupt",
+              "__hrtimer_run_queues", "handle_softirqs", "__do_softirq", "do_softirq", "irq_exit")
 
 
 class StackSymbolizer:
@@ -18,6 +23,7 @@ class StackSymbolizer:
         self.bpf = bpf
         self.done_kernel: set[int] = set()
         self.done_user: set[tuple[int, int]] = set()
+        self.irq_ids: set[int] = set()  # kernel stacks taken in interrupt context
 
     def _frames(self, stack_id: int, resolve) -> str:
         try:
@@ -33,7 +39,10 @@ class StackSymbolizer:
             if sid < 0:
                 continue
             self.done_kernel.add(sid)
-            rows.append((sid, "kernel", 0, self._frames(sid, self._ksym)))
+            frames = self._frames(sid, self._ksym)
+            if any(f.startswith(IRQ_FRAMES) for f in frames.split(";")):
+                self.irq_ids.add(sid)
+            rows.append((sid, "kernel", 0, frames))
         for sid, pid in set((int(s), int(p)) for s, p in user_pairs) - self.done_user:
             if sid < 0:
                 continue
@@ -59,6 +68,23 @@ class StackSymbolizer:
         except Exception:
             name = "[unknown]"
         return name if name != "[unknown]" else f"0x{addr:x}"
+
+
+def drop_irq_wakers(batch: pa.RecordBatch, irq_ids: set[int]) -> pa.RecordBatch:
+    """Null the waker of wake-ups that came from interrupt context; their peer_kstack_id
+    stays and shows what woke the thread (timer, I/O completion)."""
+    names = batch.schema.names
+    peer_k = batch.column(names.index("peer_kstack_id"))
+    if not irq_ids or peer_k.null_count == len(peer_k):
+        return batch
+    mask = pc.fill_null(pc.is_in(peer_k, pa.array(sorted(irq_ids), type=pa.int32())), False)
+    if not pc.any(mask).as_py():
+        return batch
+    cols = list(batch.columns)
+    for col in ("peer_tid", "peer_pid", "peer_ustack_id"):
+        i = names.index(col)
+        cols[i] = pc.if_else(mask, pa.nulls(len(mask), cols[i].type), cols[i])
+    return pa.RecordBatch.from_arrays(cols, schema=batch.schema)
 
 
 def stack_refs(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:

@@ -62,7 +62,9 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # ("S" sleep, "D" uninterruptible, "R" preempted while runnable, "I", "T", "X", ...),
     # switched back in after dur_ns on `cpu`.  runq_ns is the part spent runnable
     # (wake-up -> switch-in; all of dur_ns for "R").  peer_* name the waker and its stacks
-    # at the wake-up (null when preempted or woken from interrupt context with no task).
+    # at the wake-up; peer_tid/peer_pid/peer_ustack_id are null when preempted or when the
+    # wake-up ran in interrupt context (a timer, an I/O completion), where peer_kstack_id
+    # still shows what woke the thread.
     # kstack_id/ustack_id: stacks at switch-out.
     "offcpu": (
         "ts_ns", "dur_ns", "tid", "pid", "cpu", "state", "runq_ns", "peer_tid", "peer_pid",
