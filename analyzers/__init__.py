@@ -1,0 +1,185 @@
+"""trainbpf.analyzers: pure functions from trace frames to DataFrames, and `analyze`,
+which runs them in order: threads and roles -> state intervals -> causes -> GPU-starved
+pieces of the trainer's time -> wake-up chains -> findings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow.compute as pc
+
+from trainbpf.analyzers.attribution import RunSplit, attribute_states, churn_threads, sample_classes
+from trainbpf.analyzers.categories import CATEGORIES, STATES
+from trainbpf.analyzers.chains import is_followed, wait_chains
+from trainbpf.analyzers.findings import EvidenceContext, attribute_starved, build_findings
+from trainbpf.analyzers.gpu import covered_window_ns, gpu_utilisation, idle_windows, starved_pieces
+from trainbpf.analyzers.intervals import Span, as_int64, parse_window, resolve_window, trace_span
+from trainbpf.analyzers.numa import gpu_node, memory_placement, thread_placement
+from trainbpf.analyzers.roles import assign_roles, observed_threads, pick_trainer
+from trainbpf.analyzers.stacks import classify_stacks
+from trainbpf.analyzers.states import clip_states, state_totals, thread_states
+
+__all__ = ["Analysis", "analyze", "parse_window", "CATEGORIES", "STATES"]
+
+DEFAULT_GPU_IDLE_THRESHOLD = 10.0
+
+
+@dataclass
+class Analysis:
+    """Everything `analyze` found; the report layer renders it.
+
+    `basis` says what starved time is: "gpu_idle" (trainer's stalled time inside GPU-idle
+    windows) or "trainer_not_running" (no GPU samples: the trainer's stalled time)."""
+
+    path: str
+    meta: dict[str, Any]
+    span: Span  # the whole recording
+    window: Span  # the analysed part
+    trainer_tid: int | None
+    gpu_idle_threshold: float
+    basis: str
+    threads: pd.DataFrame  # roles.THREAD_COLUMNS
+    states: pd.DataFrame  # every thread, whole trace, attributed (states.STATE_COLUMNS + futex_class)
+    totals: pd.DataFrame  # ns per (tid, state) inside the window
+    futex_waits: pd.DataFrame
+    samples: pd.DataFrame  # on-CPU samples with their class
+    gpu: pd.DataFrame  # utilisation sweeps
+    idle: pd.DataFrame  # GPU-idle windows inside the window (the window itself without GPU)
+    starved: pd.DataFrame  # findings.ATTRIBUTED_COLUMNS
+    chains: pd.DataFrame  # chains.CHAIN_COLUMNS
+    churn: pd.DataFrame
+    placement: pd.DataFrame
+    findings: pd.DataFrame  # findings.FINDING_COLUMNS
+    lost: dict[str, int]
+    idle_fraction: float | None
+
+    @property
+    def starved_ns(self) -> float:
+        return float(self.starved["ns"].sum())
+
+    @property
+    def gpu_samples(self) -> int:
+        return int(self.gpu["gpus"].sum()) if len(self.gpu) else 0
+
+    @property
+    def gpu_source(self) -> str | None:
+        source = (self.meta.get("gpu") or {}).get("source")
+        return str(source) if source else ("gpu" if len(self.gpu) else None)
+
+
+def _seen(table) -> pd.DataFrame:
+    """(tid, pid, first_ns) of every tid with rows."""
+    if not table.num_rows:
+        return pd.DataFrame({"tid": np.zeros(0, np.int64), "pid": np.zeros(0, np.int64), "first_ns": np.zeros(0, np.int64)})
+    rows = table.select(["tid", "pid", "ts_ns"]).filter(pc.is_valid(table["tid"]))
+    agg = rows.group_by("tid").aggregate([("pid", "max"), ("ts_ns", "min")]).to_pandas()
+    return pd.DataFrame({"tid": as_int64(agg["tid"]), "pid": as_int64(agg["pid_max"]), "first_ns": as_int64(agg["ts_ns_min"], 0)})
+
+
+def _producers(states: pd.DataFrame, trainer: int | None) -> pd.Series:
+    """Per waker tid, how many of the trainer's followed waits (not lock handoffs) it ended."""
+    if trainer is None:
+        return pd.Series(dtype=np.int64)
+    mine = states[states["tid"].to_numpy() == trainer]
+    follow = is_followed(mine["state"].astype(str).to_numpy(dtype=object),
+                         mine["futex_class"].astype(str).to_numpy(dtype=object), mine["waker_tid"].to_numpy(np.int64))
+    wakers = mine["waker_tid"].to_numpy(np.int64)[follow]
+    return pd.Series(wakers[wakers != trainer]).value_counts()
+
+
+def lost_counts(meta: dict[str, Any], lost_rows: pd.DataFrame) -> dict[str, int]:
+    """Lost events per probe: the metadata's counts, else the newest cumulative rows."""
+    counts = {str(k): int(v) for k, v in (meta.get("lost") or {}).items() if v}
+    if not counts and len(lost_rows):
+        per = pd.Series(as_int64(lost_rows["count"], 0), index=lost_rows["name"].astype(str)).groupby(level=0).max()
+        counts = {str(k): int(v) for k, v in per.items() if v > 0}
+    return counts
+
+
+def analyze(
+    trace: Any,
+    *,
+    trainer_tid: int | None = None,
+    gpu_idle_threshold: float = DEFAULT_GPU_IDLE_THRESHOLD,
+    window: tuple[float | None, float | None] | str | None = None,
+) -> Analysis:
+    """Run every analyzer over a loaded trace (trainbpf.tracefile.Trace)."""
+    meta = dict(trace.meta or {})
+    span = trace_span(meta, trace.table)
+    win = resolve_window(span, window)
+    frame = trace.frame
+
+    base = observed_threads(frame("thread"), frame("exit"), _seen(trace.table), span=span)
+    recorded = meta.get("trainer_tid")  # the recorder was told which thread trains
+    if trainer_tid is None and recorded is not None and int(recorded) in set(base["tid"].tolist()):
+        trainer = int(recorded)
+    else:
+        trainer = pick_trainer(base, target_pid=meta.get("target_pid"), trainer_tid=trainer_tid)
+    stacks = classify_stacks(frame("stack"))
+    evidence_kinds = ("futex", "mmap_lock", "reclaim", "compaction", "dirty_pause", "block_rq")
+    frames = {kind: frame(kind) for kind in evidence_kinds}
+    states, futex_waits = attribute_states(thread_states(frame("offcpu"), frame("offcpu_short"), base), frames, stacks)
+    threads = assign_roles(
+        base, trainer=trainer, named_by_user=trainer_tid is not None,
+        trainer_wakers=_producers(states, trainer), writer_tids=np.unique(as_int64(frame("dirty_pause")["tid"])),
+    )
+    samples = sample_classes(frame("oncpu"), stacks)
+    run_split = RunSplit(samples)
+    totals = state_totals(clip_states(states, win))
+
+    util = gpu_utilisation(frame("gpu"), span)
+    if len(util):
+        basis = "gpu_idle"
+        idle = idle_windows(util, threshold=float(gpu_idle_threshold), window=win)
+        covered = covered_window_ns(util, win)
+        idle_fraction = float((idle["end_ns"] - idle["start_ns"]).sum()) / covered if covered else 0.0
+    else:
+        basis = "trainer_not_running"
+        idle = pd.DataFrame({"start_ns": np.array([win.start_ns], np.int64), "end_ns": np.array([win.end_ns], np.int64)})
+        idle = idle[idle["end_ns"] > idle["start_ns"]].reset_index(drop=True)
+        idle_fraction = None
+
+    trainer_states = states[states["tid"].to_numpy() == (trainer if trainer is not None else -2)].reset_index(drop=True)
+    pieces = starved_pieces(trainer_states, idle, run_split, trainer)
+    stalled = pieces.loc[pieces["run_class"] == "", "interval"].unique()
+    st = trainer_states.iloc[stalled]
+    follow = is_followed(st["state"].astype(str).to_numpy(dtype=object),
+                         st["futex_class"].astype(str).to_numpy(dtype=object), st["waker_tid"].to_numpy(np.int64))
+    st = st[follow]
+    waits = pd.DataFrame({
+        "wait": stalled[follow].astype(np.int64), "tid": st["tid"].to_numpy(np.int64),
+        "start_ns": st["start_ns"].to_numpy(np.int64), "end_ns": st["end_ns"].to_numpy(np.int64),
+        "waker_tid": st["waker_tid"].to_numpy(np.int64), "state": st["state"].astype(str).to_numpy(dtype=object),
+    })
+    chains = wait_chains(waits, states, run_split)
+
+    churn = churn_threads(frame("mm_syscall"), frame("faults"), win)
+    topology = meta.get("topology") or {}
+    placement = thread_placement(samples[(samples["ts_ns"] >= win.start_ns) & (samples["ts_ns"] < win.end_ns)],
+                                 frame("numa_move"), topology)
+    starved = attribute_starved(pieces, trainer_states, chains, trainer_tid=trainer, churn=churn, placement=placement)
+    ctx = EvidenceContext(
+        window=win, threads=threads, states=clip_states(states, win), trainer_states=trainer_states,
+        futex_waits=futex_waits, stacks=stacks, frames={**frames, "faults": frame("faults"), "mm_syscall": frame("mm_syscall")},
+        churn=churn, placement=placement, memory_nodes=memory_placement(frame("numa_maps"), topology),
+        gpu_node=gpu_node(topology),
+    )
+    findings = build_findings(starved, chains, ctx, trainer_tid=trainer)
+    return Analysis(
+        path=str(getattr(trace, "path", "")), meta=meta, span=span, window=win, trainer_tid=trainer,
+        gpu_idle_threshold=float(gpu_idle_threshold), basis=basis, threads=threads, states=states, totals=totals,
+        futex_waits=futex_waits, samples=samples, gpu=util, idle=idle, starved=starved, chains=chains,
+        churn=churn, placement=placement, findings=findings, lost=lost_counts(meta, frame("lost")),
+        idle_fraction=idle_fraction,
+    )
+
+
+def observed_ns(analysis: Analysis) -> pd.Series:
+    """Per tid, how long the thread was observed inside the window."""
+    th = analysis.threads
+    lo = np.maximum(th["first_ns"].to_numpy(), analysis.window.start_ns)
+    hi = np.minimum(th["last_ns"].to_numpy(), analysis.window.end_ns)
+    return pd.Series(np.maximum(hi - lo, 0), index=th["tid"].to_numpy())

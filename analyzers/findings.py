@@ -1,0 +1,448 @@
+"""From attributed starved time to ranked findings.
+
+Every starved piece carries exactly one category, so the shares of distinct findings
+(category ns / starved ns) never add up to more than 1.  Two refinements move time
+between categories on evidence about the thread at the root of a piece's chain: faults of
+a thread that churns mappings are allocator churn, and data production on a thread that
+mostly ran on a node other than the GPU's is (in that proportion) remote NUMA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import pandas as pd
+
+from trainbpf.analyzers.categories import CATEGORIES, CATEGORY_DTYPE, STATE_DTYPE
+from trainbpf.analyzers.chains import RUN_CATEGORY, interval_category, is_followed
+from trainbpf.analyzers.intervals import NS_PER_S, Span, as_int64
+from trainbpf.analyzers.numa import REMOTE_MIN_FRACTION
+from trainbpf.analyzers.stacks import stack_excerpt
+
+# Severity: share of starved time, and how much of the analysed window that time is
+# (a large share of a few stray milliseconds is not worth fixing first).
+CRITICAL_SHARE = 0.25
+WARNING_SHARE = 0.05
+CRITICAL_MIN_IMPACT = 0.05
+WARNING_MIN_IMPACT = 0.01
+MAX_THREADS = 5
+
+RECOMMENDATIONS: dict[str, str] = {
+    "input_pipeline": "The trainer waits for data that is still being produced: add data-loader workers "
+    "(num_workers), make decoding cheaper or move it off the critical path (pre-decode, cache decoded "
+    "samples), and prefetch more batches (prefetch_factor, pin_memory).",
+    "cpu_contention": "Threads are runnable but get no CPU: run fewer threads (torch.set_num_threads, "
+    "OMP_NUM_THREADS, fewer workers), isolate cores for the trainer, and pin threads (taskset, "
+    "sched_setaffinity) so data workers do not preempt it.",
+    "lock_contention": "Threads queue on a shared lock: reduce sharing (per-thread queues and buffers); "
+    "if the lock is the allocator's (malloc/arena frames in the stack) use a thread-caching allocator "
+    "(tcmalloc or jemalloc via LD_PRELOAD) or tune MALLOC_ARENA_MAX; or run fewer threads.",
+    "gil_contention": "Python threads fight for the GIL: move CPU-heavy work to processes (DataLoader "
+    "workers) or to code that releases the GIL (numpy, torch ops), and cut the number of Python threads.",
+    "allocator_churn": "Memory is mapped and unmapped over and over, and every fresh page faults: pool and "
+    "reuse buffers (size-class pools, caching allocators), raise the mmap threshold "
+    "(MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, or tcmalloc/jemalloc), and use huge pages.",
+    "page_faults": "Time goes to page faults: pre-fault or pin buffers once (MAP_POPULATE, mlock, touching "
+    "them at start), reuse pooled memory, and use huge pages (fewer faults and TLB misses).",
+    "mmap_lock": "Threads wait for the process's mmap_lock: make fewer mmap/munmap/mprotect calls while "
+    "other threads fault (pool buffers, allocate up front, batch unmaps).",
+    "memory_reclaim": "Allocations wait for the kernel to reclaim or compact memory: raise or remove the "
+    "memory limit (cgroup memory.max/memory.high), reduce page-cache pressure (drop caches, O_DIRECT for "
+    "big reads) and pre-allocate memory before training.",
+    "dirty_throttling": "Writers are throttled for dirty pages (balance_dirty_pages): write checkpoints with "
+    "O_DIRECT or io_uring, lower or tune vm.dirty_bytes/dirty_background_bytes, put the writer in its own "
+    "cgroup/io class, or stream checkpoints to object storage.",
+    "block_io": "Threads wait for block I/O: use faster storage or a local cache, prefetch and read ahead, "
+    "and warm the page cache before training.",
+    "numa_remote": "Data-loading threads run on a NUMA node other than the GPU's: bind them and their "
+    "memory to the GPU's node (numactl --cpunodebind/--membind, sched_setaffinity in worker_init_fn).",
+    "other": "Time the trace cannot attribute (timer sleeps, short waits, untraced wakers): record with "
+    "more probes (futex, faults, mm, writeback, block) or a lower --min-block to see more.",
+}
+
+ATTRIBUTED_COLUMNS = ("start_ns", "end_ns", "ns", "state", "category", "root_tid", "wait")
+FINDING_COLUMNS = (
+    "category", "share", "seconds", "severity", "threads", "chain", "summary", "evidence", "recommendation",
+)
+
+
+def attribute_starved(
+    pieces: pd.DataFrame,
+    trainer_states: pd.DataFrame,
+    chains: pd.DataFrame,
+    *,
+    trainer_tid: int | None,
+    churn: pd.DataFrame,
+    placement: pd.DataFrame,
+) -> pd.DataFrame:
+    """One category and root thread per starved piece (running pieces may split in two)."""
+    iv = pieces["interval"].to_numpy(np.int64)
+    st_state = trainer_states["state"].astype(str).to_numpy(dtype=object)[iv]
+    st_fclass = trainer_states["futex_class"].astype(str).to_numpy(dtype=object)[iv]
+    st_waker = trainer_states["waker_tid"].to_numpy(np.int64)[iv]
+    running = pieces["run_class"].to_numpy(dtype=object) != ""
+    followed = ~running & is_followed(st_state, st_fclass, st_waker)
+    trainer = -1 if trainer_tid is None else int(trainer_tid)
+
+    pairs = pd.Series(st_state + "|" + st_fclass)
+    direct = pairs.map({p: interval_category(*p.split("|")) for p in pairs.unique()}).to_numpy(dtype=object)
+    category = np.where(running, pd.Series(pieces["run_class"]).map(RUN_CATEGORY).to_numpy(dtype=object), direct)
+    root = np.full(len(pieces), trainer, dtype=np.int64)
+    wait = np.where(followed, iv, -1)
+    if followed.any() and len(chains):
+        last = chains.drop_duplicates("wait", keep="last").set_index("wait")
+        category[followed] = last["category"].astype(str).reindex(iv[followed]).fillna("other").to_numpy(dtype=object)
+        root[followed] = last["tid"].reindex(iv[followed]).fillna(trainer).to_numpy(np.int64)
+    out = pd.DataFrame({
+        "start_ns": pieces["start_ns"].to_numpy(np.int64), "end_ns": pieces["end_ns"].to_numpy(np.int64),
+        "ns": pieces["ns"].to_numpy(np.float64), "state": pieces["state"].astype(str).to_numpy(dtype=object),
+        "category": category, "root_tid": root, "wait": wait.astype(np.int64),
+    })
+    if len(churn):
+        churning = churn.loc[churn["churning"], "tid"].to_numpy()
+        hit = (out["category"] == "page_faults") & out["root_tid"].isin(churning)
+        out.loc[hit, "category"] = "allocator_churn"
+    if len(placement):
+        remote = placement.set_index("tid")["remote_fraction"]
+        frac = out["root_tid"].map(remote).fillna(0.0).to_numpy()
+        hit = (out["category"].to_numpy() == "input_pipeline") & (frac > REMOTE_MIN_FRACTION)
+        if hit.any():
+            moved = out[hit].copy()
+            moved["ns"] = moved["ns"].to_numpy() * frac[hit]
+            moved["category"] = "numa_remote"
+            out.loc[hit, "ns"] = out.loc[hit, "ns"].to_numpy() * (1.0 - frac[hit])
+            out = pd.concat([out, moved], ignore_index=True)
+    out["category"] = pd.Categorical(out["category"].to_numpy(dtype=object), dtype=CATEGORY_DTYPE)
+    out["state"] = pd.Categorical(out["state"].to_numpy(dtype=object), dtype=STATE_DTYPE)
+    out = out[out["ns"] > 0]
+    return out.sort_values("start_ns", kind="stable")[list(ATTRIBUTED_COLUMNS)].reset_index(drop=True)
+
+
+@dataclass
+class EvidenceContext:
+    """What findings quote as evidence: trace frames and analyzer tables, over `window`."""
+
+    window: Span
+    threads: pd.DataFrame
+    states: pd.DataFrame
+    trainer_states: pd.DataFrame
+    futex_waits: pd.DataFrame
+    stacks: pd.DataFrame
+    frames: Mapping[str, pd.DataFrame]
+    churn: pd.DataFrame
+    placement: pd.DataFrame
+    memory_nodes: dict[int, int] = field(default_factory=dict)
+    gpu_node: int | None = None
+
+    def rows(self, kind: str, tids: Any) -> pd.DataFrame:
+        """Rows of `kind` by threads `tids` that start inside the window."""
+        frame = self.frames.get(kind)
+        if frame is None or not len(frame):
+            return pd.DataFrame(columns=["ts_ns", "dur_ns", "tid"])
+        ts = as_int64(frame["ts_ns"])
+        keep = (ts >= self.window.start_ns) & (ts < self.window.end_ns) & np.isin(as_int64(frame["tid"]), list(tids))
+        return frame[keep]
+
+    def thread(self, tid: int) -> dict[str, Any]:
+        row = self.threads.loc[self.threads["tid"] == tid]
+        if not len(row):
+            return {"tid": int(tid), "comm": "", "role": "other"}
+        return {"tid": int(tid), "comm": str(row["comm"].iloc[0]), "role": str(row["role"].iloc[0])}
+
+
+def _ms(values_ns: Any, prefix: str) -> dict[str, float]:
+    """p50/p99 of durations in ms, keyed `<prefix>_p50_ms`, `<prefix>_p99_ms`."""
+    v = np.asarray(values_ns, dtype=np.float64)
+    p50, p99 = (float(np.percentile(v, q)) / 1e6 for q in (50, 99)) if len(v) else (0.0, 0.0)
+    return {f"{prefix}_p50_ms": p50, f"{prefix}_p99_ms": p99}
+
+
+def _durations(rows: pd.DataFrame) -> np.ndarray:
+    return np.maximum(as_int64(rows["dur_ns"], 0), 0) if len(rows) else np.zeros(0)
+
+
+def _top_stack(ctx: EvidenceContext, ids: Any) -> str:
+    ids = as_int64(pd.Series(ids))
+    ids = ids[ids >= 0]
+    if not len(ids):
+        return ""
+    return stack_excerpt(ctx.stacks, int(pd.Series(ids).value_counts().idxmax()))
+
+
+def _futex_evidence(ctx: EvidenceContext, cls: str, roots: list[int]) -> dict[str, Any]:
+    waits = ctx.futex_waits
+    waits = waits[(waits["cls"] == cls).to_numpy() & waits["tid"].isin(roots).to_numpy()
+                  & (waits["start_ns"] < ctx.window.end_ns).to_numpy() & (waits["end_ns"] > ctx.window.start_ns).to_numpy()]
+    by_addr = waits.assign(ns=waits["end_ns"] - waits["start_ns"]).groupby("addr")["ns"].sum().sort_values(ascending=False)
+    addrs = [int(a) for a in by_addr.index[:3]]
+    on_addrs = ctx.futex_waits[ctx.futex_waits["addr"].isin(addrs)]
+    frame = ctx.frames.get("futex")
+    ustacks = frame["ustack_id"].iloc[waits.index] if frame is not None and len(waits) else []
+    stack = _top_stack(ctx, ustacks)
+    allocator = bool(stack) and any(k in stack for k in ("malloc", "free", "arena", "tcache"))
+    return {
+        "futex_waits": int(len(waits)),
+        **_ms(waits["end_ns"] - waits["start_ns"], "futex_wait"),
+        "addresses": [hex(a) for a in addrs],
+        "waiting_threads": int(on_addrs["tid"].nunique()),
+        "handoff_share": float(waits["handoff"].mean()) if len(waits) else 0.0,
+        "user_stack": stack,
+        "allocator_in_stack": allocator,
+    }
+
+
+def _contenders(ctx: EvidenceContext, category: str, roots: list[int]) -> list[int]:
+    """For lock and GIL findings: the other threads waiting on the same addresses."""
+    cls = {"lock_contention": "lock", "gil_contention": "gil"}.get(category)
+    if cls is None:
+        return []
+    waits = ctx.futex_waits[(ctx.futex_waits["cls"] == cls).to_numpy()]
+    addrs = waits.loc[waits["tid"].isin(roots), "addr"].unique()
+    others = waits[waits["addr"].isin(addrs) & ~waits["tid"].isin(roots)]
+    by_time = (others["end_ns"] - others["start_ns"]).groupby(others["tid"]).sum().sort_values(ascending=False)
+    return [int(t) for t in by_time.index]
+
+
+def _evidence(category: str, ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
+    ev: dict[str, Any] = {}
+    waits = pieces.loc[pieces["wait"] >= 0, "wait"].unique()
+    if len(waits):
+        ts = ctx.trainer_states
+        ev["trainer_waits"] = int(len(waits))
+        ev.update(_ms(ts["end_ns"].to_numpy()[waits] - ts["start_ns"].to_numpy()[waits], "wait"))
+    builder = _EVIDENCE.get(category)
+    if builder is not None:
+        ev.update(builder(ctx, pieces, roots))
+    return ev
+
+
+def _input_pipeline(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
+    by_root = pieces.groupby("root_tid")["ns"].sum().sort_values(ascending=False)
+    return {"producers": [{**ctx.thread(int(t)), "seconds": float(ns) / NS_PER_S} for t, ns in by_root.iloc[:MAX_THREADS].items()]}
+
+
+def _cpu_contention(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
+    st = ctx.states
+    rq = st[(st["state"] == "runnable").to_numpy() & st["tid"].isin(roots).to_numpy()]
+    lat = (rq["end_ns"] - rq["start_ns"]).to_numpy()
+    per = rq.assign(ns=lat).groupby("tid")["ns"].sum().sort_values(ascending=False)
+    all_rq = st[(st["state"] == "runnable").to_numpy()]
+    return {
+        "runnable_intervals": int(len(rq)),
+        **_ms(lat, "runq"),
+        "runnable_s": {str(int(t)): float(ns) / NS_PER_S for t, ns in per.iloc[:MAX_THREADS].items()},
+        "all_threads_runnable_s": float((all_rq["end_ns"] - all_rq["start_ns"]).sum()) / NS_PER_S,
+        "threads_traced": int(len(ctx.threads)),
+    }
+
+
+def _churn(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
+    churn = ctx.churn[ctx.churn["tid"].isin(roots)]
+    calls = ctx.rows("mm_syscall", roots)
+    by_name = calls["name"].astype(str).value_counts() if len(calls) else pd.Series(dtype=np.int64)
+    return {
+        "mm_calls": int(churn["calls"].sum()),
+        "mm_calls_per_s": float(churn["calls_per_s"].sum()),
+        "calls_by_syscall": {str(k): int(v) for k, v in by_name.items()},
+        "mapped_bytes": int(churn["map_bytes"].sum()),
+        "unmapped_bytes": int(churn["unmap_bytes"].sum()),
+        "median_size_bytes": float(churn["median_size"].median()) if len(churn) else 0.0,
+        "faults": int(churn["faults"].sum()),
+        "faults_per_s": float(churn["faults_per_s"].sum()),
+    }
+
+
+def _page_faults(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
+    faults = ctx.rows("faults", roots)
+    count = int(np.maximum(as_int64(faults["count"], 0), 0).sum()) if len(faults) else 0
+    st = ctx.states
+    blocked = st[(st["state"] == "page_faults").to_numpy() & st["tid"].isin(roots).to_numpy()]
+    return {
+        "faults": count,
+        "faults_per_s": count / max(ctx.window.seconds, 1e-9),
+        "blocked_in_fault_path_s": float((blocked["end_ns"] - blocked["start_ns"]).sum()) / NS_PER_S,
+        "running_in_fault_path_s": float(pieces.loc[pieces["state"] == "running", "ns"].sum()) / NS_PER_S,
+        "kernel_stack": _top_stack(ctx, blocked["kstack_id"]),
+    }
+
+
+def _interval_rows(kind: str, extra: Callable[[pd.DataFrame], dict[str, Any]] | None = None):
+    def build(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
+        rows = ctx.rows(kind, roots)
+        out = {f"{kind}_events": int(len(rows)), **_ms(_durations(rows), kind)}
+        if extra is not None and len(rows):
+            out.update(extra(rows))
+        return out
+
+    return build
+
+
+def _reclaim(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
+    out = _interval_rows("reclaim", lambda r: {
+        "pages_reclaimed": int(as_int64(r["count"], 0).sum()),
+        "kinds": {str(k): int(v) for k, v in r["state"].astype(str).value_counts().items()},
+    })(ctx, pieces, roots)
+    out["compaction_events"] = int(len(ctx.rows("compaction", roots)))
+    return out
+
+
+_EVIDENCE: dict[str, Callable[[EvidenceContext, pd.DataFrame, list[int]], dict[str, Any]]] = {
+    "input_pipeline": _input_pipeline,
+    "cpu_contention": _cpu_contention,
+    "lock_contention": lambda ctx, p, roots: _futex_evidence(ctx, "lock", roots),
+    "gil_contention": lambda ctx, p, roots: _futex_evidence(ctx, "gil", roots),
+    "allocator_churn": _churn,
+    "page_faults": _page_faults,
+    "mmap_lock": _interval_rows("mmap_lock", lambda r: {
+        "write_waits": int((r["state"].astype(str) == "write").sum()),
+        "read_waits": int((r["state"].astype(str) == "read").sum()),
+    }),
+    "memory_reclaim": _reclaim,
+    "dirty_throttling": _interval_rows("dirty_pause", lambda r: {
+        "dirty_pages_max": int(as_int64(r["count"], 0).max()),
+        "dirty_limit_pages": int(as_int64(r["size"], 0).max()),
+        "devices": sorted({str(d) for d in r["name"].dropna()}),
+    }),
+    "block_io": _interval_rows("block_rq", lambda r: {
+        "bytes": int(as_int64(r["size"], 0).sum()),
+        "ops": {str(k): int(v) for k, v in r["name"].astype(str).value_counts().items()},
+    }),
+    "numa_remote": lambda ctx, p, roots: _numa(ctx, roots),
+    "other": lambda ctx, p, roots: {
+        "states_s": {str(k): float(v) / NS_PER_S for k, v in p.groupby("state", observed=True)["ns"].sum().items()}
+    },
+}
+
+
+def _numa(ctx: EvidenceContext, roots: list[int]) -> dict[str, Any]:
+    pl = ctx.placement
+    remote = pl[pl["remote_fraction"] > REMOTE_MIN_FRACTION]
+    focus = remote if not roots else remote[remote["tid"].isin(roots)]
+    return {
+        "gpu_node": ctx.gpu_node,
+        "remote_threads": [
+            {**ctx.thread(int(r.tid)), "remote_fraction": float(r.remote_fraction), "main_node": int(r.main_node)}
+            for r in (focus if len(focus) else remote).head(MAX_THREADS).itertuples()
+        ],
+        "memory_pages_by_node": {str(k): v for k, v in ctx.memory_nodes.items()},
+    }
+
+
+SUMMARIES: dict[str, str] = {
+    "input_pipeline": "The trainer waited {s:.2f} s for data that {who} was still producing",
+    "cpu_contention": "{who} waited {s:.2f} s runnable for a CPU while the GPU starved",
+    "lock_contention": "{who} waited {s:.2f} s on a contended lock",
+    "gil_contention": "{who} waited {s:.2f} s for the Python GIL",
+    "allocator_churn": "{who} lost {s:.2f} s to faults on freshly mapped memory amid mmap/munmap churn",
+    "page_faults": "{who} lost {s:.2f} s in the page-fault path",
+    "mmap_lock": "{who} waited {s:.2f} s for the mmap_lock",
+    "memory_reclaim": "{who} lost {s:.2f} s to direct memory reclaim and compaction",
+    "dirty_throttling": "{who} was throttled {s:.2f} s writing dirty pages (balance_dirty_pages)",
+    "block_io": "{who} waited {s:.2f} s for block I/O",
+    "numa_remote": "{who} produced data on a NUMA node other than the GPU's, costing {s:.2f} s",
+    "other": "{s:.2f} s of starved time has no cause the trace can name",
+}
+
+
+def severity(share: float, seconds: float, window_s: float, category: str) -> str:
+    impact = seconds / window_s if window_s > 0 else 0.0
+    if category != "other" and share >= CRITICAL_SHARE and impact >= CRITICAL_MIN_IMPACT:
+        return "critical"
+    if share >= WARNING_SHARE and impact >= WARNING_MIN_IMPACT:
+        return "warning"
+    return "info"
+
+
+def _dominant_chain(pieces: pd.DataFrame, chains: pd.DataFrame, ctx: EvidenceContext, trainer_tid: int) -> list[dict[str, Any]]:
+    """The chain of this finding that explains the most time, as links."""
+    followed = pieces[pieces["wait"] >= 0]
+    direct = pieces[pieces["wait"] < 0]
+    best_direct = direct.groupby("state", observed=True)["ns"].sum() if len(direct) else pd.Series(dtype=float)
+    best: tuple[float, list[dict[str, Any]]] = (-1.0, [])
+    if len(best_direct):
+        state = str(best_direct.idxmax())
+        run = direct[direct["state"] == state]
+        label = state
+        if state == "running":
+            label = "running/" + str(run.groupby("category", observed=True)["ns"].sum().idxmax())
+        best = (float(best_direct.max()), [{**_link(ctx, trainer_tid), "state": label}])
+    if len(followed) and len(chains):
+        links = chains[chains["wait"].isin(followed["wait"].unique())]
+        wide = links.pivot(index="wait", columns="depth", values=["tid", "state"])
+        key = wide.astype(str).agg("|".join, axis=1)
+        ns = followed.groupby("wait")["ns"].sum()
+        per_key = ns.groupby(key.reindex(ns.index)).sum()
+        if len(per_key) and float(per_key.max()) > best[0]:
+            wait = key.index[key == per_key.idxmax()][0]
+            chain = links[links["wait"] == wait]
+            best = (float(per_key.max()), [{**_link(ctx, int(r.tid)), "state": str(r.state)} for r in chain.itertuples()])
+    return best[1]
+
+
+def _link(ctx: EvidenceContext, tid: int) -> dict[str, Any]:
+    t = ctx.thread(tid)
+    return {"tid": t["tid"], "role": t["role"]}
+
+
+def build_findings(
+    attributed: pd.DataFrame, chains: pd.DataFrame, ctx: EvidenceContext, *, trainer_tid: int | None
+) -> pd.DataFrame:
+    """One finding per category with starved time (plus remote-NUMA placement seen
+    without starved time, as info), sorted by share, largest first."""
+    total = float(attributed["ns"].sum())
+    window_s = ctx.window.seconds
+    trainer = -1 if trainer_tid is None else int(trainer_tid)
+    rows = []
+    per_cat = attributed.groupby("category", observed=True)["ns"].sum()
+    for category in CATEGORIES:
+        ns = float(per_cat.get(category, 0.0))
+        pieces = attributed[attributed["category"] == category]
+        if ns <= 0:
+            if category == "numa_remote" and len(ctx.placement) and (ctx.placement["remote_fraction"] > REMOTE_MIN_FRACTION).any():
+                rows.append(_finding(category, 0.0, 0.0, window_s, [], [], _numa(ctx, []), ctx, remote_only=True))
+            continue
+        by_root = pieces.groupby("root_tid")["ns"].sum().sort_values(ascending=False)
+        roots = [int(t) for t in by_root.index]
+        shown = roots + _contenders(ctx, category, roots)
+        share = min(1.0, ns / total) if total > 0 else 0.0
+        chain = _dominant_chain(pieces, chains, ctx, trainer)
+        evidence = {"starved_s": ns / NS_PER_S, **_evidence(category, ctx, pieces, roots)}
+        rows.append(_finding(category, share, ns / NS_PER_S, window_s, shown[:MAX_THREADS], chain, evidence, ctx))
+    if not rows:
+        return pd.DataFrame({c: pd.Series([], dtype=object) for c in FINDING_COLUMNS}).astype(
+            {"share": np.float64, "seconds": np.float64}
+        )
+    out = pd.DataFrame(rows, columns=list(FINDING_COLUMNS))
+    out["share"] = out["share"].astype(np.float64)
+    out["seconds"] = out["seconds"].astype(np.float64)
+    return out.sort_values(["share", "seconds"], ascending=False, kind="stable").reset_index(drop=True)
+
+
+def _finding(
+    category: str, share: float, seconds: float, window_s: float, roots: list[int], chain: list[dict[str, Any]],
+    evidence: dict[str, Any], ctx: EvidenceContext, remote_only: bool = False,
+) -> dict[str, Any]:
+    threads = [ctx.thread(t) for t in roots] or [
+        ctx.thread(int(t["tid"])) for t in evidence.get("remote_threads", [])
+    ]
+    who = _who(threads)
+    if remote_only:
+        summary = f"{who} ran mostly on a NUMA node other than the GPU's (node {ctx.gpu_node}), without measurable starved time"
+    else:
+        summary = SUMMARIES[category].format(s=seconds, who=who) + f" ({share:.0%} of starved time)"
+    return {
+        "category": category, "share": share, "seconds": seconds,
+        "severity": severity(share, seconds, window_s, category), "threads": threads, "chain": chain,
+        "summary": summary, "evidence": evidence, "recommendation": RECOMMENDATIONS[category],
+    }
+
+
+def _who(threads: list[dict[str, Any]]) -> str:
+    if not threads:
+        return "Threads"
+    first = threads[0]
+    name = f"{first['role']} {first['comm'] or '?'} ({first['tid']})"
+    more = len(threads) - 1
+    return name + (f" and {more} more thread{'s' if more > 1 else ''}" if more else "")

@@ -1,0 +1,89 @@
+"""What a symbolised stack says a thread was doing.
+
+``stack`` rows carry frames leaf first, joined by ";".  Each distinct stack is classified
+once by substring patterns (a few thousand stacks at most), then stack ids are mapped to
+classes with array lookups.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from trainbpf.analyzers.intervals import as_int64
+
+# Kernel stack classes, most specific first: reclaim inside a fault is reclaim, a fault
+# waiting for the mmap_lock is mmap_lock contention, a fault waiting for a read is a fault.
+KERNEL_PATTERNS: tuple[tuple[str, str], ...] = (
+    ("dirty_throttling", r"balance_dirty_pages"),
+    ("memory_reclaim", r"shrink_|try_to_free|compact_|direct_reclaim|mem_cgroup_handle_over_high"),
+    # An rwsem wait reached from mmap/munmap or the fault path is the mmap_lock.
+    ("mmap_lock", r"lock_mm_and_find_vma|^(?=.*rwsem)(?=.*(?:mmap|do_user_addr_fault|lock_mm))"),
+    ("page_faults", r"handle_mm_fault|do_user_addr_fault|exc_page_fault|do_page_fault"),
+    ("allocator_churn", r"munmap|do_mmap|zap_pte_range|unmap_page_range|unmap_region|madvise|do_brk|mremap"),
+    ("block_io", r"io_schedule|blk_|folio_wait|wait_on_page_bit|__lock_page|submit_bio"),
+    ("futex", r"futex_wait"),
+)
+
+# User stack classes: the GIL, a lock routine, the allocator (for lock evidence).
+USER_PATTERNS: tuple[tuple[str, str], ...] = (
+    ("gil", r"take_gil|PyEval_AcquireThread|PyEval_RestoreThread|PyEval_AcquireLock|PyGILState_Ensure"),
+    ("lock", r"pthread_mutex_lock|__lll_lock_wait|pthread_rwlock_|pthread_spin_lock|lll_lock|__pthread_mutex_cond_lock"),
+)
+ALLOCATOR_PATTERN = r"malloc|free|arena|tcache|calloc|realloc|je_|tc_"
+
+STACK_COLUMNS = ("stack_id", "kernel", "cls", "allocator", "frames")
+
+
+def classify_stacks(stack: pd.DataFrame) -> pd.DataFrame:
+    """One row per stack id: whether it is a kernel stack, its class ("" when nothing
+    matched), whether it runs through the allocator, and its frames."""
+    if not len(stack):
+        return pd.DataFrame(
+            {
+                "stack_id": np.zeros(0, np.int64),
+                "kernel": np.zeros(0, bool),
+                "cls": pd.Series([], dtype=str),
+                "allocator": np.zeros(0, bool),
+                "frames": pd.Series([], dtype=str),
+            }
+        )
+    df = pd.DataFrame(
+        {
+            "stack_id": as_int64(stack["kstack_id"]),
+            "kernel": stack["state"].astype(str).to_numpy() != "user",
+            "frames": stack["name"].fillna("").astype(str),
+        }
+    ).drop_duplicates("stack_id", keep="last")
+    cls = pd.Series("", index=df.index, dtype=object)
+    for kernel, patterns in ((True, KERNEL_PATTERNS), (False, USER_PATTERNS)):
+        # Walk from the least to the most specific pattern so the most specific wins.
+        for name, pattern in reversed(patterns):
+            hit = df["frames"].str.contains(pattern, regex=True) & (df["kernel"] == kernel)
+            cls[hit.to_numpy()] = name
+    df["cls"] = cls.astype(str)
+    df["allocator"] = df["frames"].str.contains(ALLOCATOR_PATTERN, regex=True) & ~df["kernel"]
+    return df[list(STACK_COLUMNS)].reset_index(drop=True)
+
+
+def stack_classes(stacks: pd.DataFrame, ids: object) -> np.ndarray:
+    """The class of each stack id in `ids` ("" for unknown or null ids), as an object array."""
+    ids = as_int64(ids)
+    out = np.full(len(ids), "", dtype=object)
+    if not len(stacks):
+        return out
+    sid = stacks["stack_id"].to_numpy(np.int64)
+    order = np.argsort(sid, kind="stable")
+    sid, cls = sid[order], stacks["cls"].to_numpy(dtype=object)[order]
+    pos = np.clip(np.searchsorted(sid, ids), 0, len(sid) - 1)
+    hit = sid[pos] == ids
+    out[hit] = cls[pos[hit]]
+    return out
+
+
+def stack_excerpt(stacks: pd.DataFrame, stack_id: int, frames: int = 6) -> str:
+    """The leaf-most frames of a stack, for evidence."""
+    row = stacks.loc[stacks["stack_id"] == stack_id, "frames"]
+    if not len(row):
+        return ""
+    return ";".join(str(row.iloc[0]).split(";")[:frames])

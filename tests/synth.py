@@ -1,0 +1,248 @@
+"""Build small synthetic traces as real trace files (make_batch + SpoolWriter + finalize).
+
+Times are seconds from the trace start; durations are seconds.  A test describes what
+each thread did, writes the file and analyses it like a recorded one:
+
+    s = Synth(duration_s=10)
+    s.thread(100, "python")
+    s.thread(200, "pt_data_worker", pid=200)
+    s.offcpu(100, 1.0, 0.1, waker=200)
+    s.gpu_from_running(100)
+    trace = s.read(tmp_path)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from trainbpf.schema import KIND_COLUMNS, SCHEMA_ID
+from trainbpf.tracefile import SpoolWriter, finalize, make_batch, read_trace, spool_path_for
+
+START_NS = 1_000_000_000_000
+NS = 1_000_000_000
+
+# Kernel stacks (leaf first) as the recorder symbolises them.
+FAULT_STACK = ("clear_page_erms", "do_anonymous_page", "handle_mm_fault", "do_user_addr_fault", "exc_page_fault", "asm_exc_page_fault")
+FAULT_IO_STACK = ("io_schedule", "folio_wait_bit_common", "filemap_fault", "__do_fault", "handle_mm_fault", "do_user_addr_fault", "exc_page_fault")
+RECLAIM_STACK = ("shrink_folio_list", "shrink_lruvec", "shrink_node", "do_try_to_free_pages", "try_to_free_mem_cgroup_pages", "handle_mm_fault")
+DIRTY_STACK = ("schedule_timeout", "io_schedule_timeout", "balance_dirty_pages", "balance_dirty_pages_ratelimited_flags", "generic_perform_write", "vfs_write")
+MMAP_LOCK_STACK = ("schedule", "rwsem_down_write_slowpath", "down_write_killable", "__vm_munmap", "__x64_sys_munmap")
+BLOCK_STACK = ("io_schedule", "blk_mq_get_tag", "submit_bio_noacct", "ext4_mpage_readpages", "filemap_read", "vfs_read")
+FUTEX_STACK = ("schedule", "futex_wait_queue", "futex_wait", "do_futex", "__x64_sys_futex")
+SLEEP_STACK = ("schedule", "pipe_read", "vfs_read", "ksys_read")
+MUNMAP_STACK = ("zap_pte_range", "unmap_page_range", "unmap_region", "do_vmi_munmap", "__vm_munmap", "__x64_sys_munmap")
+GIL_USTACK = ("__futex_abstimed_wait_common", "pthread_cond_timedwait", "take_gil", "PyEval_RestoreThread", "time_sleep")
+LOCK_USTACK = ("__lll_lock_wait", "pthread_mutex_lock", "arena_get2", "malloc", "PyMem_RawMalloc")
+
+
+def t(seconds: float) -> int:
+    """Trace clock ns of a time given in seconds from the start."""
+    return START_NS + int(round(seconds * NS))
+
+
+def d(seconds: float) -> int:
+    return int(round(seconds * NS))
+
+
+class Synth:
+    """Accumulates rows per kind; `write` produces a finished trace file."""
+
+    def __init__(
+        self,
+        duration_s: float = 10.0,
+        *,
+        target_pid: int | None = 100,
+        topology: dict[str, Any] | None = None,
+        gpu_source: str | None = "nvidia-smi",
+        lost: dict[str, int] | None = None,
+        meta: dict[str, Any] | None = None,
+        clock: bool = True,
+    ):
+        self.duration_s = duration_s
+        self.rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self._stacks: dict[tuple[str, tuple[str, ...]], int] = {}
+        self.meta: dict[str, Any] = {
+            "schema": SCHEMA_ID,
+            "host": "synth",
+            "kernel": "6.18.0-synth",
+            "argv": ["trainbpf", "record", "--pid", str(target_pid)],
+            "target_pid": target_pid,
+            "trainer_tid": None,
+            "topology": topology or {"nodes": {"0": [0, 1]}, "gpus": [{"index": 0, "bus_id": "00000000:19:00.0", "node": 0}], "gpu_node": 0, "declared": False},
+            "probes": ["sched", "futex", "faults", "mm", "writeback", "block"],
+            "thresholds": {"min_block_ns": 1_000_000, "min_futex_ns": 1_000_000, "oncpu_hz": 99, "fault_bucket_ns": 100_000_000, "hz": 250},
+            "gpu": {"source": gpu_source, "samples": 0},
+            "lost": dict(lost or {}),
+            "complete": True,
+            "stop_reason": "duration",
+        }
+        if clock:
+            self.meta["clock"] = {"start_mono_ns": START_NS, "end_mono_ns": t(duration_s), "wall_minus_mono_ns": 0}
+        self.meta.update(meta or {})
+
+    # -- rows -------------------------------------------------------------------------
+    def add(self, kind: str, **columns: Any) -> None:
+        unknown = set(columns) - set(KIND_COLUMNS[kind])
+        if unknown:
+            raise ValueError(f"{kind} has no columns {unknown}")
+        self.rows[kind].append(columns)
+
+    def stack(self, frames: Sequence[str] | str | None, kind: str = "kernel", pid: int | None = None) -> int | None:
+        """The id of a symbolised stack (registered once)."""
+        if frames is None:
+            return None
+        frames = tuple(frames.split(";")) if isinstance(frames, str) else tuple(frames)
+        key = (kind, frames)
+        if key not in self._stacks:
+            sid = len(self._stacks) + 1
+            self._stacks[key] = sid
+            self.add("stack", ts_ns=START_NS, kstack_id=sid, state=kind, pid=pid, name=";".join(frames))
+        return self._stacks[key]
+
+    def thread(self, tid: int, comm: str, pid: int | None = None, *, name: str = "seed", ts: float = 0.0, parent: int | None = None) -> None:
+        self.add("thread", ts_ns=t(ts), tid=tid, pid=pid if pid is not None else self.meta["target_pid"], comm=comm, peer_tid=parent, name=name)
+
+    def exit(self, tid: int, ts: float, pid: int | None = None, comm: str | None = None) -> None:
+        self.add("exit", ts_ns=t(ts), tid=tid, pid=pid if pid is not None else self.meta["target_pid"], comm=comm)
+
+    def offcpu(
+        self, tid: int, ts: float, dur: float, *, state: str = "S", runq: float = 0.0, waker: int | None = None,
+        kstack: Sequence[str] | None = None, ustack: Sequence[str] | None = None, cpu: int = 0, pid: int | None = None,
+    ) -> None:
+        self.add(
+            "offcpu", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, pid), cpu=cpu, state=state,
+            runq_ns=d(runq), peer_tid=waker, peer_pid=self._pid(waker, None) if waker is not None else None,
+            kstack_id=self.stack(kstack), ustack_id=self.stack(ustack, "user"),
+        )
+
+    def offcpu_short(self, tid: int, ts: float, *, dur: float, count: int, runq: float = 0.0, state: str = "S") -> None:
+        self.add("offcpu_short", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), state=state, count=count, runq_ns=d(runq))
+
+    def oncpu(self, tid: int, ts: float, *, cpu: int = 0, kstack: Sequence[str] | None = None) -> None:
+        self.add("oncpu", ts_ns=t(ts), tid=tid, pid=self._pid(tid, None), cpu=cpu, kstack_id=self.stack(kstack))
+
+    def oncpu_every(self, tid: int, start: float, end: float, hz: float = 99.0, *, cpu: int | Callable[[float], int] = 0,
+                    kstack: Sequence[str] | None | Callable[[float], Sequence[str] | None] = None) -> None:
+        for ts in np.arange(start, end, 1.0 / hz):
+            c = cpu(ts) if callable(cpu) else cpu
+            k = kstack(ts) if callable(kstack) else kstack
+            self.oncpu(tid, float(ts), cpu=c, kstack=k)
+
+    def futex(self, tid: int, ts: float, dur: float, addr: int, *, op: int = 128 + 9, ustack: Sequence[str] | None = None) -> None:
+        self.add("futex", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), addr=addr, op=op, ustack_id=self.stack(ustack, "user"))
+
+    def faults(self, tid: int, ts: float, dur: float, count: int) -> None:
+        self.add("faults", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), count=count)
+
+    def mmap_lock(self, tid: int, ts: float, dur: float, state: str = "write") -> None:
+        self.add("mmap_lock", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), state=state, count=1)
+
+    def reclaim(self, tid: int, ts: float, dur: float, pages: int = 32, state: str = "direct") -> None:
+        self.add("reclaim", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), state=state, count=pages)
+
+    def compaction(self, tid: int, ts: float, dur: float, status: int = 0) -> None:
+        self.add("compaction", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), op=status)
+
+    def mm_syscall(self, tid: int, ts: float, dur: float, name: str, size: int, addr: int = 0x7F0000000000) -> None:
+        self.add("mm_syscall", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), name=name, addr=addr, size=size, op=0, count=0)
+
+    def numa_move(self, tid: int, ts: float, *, cpu: int, src: int, dst: int) -> None:
+        self.add("numa_move", ts_ns=t(ts), tid=tid, pid=self._pid(tid, None), cpu=cpu, op=src, node=dst, name="move")
+
+    def numa_maps(self, ts: float, node: int, pages: int, state: str = "end") -> None:
+        self.add("numa_maps", ts_ns=t(ts), pid=self.meta["target_pid"], state=state, node=node, count=pages)
+
+    def dirty_pause(self, tid: int, ts: float, dur: float, *, dirty: int = 50_000, limit: int = 40_000, dev: str = "nvme0n1") -> None:
+        self.add("dirty_pause", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), count=dirty, size=limit, name=dev)
+
+    def block_rq(self, tid: int, ts: float, dur: float, *, size: int = 131072, rwbs: str = "R", dev: int = 259 << 20, sector: int = 0) -> None:
+        self.add("block_rq", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), size=size, name=rwbs, op=dev, addr=sector)
+
+    def gpu(self, ts: float, util: float, index: int = 0) -> None:
+        self.add("gpu", ts_ns=t(ts), op=index, value=float(util), count=1000, size=10, name=f"GPU-{index}")
+
+    def gpu_series(self, util: Callable[[float], float], period: float = 0.1, index: int = 0) -> None:
+        for ts in np.arange(period, self.duration_s + 1e-9, period):
+            self.gpu(float(ts), util(float(ts)), index)
+
+    def gpu_from_running(self, tid: int, period: float = 0.1, busy: float = 95.0) -> None:
+        """A GPU that is busy exactly while `tid` runs: each sample reports `busy` times
+        the share of the period since the previous sample that `tid` was on-CPU."""
+        off = [(r["ts_ns"], r["ts_ns"] + r["dur_ns"]) for r in self.rows["offcpu"] if r["tid"] == tid]
+        for ts in np.arange(period, self.duration_s + 1e-9, period):
+            lo, hi = t(float(ts) - period), t(float(ts))
+            away = sum(max(0, min(hi, e) - max(lo, s)) for s, e in off)
+            self.gpu(float(ts), busy * (1.0 - away / (hi - lo)))
+
+    def lost(self, probe: str, count: int, ts: float = 0.0) -> None:
+        self.add("lost", ts_ns=t(ts), name=probe, count=count)
+
+    def _pid(self, tid: int | None, pid: int | None) -> int | None:
+        if pid is not None or tid is None:
+            return pid
+        for row in self.rows["thread"]:
+            if row["tid"] == tid:
+                return row["pid"]
+        return self.meta["target_pid"]
+
+    # -- output -----------------------------------------------------------------------
+    def write(self, path: Path) -> Path:
+        path = Path(path)
+        meta = dict(self.meta)
+        meta["gpu"] = dict(meta.get("gpu") or {})
+        if meta["gpu"].get("source") is not None:
+            meta["gpu"]["samples"] = len(self.rows["gpu"])
+        writer = SpoolWriter(path, meta)
+        for kind, rows in self.rows.items():
+            if not rows:
+                continue
+            names = sorted({k for row in rows for k in row})
+            writer.add(make_batch(kind, {n: [row.get(n) for row in rows] for n in names}))
+        writer.flush()
+        writer.close()
+        return finalize(spool_path_for(path), path)
+
+    def read(self, folder: Path, name: str = "trace.parquet"):
+        return read_trace(self.write(Path(folder) / name))
+
+
+def periodic(start: float, end: float, period: float) -> Iterable[float]:
+    """Start times of a loop that repeats every `period` seconds."""
+    return (float(x) for x in np.arange(start, end - 1e-9, period))
+
+
+# -- ready-made scenarios: one injected bottleneck each ---------------------------------
+
+TRAINER = 100
+WORKER = 200
+
+
+def input_pipeline(duration_s: float = 10.0, **kwargs: Any) -> Synth:
+    """The trainer runs 50 ms, then waits 140 ms on a futex until worker 200, busy
+    decoding all along, hands it the next batch."""
+    s = Synth(duration_s, **kwargs)
+    s.thread(TRAINER, "python")
+    s.thread(WORKER, "pt_data_worker", pid=WORKER)
+    for x in periodic(0.0, duration_s, 0.2):
+        s.offcpu(TRAINER, x + 0.05, 0.14, waker=WORKER, runq=0.001, kstack=FUTEX_STACK)
+        s.futex(TRAINER, x + 0.05, 0.139, addr=0x7F00_0000_1000)
+    s.gpu_from_running(TRAINER)
+    return s
+
+
+def healthy(duration_s: float = 10.0, *, gpu: bool = True) -> Synth:
+    """The trainer runs almost all the time; brief waits for an always-ready worker."""
+    s = Synth(duration_s, gpu_source="nvidia-smi" if gpu else None)
+    s.thread(TRAINER, "python")
+    s.thread(WORKER, "pt_data_worker", pid=WORKER)
+    for x in periodic(0.0, duration_s, 0.5):
+        s.offcpu(TRAINER, x + 0.3, 0.002, waker=WORKER, runq=0.0001, kstack=FUTEX_STACK)
+        s.futex(TRAINER, x + 0.3, 0.002, addr=0x7F00_0000_1000)
+        s.offcpu(WORKER, x + 0.1, 0.2, waker=TRAINER)
+    if gpu:
+        s.gpu_series(lambda ts: 92.0)
+    return s

@@ -1,0 +1,133 @@
+"""Wake-up chains: followed to the root cause over any number of links; cycles stop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from synth import DIRTY_STACK, FAULT_STACK, FUTEX_STACK, SLEEP_STACK, TRAINER, Synth, periodic
+from trainbpf.analyzers import analyze
+from trainbpf.analyzers.attribution import RunSplit
+from trainbpf.analyzers.chains import CHAIN_COLUMNS, wait_chains
+
+PERIOD = 0.3
+NAMES = {200: "pt_data_worker", 300: "ckpt_writer", 400: "python", 500: "python", 600: "python"}
+
+
+def chain_trace(links: list[int], root: str = "dirty", cycle_to: int | None = None) -> Synth:
+    """The trainer runs 100 ms then waits 200 ms for links[0], which was itself waiting
+    for links[1], ... ; the last link is blocked by `root` ("dirty": balance_dirty_pages,
+    "runnable": no CPU, "faulting": running in the page-fault path) or, with `cycle_to`,
+    was woken by that earlier link of the chain."""
+    s = Synth(duration_s=9.0)
+    s.thread(TRAINER, "python")
+    for tid in links:
+        s.thread(tid, NAMES[tid])
+    for x in periodic(0.0, 9.0, PERIOD):
+        s.offcpu(TRAINER, x + 0.1, 0.2, waker=links[0], kstack=FUTEX_STACK)
+        s.futex(TRAINER, x + 0.1, 0.2, addr=0x7F00_0000_1000)
+        for i, tid in enumerate(links, 1):
+            a, t = x + 0.05 - 0.01 * i, x + 0.3 - 0.01 * i  # ends just before it wakes link i-1
+            last = i == len(links)
+            if not last:
+                s.offcpu(tid, a, t - a, waker=links[i], kstack=SLEEP_STACK)
+            elif cycle_to is not None:
+                s.offcpu(tid, a, t - a, waker=cycle_to, kstack=SLEEP_STACK)
+            elif root == "dirty":
+                s.offcpu(tid, a, t - a, state="D", kstack=DIRTY_STACK)
+                s.dirty_pause(tid, a, t - a)
+            elif root == "runnable":
+                s.offcpu(tid, a, t - a, state="R", runq=t - a)
+            elif root == "faulting":
+                s.oncpu_every(tid, x, x + PERIOD, hz=200, kstack=FAULT_STACK)
+    s.gpu_from_running(TRAINER)
+    return s
+
+
+def chain_of(finding) -> list[tuple[int, str]]:
+    return [(c["tid"], c["state"]) for c in finding.chain]
+
+
+def test_chain_of_three_ends_at_dirty_throttling(tmp_path):
+    a = analyze(chain_trace([200, 300]).read(tmp_path))
+    f = a.findings.iloc[0]
+    assert f.category == "dirty_throttling"
+    assert f.share >= 0.95
+    assert chain_of(f) == [(TRAINER, "futex"), (200, "sleep"), (300, "dirty_throttling")]
+    assert [c["role"] for c in f.chain] == ["trainer", "dataloader", "checkpoint"]
+    assert f.threads[0]["tid"] == 300
+    assert not a.chains["cycle"].any()
+
+
+def test_chain_of_five(tmp_path):
+    a = analyze(chain_trace([200, 400, 500, 300]).read(tmp_path))
+    f = a.findings.iloc[0]
+    assert f.category == "dirty_throttling"
+    assert [tid for tid, _ in chain_of(f)] == [TRAINER, 200, 400, 500, 300]
+    assert a.chains.groupby("wait")["depth"].max().min() == 4
+
+
+def test_chain_ends_at_runnable_waker(tmp_path):
+    a = analyze(chain_trace([200, 400], root="runnable").read(tmp_path))
+    f = a.findings.iloc[0]
+    assert f.category == "cpu_contention"
+    assert chain_of(f)[-1] == (400, "runnable")
+
+
+def test_chain_ends_at_waker_running_in_fault_path(tmp_path):
+    a = analyze(chain_trace([200], root="faulting").read(tmp_path))
+    f = a.findings.iloc[0]
+    assert f.category == "page_faults"
+    assert chain_of(f) == [(TRAINER, "futex"), (200, "running")]
+
+
+def test_cycle_stops(tmp_path):
+    a = analyze(chain_trace([200, 400], cycle_to=200).read(tmp_path))
+    assert a.chains["cycle"].any()
+    assert a.chains.groupby("wait")["depth"].max().max() <= 2
+    f = a.findings.iloc[0]
+    assert f.category == "other"
+    assert [tid for tid, _ in chain_of(f)] == [TRAINER, 200, 400]
+
+
+def test_self_wake_cycle_stops(tmp_path):
+    a = analyze(chain_trace([200], cycle_to=200).read(tmp_path))
+    assert a.chains["cycle"].any()
+    assert a.findings.iloc[0].category == "other"
+
+
+def test_untraced_waker_is_other(tmp_path):
+    s = Synth()
+    s.thread(TRAINER, "python")
+    for x in periodic(0.0, 10.0, 0.3):
+        s.offcpu(TRAINER, x + 0.1, 0.2, waker=9999, kstack=SLEEP_STACK)
+    s.gpu_from_running(TRAINER)
+    a = analyze(s.read(tmp_path))
+    f = a.findings.iloc[0]
+    assert f.category == "other"
+    assert chain_of(f) == [(TRAINER, "sleep"), (9999, "untraced")]
+
+
+def test_wait_chains_terminates_on_mutual_wakeups(tmp_path):
+    """Inconsistent input: two threads each blocked until the other woke them, at the
+    same instant.  The chain stops at the cycle instead of looping."""
+    s = Synth(duration_s=2.0)
+    s.thread(TRAINER, "python")
+    s.thread(200, "python")
+    s.offcpu(TRAINER, 0.5, 1.0, waker=200)
+    s.offcpu(200, 0.5, 1.0, waker=TRAINER)
+    a = analyze(s.read(tmp_path))
+    assert list(a.chains.columns) == list(CHAIN_COLUMNS)
+    assert a.chains["cycle"].any()
+    assert len(a.chains) == 2
+
+
+def test_wait_chains_empty_has_fixed_columns(tmp_path):
+    s = Synth(duration_s=1.0)
+    s.thread(TRAINER, "python")
+    a = analyze(s.read(tmp_path))
+    no_waits = pd.DataFrame({"wait": [], "tid": [], "start_ns": [], "end_ns": [], "waker_tid": [], "state": []})
+    chains = wait_chains(no_waits, a.states, RunSplit(a.samples))
+    assert list(chains.columns) == list(CHAIN_COLUMNS)
+    assert chains["depth"].dtype == np.int64
+    assert len(chains) == 0
