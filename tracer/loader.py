@@ -29,7 +29,7 @@ ALL_COLLECTORS: tuple[type[Collector], ...] = (
     WritebackCollector, BlockCollector,
 )
 PROBE_NAMES = tuple(c.name for c in ALL_COLLECTORS)
-TRACEFS = Path("/sys/kernel/tracing")
+TRACEFS = Path(os.environ.get("TRAINBPF_TRACEFS", "/sys/kernel/tracing"))  # where tracefs lives or is mounted
 DOCTOR = "run `trainbpf doctor`"
 
 
@@ -42,7 +42,7 @@ def ensure_tracefs(*, mount: bool = True) -> Path:
     if (TRACEFS / "events").is_dir():
         return TRACEFS
     legacy = Path("/sys/kernel/debug/tracing")
-    if (legacy / "events").is_dir():
+    if "TRAINBPF_TRACEFS" not in os.environ and (legacy / "events").is_dir():
         return legacy
     if mount and os.geteuid() == 0:
         subprocess.run(["mount", "-t", "tracefs", "nodev", str(TRACEFS)],
