@@ -61,6 +61,12 @@ class Analysis:
         return float(self.starved["ns"].sum())
 
     @property
+    def unfinished(self) -> bool:
+        """A recording that did not finish: a spool read as it is, or a recovered one."""
+        meta = self.meta
+        return self.path.endswith(".spool") or meta.get("complete") is False or bool(meta.get("recovered"))
+
+    @property
     def gpu_samples(self) -> int:
         return int(self.gpu["gpus"].sum()) if len(self.gpu) else 0
 

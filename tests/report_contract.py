@@ -1,0 +1,84 @@
+"""A validator for the JSON report contract (DESIGN §5), shared by the report tests."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from trainbpf.analyzers.categories import CATEGORIES, ROLES, STATES
+
+TOP_KEYS = {"schema", "trace", "gpu", "starved_s", "findings", "threads"}
+TRACE_KEYS = {"path", "duration_s", "pid", "lost_events"}
+GPU_KEYS = {"source", "samples", "idle_fraction"}
+FINDING_KEYS = {"category", "share", "seconds", "severity", "threads", "chain", "summary", "evidence", "recommendation"}
+SEVERITIES = {"critical", "warning", "info"}
+
+
+def _plain_json(value: Any) -> None:
+    """Only JSON's own types all the way down (no numpy scalars, no NaN)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            assert isinstance(k, str), k
+            _plain_json(v)
+    elif isinstance(value, list):
+        for v in value:
+            _plain_json(v)
+    elif isinstance(value, float):
+        assert value == value and value not in (float("inf"), float("-inf")), value
+    else:
+        assert value is None or type(value) in (str, int, bool), (type(value), value)
+
+
+def validate_report(doc: dict[str, Any]) -> None:
+    """Assert that `doc` is exactly a trainbpf.report/1 document."""
+    assert set(doc) == TOP_KEYS, set(doc) ^ TOP_KEYS
+    assert doc["schema"] == "trainbpf.report/1"
+    _plain_json(doc)
+    assert json.loads(json.dumps(doc)) == doc
+
+    tr = doc["trace"]
+    assert set(tr) == TRACE_KEYS
+    assert isinstance(tr["path"], str)
+    assert type(tr["duration_s"]) is float and tr["duration_s"] >= 0
+    assert tr["pid"] is None or type(tr["pid"]) is int
+    assert type(tr["lost_events"]) is int and tr["lost_events"] >= 0
+
+    gpu = doc["gpu"]
+    assert set(gpu) == GPU_KEYS
+    assert gpu["source"] is None or isinstance(gpu["source"], str)
+    assert type(gpu["samples"]) is int and gpu["samples"] >= 0
+    if gpu["samples"]:
+        assert type(gpu["idle_fraction"]) is float and 0.0 <= gpu["idle_fraction"] <= 1.0
+    else:
+        assert gpu["idle_fraction"] is None
+
+    assert type(doc["starved_s"]) is float and doc["starved_s"] >= 0
+
+    shares = []
+    for f in doc["findings"]:
+        assert set(f) == FINDING_KEYS, set(f) ^ FINDING_KEYS
+        assert f["category"] in CATEGORIES
+        assert type(f["share"]) is float and 0.0 <= f["share"] <= 1.0
+        assert type(f["seconds"]) is float and f["seconds"] >= 0
+        assert f["severity"] in SEVERITIES
+        for t in f["threads"]:
+            assert set(t) == {"tid", "comm", "role"}
+            assert type(t["tid"]) is int and isinstance(t["comm"], str) and t["role"] in ROLES
+        for c in f["chain"]:
+            assert set(c) == {"tid", "role", "state"}
+            assert type(c["tid"]) is int and c["role"] in ROLES and isinstance(c["state"], str) and c["state"]
+        assert isinstance(f["summary"], str) and f["summary"]
+        assert isinstance(f["evidence"], dict)
+        assert isinstance(f["recommendation"], str) and f["recommendation"]
+        shares.append(f["share"])
+    assert shares == sorted(shares, reverse=True), "findings sorted by share, largest first"
+    assert sum(shares) <= 1.0 + 1e-9
+    assert len({f["category"] for f in doc["findings"]}) == len(doc["findings"])
+
+    for t in doc["threads"]:
+        assert set(t) == {"tid", "comm", "role", "seconds"}
+        assert type(t["tid"]) is int and isinstance(t["comm"], str) and t["role"] in ROLES
+        for state, sec in t["seconds"].items():
+            assert state in STATES
+            assert type(sec) is float and sec >= 0
+    assert len({t["tid"] for t in doc["threads"]}) == len(doc["threads"])

@@ -1,0 +1,288 @@
+"""A self-contained HTML report: inline CSS and SVG drawn here, no scripts, no network.
+
+The timeline bins the analysed window into columns: GPU utilisation on top (idle windows
+shaded), the trainer's state mix per column stacked underneath, then one row of marks per
+finding where its starved time falls.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import Any, Iterable
+
+import numpy as np
+
+from trainbpf.analyzers import Analysis, observed_ns
+from trainbpf.analyzers.categories import STATES
+from trainbpf.analyzers.intervals import NS_PER_S, ClassTime, intersect
+
+STATE_COLORS = {
+    "running": "#2e9e44", "runnable": "#f29d38", "futex": "#8e6bd1", "sleep": "#8fc1e3",
+    "page_faults": "#d64545", "mmap_lock": "#a0522d", "memory_reclaim": "#c2389a",
+    "dirty_throttling": "#e8702a", "block_io": "#2f6db5", "uninterruptible": "#7a7a7a",
+    "short_wait": "#c8c8c8", "other": "#4d4d4d",
+}
+CATEGORY_COLORS = {
+    "input_pipeline": "#1f77b4", "cpu_contention": "#f29d38", "lock_contention": "#8e6bd1",
+    "gil_contention": "#6a3d9a", "allocator_churn": "#b15928", "page_faults": "#d64545",
+    "mmap_lock": "#a0522d", "memory_reclaim": "#c2389a", "dirty_throttling": "#e8702a",
+    "block_io": "#2f6db5", "numa_remote": "#17becf", "other": "#4d4d4d",
+}
+WIDTH = 1200
+LEFT = 150
+RIGHT = 40
+BINS = 400
+MAX_THREAD_BARS = 60
+
+CSS = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px; color: #1d1d1f; background: #fff; }
+h1 { font-size: 22px; margin: 0 0 6px; } h2 { font-size: 17px; margin: 28px 0 8px; border-bottom: 1px solid #ddd; }
+.meta { color: #444; margin: 2px 0; }
+.warning { background: #fff3cd; border: 1px solid #e0b000; padding: 8px 12px; margin: 10px 0; font-weight: 600; }
+.note { background: #eef4fb; border: 1px solid #9bbbe0; padding: 8px 12px; margin: 10px 0; }
+.finding { border: 1px solid #ddd; border-left: 6px solid #999; padding: 10px 14px; margin: 12px 0; border-radius: 4px; }
+.finding.critical { border-left-color: #d62728; } .finding.warning { border-left-color: #e8a400; } .finding.info { border-left-color: #7aa6d6; }
+.badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px; color: #fff; margin-left: 8px; }
+.badge.critical { background: #d62728; } .badge.warning { background: #e8a400; } .badge.info { background: #7aa6d6; }
+.share { display: inline-block; width: 160px; height: 10px; background: #eee; vertical-align: middle; margin-left: 10px; }
+.share > span { display: block; height: 10px; }
+table { border-collapse: collapse; margin: 6px 0; } td, th { padding: 2px 10px 2px 0; text-align: left; vertical-align: top; }
+table.num td.n, table.num th.n { text-align: right; }
+code, pre { font: 12px/1.35 ui-monospace, Menlo, Consolas, monospace; } pre { white-space: pre-wrap; margin: 0; }
+.legend span { display: inline-block; margin-right: 14px; } .legend i { display: inline-block; width: 11px; height: 11px; margin-right: 4px; vertical-align: -1px; }
+svg text { font: 11px system-ui, sans-serif; fill: #333; }
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _bins(analysis: Analysis, n: int = BINS) -> np.ndarray:
+    w = analysis.window
+    return np.linspace(w.start_ns, w.end_ns, n + 1).astype(np.int64)
+
+
+def _x(ns: Any, analysis: Analysis, width: int) -> np.ndarray:
+    w = analysis.window
+    span = max(1, w.ns)
+    return LEFT + (np.asarray(ns, dtype=np.float64) - w.start_ns) / span * (width - LEFT - RIGHT)
+
+
+def trainer_state_mix(analysis: Analysis, edges: np.ndarray) -> np.ndarray:
+    """(bins, len(STATES)) ns the trainer spent in each state per bin."""
+    st = analysis.states[analysis.states["tid"].to_numpy() == (analysis.trainer_tid if analysis.trainer_tid is not None else -2)]
+    if not len(st):
+        return np.zeros((len(edges) - 1, len(STATES)))
+    index = ClassTime(st["start_ns"].to_numpy(), st["end_ns"].to_numpy(), st["state"].cat.codes.to_numpy(), len(STATES))
+    cum = index.upto(edges)
+    return np.diff(cum, axis=0).astype(np.float64)
+
+
+def finding_bins(analysis: Analysis, edges: np.ndarray) -> dict[str, np.ndarray]:
+    """Starved ns per category per bin, each piece spread over the bins it spans."""
+    st = analysis.starved
+    start, end = st["start_ns"].to_numpy(np.int64), st["end_ns"].to_numpy(np.int64)
+    ia, ib, s, e = intersect(start, end, edges[:-1], edges[1:])
+    weight = st["ns"].to_numpy()[ia] * (e - s) / np.maximum(end - start, 1)[ia]
+    cats = st["category"].astype(str).to_numpy(dtype=object)[ia]
+    return {
+        str(cat): np.bincount(ib[cats == cat], weights=weight[cats == cat], minlength=len(edges) - 1)
+        for cat in np.unique(cats)
+    }
+
+
+def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
+    edges = _bins(analysis)
+    cats = [f["category"] for f in report["findings"] if f["seconds"] > 0]
+    gpu_h, state_h, mark_h, gap = 110, 54, 14, 18
+    top = 10
+    height = top + gpu_h + gap + state_h + gap + mark_h * max(1, len(cats)) + 34
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="GPU-starvation timeline">']
+    out.append(f'<rect x="0" y="0" width="{WIDTH}" height="{height}" fill="#fff"/>')
+    x0, x1 = LEFT, WIDTH - RIGHT
+    # GPU lane: idle windows, utilisation line, threshold.
+    out.append(f'<text x="8" y="{top + 14}">GPU utilisation</text>')
+    out.append(f'<rect x="{x0}" y="{top}" width="{x1 - x0}" height="{gpu_h}" fill="#fafafa" stroke="#ccc"/>')
+    if analysis.basis == "gpu_idle":
+        for s, e in zip(_x(analysis.idle["start_ns"], analysis, WIDTH), _x(analysis.idle["end_ns"], analysis, WIDTH)):
+            out.append(f'<rect x="{s:.1f}" y="{top}" width="{max(0.5, e - s):.1f}" height="{gpu_h}" fill="#f8d0d0"/>')
+        g = analysis.gpu
+        g = g[(g["ts_ns"] > analysis.window.start_ns) & (g["start_ns"] < analysis.window.end_ns)]
+        if len(g):
+            xs = _x(np.column_stack([np.maximum(g["start_ns"], analysis.window.start_ns), np.minimum(g["ts_ns"], analysis.window.end_ns)]).ravel(), analysis, WIDTH)
+            ys = top + gpu_h - np.repeat(np.clip(g["util"].to_numpy(), 0, 100), 2) / 100.0 * gpu_h
+            pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs, ys))
+            out.append(f'<polyline points="{pts}" fill="none" stroke="#1f77b4" stroke-width="1.5"/>')
+        ty = top + gpu_h - analysis.gpu_idle_threshold / 100.0 * gpu_h
+        out.append(f'<line x1="{x0}" x2="{x1}" y1="{ty:.1f}" y2="{ty:.1f}" stroke="#d62728" stroke-dasharray="4 3"/>')
+        out.append(f'<text x="8" y="{top + 30}" fill="#666">idle &lt; {analysis.gpu_idle_threshold:g}% shaded</text>')
+    else:
+        out.append(f'<text x="{x0 + 12}" y="{top + gpu_h / 2:.0f}">No GPU samples: starved time is the trainer\'s non-running time over the whole window.</text>')
+    # Trainer state mix.
+    y = top + gpu_h + gap
+    out.append(f'<text x="8" y="{y + 14}">trainer state</text>')
+    mix = trainer_state_mix(analysis, edges)
+    total = mix.sum(axis=1)
+    xs = _x(edges, analysis, WIDTH)
+    bw = np.diff(xs)
+    for b in np.flatnonzero(total > 0):
+        acc = 0.0
+        for k in np.flatnonzero(mix[b]):
+            h = mix[b, k] / total[b] * state_h
+            out.append(f'<rect x="{xs[b]:.1f}" y="{y + acc:.1f}" width="{bw[b] + 0.3:.1f}" height="{h:.1f}" fill="{STATE_COLORS[STATES[k]]}"/>')
+            acc += h
+    out.append(f'<rect x="{x0}" y="{y}" width="{x1 - x0}" height="{state_h}" fill="none" stroke="#ccc"/>')
+    # Finding marks.
+    y += state_h + gap
+    per_bin_all = finding_bins(analysis, edges)
+    width_ns = np.diff(edges).astype(np.float64)
+    for i, cat in enumerate(cats):
+        yy = y + i * mark_h
+        out.append(f'<text x="8" y="{yy + 10}">{_e(cat)}</text>')
+        per_bin = per_bin_all.get(cat, np.zeros(len(edges) - 1))
+        for b in np.flatnonzero(per_bin > 0):
+            alpha = 0.25 + 0.75 * min(1.0, per_bin[b] / max(width_ns[b], 1.0))
+            out.append(f'<rect x="{xs[b]:.1f}" y="{yy + 1}" width="{max(1.0, bw[b]):.1f}" height="{mark_h - 3}" fill="{CATEGORY_COLORS[cat]}" fill-opacity="{alpha:.2f}"/>')
+    if not cats:
+        out.append(f'<text x="8" y="{y + 10}" fill="#666">no findings to mark</text>')
+    # Time axis.
+    ay = height - 18
+    out.append(f'<line x1="{x0}" x2="{x1}" y1="{ay}" y2="{ay}" stroke="#999"/>')
+    offset = (analysis.window.start_ns - analysis.span.start_ns) / NS_PER_S
+    for frac in np.linspace(0, 1, 9):
+        x = x0 + frac * (x1 - x0)
+        label = offset + frac * analysis.window.seconds
+        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{ay}" y2="{ay + 4}" stroke="#999"/>')
+        out.append(f'<text x="{x:.1f}" y="{ay + 15}" text-anchor="middle">{label:.2f} s</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _legend(colors: dict[str, str], names: Iterable[str]) -> str:
+    return '<div class="legend">' + "".join(
+        f'<span><i style="background:{colors[n]}"></i>{_e(n)}</span>' for n in names
+    ) + "</div>"
+
+
+def _thread_bars(analysis: Analysis, report: dict[str, Any]) -> str:
+    threads = report["threads"][:MAX_THREAD_BARS]
+    row_h, bar_w = 18, WIDTH - LEFT - 90
+    height = row_h * len(threads) + 10
+    observed = observed_ns(analysis)
+    longest = max([observed.get(t["tid"], 0) for t in threads] + [1])
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="per-thread states">']
+    for i, t in enumerate(threads):
+        y = 4 + i * row_h
+        out.append(f'<text x="4" y="{y + 12}">{_e((t["comm"] or "?")[:16])} {t["tid"]}</text>')
+        x = float(LEFT)
+        for state in STATES:
+            sec = t["seconds"].get(state, 0.0)
+            if sec <= 0:
+                continue
+            w = sec * NS_PER_S / longest * bar_w
+            out.append(
+                f'<rect x="{x:.1f}" y="{y}" width="{max(w, 0.5):.1f}" height="{row_h - 4}" fill="{STATE_COLORS[state]}">'
+                f"<title>{_e(state)}: {sec:.3f} s</title></rect>"
+            )
+            x += w
+        out.append(f'<text x="{x + 6:.1f}" y="{y + 12}" fill="#666">{_e(t["role"])}</text>')
+    out.append("</svg>")
+    more = len(report["threads"]) - len(threads)
+    note = f'<p class="meta">{more} more threads are listed in the table below.</p>' if more > 0 else ""
+    return "\n".join(out) + note
+
+
+def _evidence_table(evidence: dict[str, Any]) -> str:
+    rows = []
+    for key, value in evidence.items():
+        if isinstance(value, float):
+            text = f"{value:.4g}"
+        elif isinstance(value, (dict, list)):
+            text = json.dumps(value, indent=1) if value else "—"
+        else:
+            text = str(value) if value not in ("", None) else "—"
+        rows.append(f"<tr><td><code>{_e(key)}</code></td><td><pre>{_e(text)}</pre></td></tr>")
+    return "<table>" + "".join(rows) + "</table>"
+
+
+def _findings(report: dict[str, Any]) -> str:
+    if not report["findings"]:
+        return '<p>No findings: the trainer was never starved in the analysed window.</p>'
+    out = []
+    for i, f in enumerate(report["findings"], 1):
+        sev = _e(f["severity"])
+        color = CATEGORY_COLORS.get(f["category"], "#999")
+        chain = " ← ".join(f"{_e(c['role'])} {c['tid']} [{_e(c['state'])}]" for c in f["chain"])
+        threads = ", ".join(f"{_e(t['comm'] or '?')} ({t['tid']}, {_e(t['role'])})" for t in f["threads"])
+        out.append(
+            f'<div class="finding {sev}"><div><b>{i}. {_e(f["category"])}</b><span class="badge {sev}">{sev}</span>'
+            f' &nbsp; {100 * f["share"]:.1f}% of starved time, {f["seconds"]:.2f} s'
+            f'<span class="share"><span style="width:{100 * f["share"]:.1f}%;background:{color}"></span></span></div>'
+            f'<p>{_e(f["summary"])}</p>'
+            + (f"<p><b>Threads:</b> {threads}</p>" if threads else "")
+            + (f"<p><b>Chain:</b> {chain}</p>" if chain else "")
+            + f'<p><b>What to do:</b> {_e(f["recommendation"])}</p>'
+            + "<details open><summary>Evidence</summary>" + _evidence_table(f["evidence"]) + "</details></div>"
+        )
+    return "\n".join(out)
+
+
+def _thread_table(report: dict[str, Any]) -> str:
+    used = [s for s in STATES if any(s in t["seconds"] for t in report["threads"])]
+    head = "".join(f'<th class="n">{_e(s)}</th>' for s in used)
+    rows = []
+    for t in report["threads"]:
+        cells = "".join(f'<td class="n">{t["seconds"].get(s, 0.0):.3f}</td>' for s in used)
+        rows.append(f"<tr><td>{t['tid']}</td><td>{_e(t['comm'] or '?')}</td><td>{_e(t['role'])}</td>{cells}</tr>")
+    return f'<table class="num"><tr><th>tid</th><th>comm</th><th>role</th>{head}</tr>{"".join(rows)}</table>'
+
+
+def render_html(analysis: Analysis, report: dict[str, Any]) -> str:
+    """The report as one HTML file that opens offline."""
+    tr, gpu = report["trace"], report["gpu"]
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>trainbpf report: {_e(tr['path'])}</title>",
+        f"<style>{CSS}</style></head><body>",
+        "<h1>trainbpf report</h1>",
+        f'<p class="meta"><b>Trace:</b> <code>{_e(tr["path"])}</code> · {tr["duration_s"]:.2f} s analysed · pid {_e(tr["pid"])}</p>',
+    ]
+    if gpu["samples"]:
+        parts.append(
+            f'<p class="meta"><b>GPU:</b> {_e(gpu["source"])}, {gpu["samples"]} samples, idle (below '
+            f'{analysis.gpu_idle_threshold:g}%) {100 * (gpu["idle_fraction"] or 0):.1f}% of the time</p>'
+        )
+    else:
+        parts.append(
+            '<div class="note">No GPU samples in this trace: starved time is the trainer\'s non-running '
+            "time (off-CPU, runnable, or stalled in the kernel's fault/reclaim paths).</div>"
+        )
+    parts.append(f'<p class="meta"><b>Starved time:</b> {report["starved_s"]:.2f} s</p>')
+    if tr["lost_events"]:
+        per = ", ".join(f"{_e(k)}: {v}" for k, v in sorted(analysis.lost.items()))
+        parts.append(
+            f'<div class="warning">WARNING: {tr["lost_events"]} events were lost ({per}); the numbers '
+            "below undercount what happened.</div>"
+        )
+    if not report["threads"]:
+        parts.append(
+            '<div class="note">This trace holds no thread activity: no events were recorded, so there '
+            "is nothing to attribute.</div></body></html>"
+        )
+        return "\n".join(parts) + "\n"
+    parts += [
+        "<h2>GPU-starvation timeline</h2>",
+        _timeline(analysis, report),
+        _legend(STATE_COLORS, STATES),
+        "<h2>Findings</h2>",
+        _findings(report),
+        "<h2>Threads</h2>",
+        _thread_bars(analysis, report),
+        _thread_table(report),
+        "</body></html>",
+    ]
+    return "\n".join(parts) + "\n"
+
