@@ -25,8 +25,9 @@ fi
 # bcc comes from the distribution (PyPI's "bcc" is an unrelated package).
 APT_PACKAGES=(python3-bpfcc bpfcc-tools libbpfcc python3-venv python3-dev bpftool linux-headers-amd64)
 if [ "$WITH_TEST" -eq 1 ]; then
-  # node_exporter for the health-check test, chromium for the HTML screenshot test
-  APT_PACKAGES+=(prometheus-node-exporter chromium)
+  # node_exporter for the health-check test, chromium for the HTML screenshot test,
+  # sudo for the documented `sudo .venv/bin/trainbpf` invocation
+  APT_PACKAGES+=(prometheus-node-exporter chromium sudo)
 fi
 [ "$(uname -m)" = x86_64 ] || APT_PACKAGES=("${APT_PACKAGES[@]/linux-headers-amd64/linux-headers-$(dpkg --print-architecture)}")
 
@@ -59,6 +60,14 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
   log "installing trainbpf$extra into the venv"
   "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT$extra"
   echo "$want" > "$STAMP"
+fi
+
+# The DataLoader scenario uses real PyTorch; the CPU build of this version installs from
+# the machine's local package store in well under a minute.  Without it that one
+# scenario is skipped, saying why.
+if [ "$WITH_TEST" -eq 1 ] && ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  log "installing torch==2.13.0 (CPU) for the DataLoader scenario"
+  "$VENV/bin/pip" install -q --disable-pip-version-check torch==2.13.0 || log "torch unavailable: the DataLoader scenario will be skipped"
 fi
 
 # Build the kernel header tree bcc needs now, so the first record does not pay for it.
