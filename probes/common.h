@@ -37,6 +37,8 @@
 /* tid -> tgid of every traced thread: seeded from /proc at start, extended at fork.
  * Kept in a map because sched_switch's incoming task is not `current`. */
 BPF_HASH(traced, u32, u32, MAX_THREADS);
+/* The recorder's own threads, left out when TRACE_ALL traces the whole machine. */
+BPF_HASH(ignored, u32, u32, 1024);
 BPF_PERCPU_ARRAY(lost, u64, PROBE_COUNT);
 BPF_STACK_TRACE(stacks, STACK_ENTRIES);
 
@@ -54,7 +56,7 @@ static __always_inline u32 current_tgid(void)
 static __always_inline int is_traced(u32 tid)
 {
     if (TRACE_ALL)
-        return tid != 0;
+        return tid != 0 && ignored.lookup(&tid) == NULL;
     return traced.lookup(&tid) != NULL;
 }
 

@@ -52,6 +52,8 @@ struct switched_out {
     s64 state;
     s32 kstack_id;
     s32 ustack_id;
+    u32 tgid; /* read at switch-out, where the task is `current` */
+    u32 pad;
 };
 
 struct wakeup {
@@ -90,6 +92,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
     if (prev != 0 && is_traced(prev)) {
         struct switched_out so = {};
         so.ts_ns = now;
+        so.tgid = current_tgid();
         so.state = args->prev_state;
         so.kstack_id = stacks.get_stackid(args, 0);
         so.ustack_id = stacks.get_stackid(args, BPF_F_USER_STACK);
@@ -112,11 +115,10 @@ TRACEPOINT_PROBE(sched, sched_switch)
             runq = now - w->ts_ns;
     }
     s32 kstack = so->kstack_id, ustack = so->ustack_id;
+    u32 pid = so->tgid;
     switched_out_at.delete(&next);
     woken_at.delete(&next);
 
-    u32 *tgid = traced.lookup(&next);
-    u32 pid = tgid ? *tgid : 0;
     if (dur < MIN_BLOCK_NS) {
         struct short_key key = {.tid = next, .state = preempted ? STATE_PREEMPTED : (u32)(state & 0xff)};
         struct short_sum zero = {};

@@ -141,6 +141,11 @@ def set_traced(bpf, tid: int, tgid: int) -> None:
     bpf["traced"][ctypes.c_uint32(tid)] = ctypes.c_uint32(tgid)
 
 
+def ignore(bpf, tid: int) -> None:
+    """Leave `tid` out of a node-wide (TRACE_ALL) recording."""
+    bpf["ignored"][ctypes.c_uint32(tid)] = ctypes.c_uint32(1)
+
+
 def untrace(bpf, tid: int) -> None:
     try:
         del bpf["traced"][ctypes.c_uint32(tid)]

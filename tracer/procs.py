@@ -92,6 +92,11 @@ def tree_threads(pid: int) -> list[ThreadInfo]:
     return [t for p in process_tree(pid) for t in threads_of(p)]
 
 
+def all_threads() -> list[ThreadInfo]:
+    """Every thread on the machine (the node-wide recording's thread table)."""
+    return [t for e in os.scandir(PROC) if e.name.isdigit() for t in threads_of(int(e.name))]
+
+
 def cmdline(pid: int) -> list[str]:
     raw = _read(PROC / str(pid) / "cmdline") or ""
     return [a for a in raw.split("\0") if a]

@@ -115,12 +115,15 @@ class Recorder:
         wall_minus_mono = time.time_ns() - time.monotonic_ns()
         gpu = GpuSampler(mode=self.gpu_mode, wall_minus_mono_ns=wall_minus_mono)
 
-        seed = procs.tree_threads(self.pid) if self.pid is not None else []
+        seed = self._walk()
         bpf = loader.load(collectors, self.settings)  # compile before the spool exists
         try:
             if self.pid is not None and not procs.is_alive(self.pid):
                 raise TargetError(f"process {self.pid} exited before the probes attached")
             gpu.start()
+            if self.settings.trace_all:  # the recorder does not trace itself
+                for tid in os.listdir("/proc/self/task"):
+                    loader.ignore(bpf, int(tid))
             self.meta = self._meta(collectors, wall_minus_mono, gpu)
             writer = SpoolWriter(self.output, self.meta)
             try:
@@ -153,12 +156,18 @@ class Recorder:
             "complete": False,
         }
 
+    def _walk(self) -> list[procs.ThreadInfo]:
+        if self.pid is not None:
+            return procs.tree_threads(self.pid)
+        return [t for t in procs.all_threads() if t.pid != os.getpid()]
+
     def _seed(self, bpf, writer: SpoolWriter, threads: list[procs.ThreadInfo]) -> None:
         new = [t for t in threads if t.tid not in self.threads]
         if not new:
             return
         for t in new:
-            loader.set_traced(bpf, t.tid, t.pid)
+            if not self.settings.trace_all:  # node-wide, the probes trace every tid anyway
+                loader.set_traced(bpf, t.tid, t.pid)
             self.threads[t.tid] = t.pid
         now = time.monotonic_ns()
         writer.add(make_batch("thread", {
@@ -180,8 +189,7 @@ class Recorder:
         procsampler = procfs.ProcSampler()
 
         self._seed(bpf, writer, seed)
-        if self.pid is not None:  # threads born between the first walk and the attach
-            self._seed(bpf, writer, procs.tree_threads(self.pid))
+        self._seed(bpf, writer, self._walk())  # threads born between the first walk and the attach
         tgids = sorted(set(self.threads.values()))
         for batch in (procfs.numa_maps_batch(tgids, "start"), taskstats.snapshot(dict(self.threads), "start")):
             if batch is not None:
