@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 import threading
@@ -183,3 +184,26 @@ def test_decoded_event_sizes_match_the_c_structs():
         assert triggered >= set(dtypes) - {"writeback_events"}, f"not triggered: {set(dtypes) - triggered}"
     finally:
         bpf.cleanup()
+
+
+def test_system_wide_recording_sees_other_processes_but_not_itself(tmp_path):
+    require_root()
+    from trainbpf.tracefile import read_trace
+    from trainbpf.tracer.collector import Settings
+    from trainbpf.tracer.record import record
+
+    other = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.005)"])
+    try:
+        record(pid=None, output=tmp_path / "node.parquet", duration=2, settings=Settings(trace_all=True),
+               gpu="off", handle_signals=False)
+    finally:
+        other.kill()
+        other.wait()
+    trace = read_trace(tmp_path / "node.parquet")
+    off = trace.frame("offcpu")
+    assert (off.pid == other.pid).sum() >= 50, "the sleeping process should show many off-CPU intervals"
+    assert (off.pid != 0).all(), "every interval carries its process id"
+    rows = trace.table.to_pandas()
+    assert not (rows.pid == os.getpid()).any(), "the recorder must not trace itself"
+    threads = trace.frame("thread")
+    assert other.pid in set(threads.tid)
