@@ -1,0 +1,279 @@
+"""Shared pieces of the scenario workloads: the simulated GPU, the trainer loop, thread
+naming and calibrated CPU work.
+
+Every workload is a toy training loop whose main thread is the trainer: it takes a
+batch, marks the simulated GPU busy for one step (appending the interval to the file
+that `scripts/fake-nvidia-smi` reads) and waits for the step to end, like a CUDA
+synchronize.  While the trainer is getting its next batch the GPU is idle, so whatever
+delays the trainer shows up as GPU-idle time with one known cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import mmap
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+# One BLAS thread: hidden OpenBLAS threads would add CPU load nobody asked for.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402  (after the thread-count settings above)
+
+SIM_GPU_ENV = "TRAINBPF_SIM_GPU"
+DEFAULT_SIM_GPU_PATH = "/tmp/trainbpf-sim-gpu"
+DATALOADER_COMM = "pt_data_worker"  # what torch names its DataLoader workers
+# One GPU step.  GPU samples average utilisation over 100 ms, so a stall is seen as GPU
+# idleness only where it spans most of a sample: each workload's injected stall is
+# about one step long or longer, not a few ms between steps.
+STEP_S = 0.15
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+# Past this size the interval file is started afresh: only its tail is ever read.
+_SIM_FILE_MAX_BYTES = 1 << 20
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def sim_gpu_path() -> str:
+    return os.environ.get(SIM_GPU_ENV) or DEFAULT_SIM_GPU_PATH
+
+
+class SimGpu:
+    """The simulated GPU: busy intervals appended as "start_ns end_ns" lines
+    (CLOCK_MONOTONIC, the clock of time.monotonic_ns())."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path or sim_gpu_path()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if os.fstat(self._fd).st_size > _SIM_FILE_MAX_BYTES:
+            os.ftruncate(self._fd, 0)
+        self.created_ns = time.monotonic_ns()
+        self.busy_ns = 0
+        self.steps = 0
+
+    def step(self, seconds: float) -> None:
+        """Run one GPU step of `seconds` and wait for it to finish."""
+        start = time.monotonic_ns()
+        end = start + int(seconds * 1e9)
+        # One write of one short line on an O_APPEND descriptor: readers never see half.
+        os.write(self._fd, f"{start} {end}\n".encode())
+        sleep_until_ns(end)
+        self.busy_ns += end - start
+        self.steps += 1
+
+
+def sleep_until_ns(deadline_ns: int) -> None:
+    while (left := deadline_ns - time.monotonic_ns()) > 0:
+        time.sleep(left / 1e9)
+
+
+def parse_args(description: str | None, add_arguments=None) -> argparse.Namespace:
+    """The workload's command line (--seconds and what `add_arguments` adds); from here
+    on SIGTERM ends the workload cleanly."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--seconds", type=float, default=30.0, help="how long to run (30)")
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args()
+    exit_on_sigterm()
+    return args
+
+
+def run_main(main) -> None:
+    """Run the workload's `main`, clean-ups included, then end the process at once:
+    daemon threads may still be inside numpy, and finalising the interpreter under
+    them can crash it."""
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def announce_ready() -> None:
+    """The one line harnesses wait for: the workload's threads exist, trace it now."""
+    print(f"ready pid={os.getpid()}", flush=True)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM ends the workload through SystemExit, so `finally` clean-ups run."""
+
+    def _exit(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
+def set_comm(name: str) -> None:
+    """Name the calling thread in the kernel (its comm, 15 bytes at most)."""
+    _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+
+
+def die_with_parent() -> None:
+    """A forked worker gets SIGTERM when the process that forked it exits."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def start_thread(name: str, target, *args, comm: str | None = None) -> threading.Thread:
+    """A daemon thread named `name` in Python and `comm` (default: name) in the kernel."""
+
+    def run():
+        set_comm(comm or name)
+        target(*args)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def pin_current_thread(cpus: set[int]) -> None:
+    os.sched_setaffinity(threading.get_native_id(), cpus)
+
+
+# CPU work in chunks of single-threaded BLAS (a matrix product into a preallocated
+# output).  Each chunk runs with the GIL released, so threads burning CPU this way
+# compete for cores, not for the interpreter lock.
+_DEFAULT_MATRIX_N = 256  # one product: about 1 ms
+
+
+def burn_cpu(seconds: float, matrix_n: int = _DEFAULT_MATRIX_N) -> None:
+    """Spend `seconds` of this thread's CPU time (not wall time: waiting for a core
+    makes the work take longer, as real decoding would).  Bigger `matrix_n` means
+    longer chunks (128: ~0.1 ms, 512: ~7 ms) and fewer trips through the GIL."""
+    matrix = np.random.default_rng().random((matrix_n, matrix_n))
+    out = np.empty_like(matrix)
+    stop = time.thread_time() + seconds
+    while time.thread_time() < stop:
+        np.matmul(matrix, matrix, out=out)
+
+
+def touch_fresh_mapping(nbytes: int, *, huge_pages: bool = False) -> None:
+    """Map `nbytes` of anonymous memory, fault in every page and unmap it again: what an
+    allocator without pooling does for each block above its mmap threshold."""
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.madvise(mmap.MADV_HUGEPAGE if huge_pages else mmap.MADV_NOHUGEPAGE)
+    pages = np.frombuffer(buffer, dtype=np.uint8)
+    pages[:: mmap.PAGESIZE] = 1  # one write per small page: every page faults in
+    del pages  # the mapping cannot be closed while numpy still points into it
+    buffer.close()  # munmap
+
+
+def rewrite_file_forever(path: str, file_bytes: int, write_bytes: int,
+                         stop: threading.Event) -> None:
+    """Write `path` again and again through the page cache (buffered, no fsync) until
+    `stop` is set.  Rewriting one file (O_TRUNC) keeps disk use bounded."""
+    chunk = bytes(write_bytes)
+    while not stop.is_set():
+        with open(path, "wb") as f:
+            for _ in range(file_bytes // write_bytes):
+                if stop.is_set():
+                    return
+                f.write(chunk)
+
+
+@contextlib.contextmanager
+def file_rewriters(name: str, paths: list[str], file_bytes: int, write_bytes: int):
+    """Threads named `name`, one per path, running rewrite_file_forever; stopped and
+    joined on exit (before anyone removes their folder, or they may recreate a file)."""
+    stop = threading.Event()
+    threads = []
+    try:
+        for path in paths:
+            threads.append(start_thread(name, rewrite_file_forever, path, file_bytes,
+                                        write_bytes, stop))
+        yield threads
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+
+
+def add_dir_argument(parser) -> None:
+    parser.add_argument("--dir", help="where to write scratch files (default /var/tmp); "
+                        "they go into a fresh subfolder, removed at exit")
+
+
+@contextlib.contextmanager
+def scratch_folder(prefix: str, parent: str | None = None):
+    """A fresh folder inside `parent`, removed with its files on exit.  /var/tmp by
+    default, not /tmp: the point is a disk-backed file system, and /tmp may be tmpfs."""
+    folder = tempfile.mkdtemp(prefix=prefix, dir=parent or "/var/tmp")
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def decode_batch(cpu_seconds: float, batch_bytes: int = 1 << 20) -> np.ndarray:
+    """A stand-in for decoding one batch of samples: CPU work, then the batch tensor."""
+    burn_cpu(cpu_seconds)
+    return np.ones(batch_bytes // 8, dtype=np.float64)
+
+
+def train(seconds: float, next_batch=None, *, step_s: float = STEP_S, before_step=None) -> None:
+    """Announce readiness, run the trainer loop for `seconds`, report on stderr.
+    Without `next_batch` batches are at hand at once."""
+    announce_ready()
+    report(run_trainer(seconds, next_batch or (lambda: None), step_s=step_s,
+                       before_step=before_step))
+
+
+def start_dataloader(index: int, batches, decode_cpu_s: float, *,
+                     cpus: set[int] | None = None) -> threading.Thread:
+    """A dataloader thread (comm pt_data_worker) that decodes batches forever into the
+    queue `batches`, blocking while it is full; pinned to `cpus` when given."""
+
+    def load() -> None:
+        if cpus is not None:
+            pin_current_thread(cpus)
+        while True:
+            batches.put(decode_batch(decode_cpu_s))
+
+    return start_thread(f"{DATALOADER_COMM}_{index}", load, comm=DATALOADER_COMM)
+
+
+def run_trainer(seconds: float, next_batch, *, step_s: float, before_step=None) -> SimGpu:
+    """The trainer loop on the calling (main) thread: batch, GPU step, repeat.
+
+    `before_step(batch)` is host work between getting the batch and launching the step
+    (collate, copy to the device): it too leaves the GPU idle."""
+    gpu = SimGpu()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        batch = next_batch()
+        if before_step is not None:
+            before_step(batch)
+        gpu.step(step_s)
+    return gpu
+
+
+def report(gpu: SimGpu) -> None:
+    """One summary line on stderr: how busy the workload kept its simulated GPU."""
+    elapsed_ns = max(1, time.monotonic_ns() - gpu.created_ns)
+    print(
+        f"{os.path.basename(sys.argv[0])}: {gpu.steps} steps, "
+        f"simulated GPU busy {gpu.busy_ns / elapsed_ns:.0%}",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -1,0 +1,39 @@
+"""Input-pipeline bound, with torch's own DataLoader: two worker processes
+(num_workers=2; torch names them pt_data_worker) decode samples slower than the GPU
+consumes batches.
+
+The trainer blocks on the DataLoader's result queue and is woken through the queue's
+pipe by the worker process's feeder thread, which the decoding worker thread woke:
+a two-hop chain to a worker that was on-CPU.  Needs torch (a CPU build is enough).
+Expected top finding: input_pipeline.
+"""
+
+import common
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+BATCH_SIZE = 8
+# CPU seconds per sample: 0.6 s per batch per worker, as in decode_threads.
+DECODE_CPU_S = 0.075
+SAMPLE_ELEMENTS = 1 << 15
+
+
+class SlowDecodeDataset(Dataset):
+    def __len__(self) -> int:
+        return 1 << 30  # never exhausted within a run
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        common.burn_cpu(DECODE_CPU_S)
+        return torch.ones(SAMPLE_ELEMENTS)
+
+
+def main() -> None:
+    args = common.parse_args(__doc__)
+    loader = DataLoader(SlowDecodeDataset(), batch_size=BATCH_SIZE, num_workers=2,
+                        prefetch_factor=2)
+    batches = iter(loader)  # starts the worker processes before we announce readiness
+    common.train(args.seconds, batches.__next__)
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,55 @@
+"""The bundled demo (scripts/demo.sh): a small trainer fed by two dataloader threads,
+one of which gets the expensive samples and is decode-bound, plus a checkpoint written
+through the page cache every few seconds.
+
+Batches are taken from the workers in turn, as torch's DataLoader does, so every other
+step waits for the slow worker.
+Expected top finding: input_pipeline.
+"""
+
+import os
+import queue
+import threading
+
+import common
+
+# CPU seconds per batch: worker 0 keeps up easily, worker 1 takes four steps' time.
+DECODE_CPU_S = (0.05, 0.6)
+CHECKPOINT_EVERY_S = 3.0
+CHECKPOINT_BYTES = 128 << 20
+CHECKPOINT_WRITE_BYTES = 8 << 20
+
+
+def checkpoint_periodically(path: str, stop: threading.Event) -> None:
+    chunk = bytes(CHECKPOINT_WRITE_BYTES)
+    while not stop.wait(CHECKPOINT_EVERY_S):
+        with open(path, "wb") as f:
+            for _ in range(CHECKPOINT_BYTES // CHECKPOINT_WRITE_BYTES):
+                f.write(chunk)
+
+
+def main() -> None:
+    args = common.parse_args(__doc__, common.add_dir_argument)
+    worker_queues = [queue.Queue(maxsize=2) for _ in DECODE_CPU_S]
+    for i, (decode_cpu_s, batches) in enumerate(zip(DECODE_CPU_S, worker_queues)):
+        common.start_dataloader(i, batches, decode_cpu_s)
+    step = 0
+
+    def next_batch():
+        nonlocal step
+        step += 1
+        return worker_queues[step % len(worker_queues)].get()
+
+    stop = threading.Event()
+    with common.scratch_folder("trainbpf-demo-", args.dir) as folder:
+        writer = common.start_thread("ckpt_writer", checkpoint_periodically,
+                                     os.path.join(folder, "checkpoint.bin"), stop)
+        try:
+            common.train(args.seconds, next_batch)
+        finally:
+            stop.set()
+            writer.join()
+
+
+if __name__ == "__main__":
+    common.run_main(main)
