@@ -1,0 +1,350 @@
+"""Ground-truth scenarios (DESIGN §7): run a workload with one injected bottleneck under
+the real recorder CLI, analyse the trace with the real analyzer CLI, and hand back the
+JSON report for the test to judge.
+
+Each workload (scripts/workloads/<name>.py) drives a simulated GPU that the nvidia-smi
+stand-in (scripts/fake-nvidia-smi) samples; the harness puts the stand-in first on PATH
+for the recorder.  Some scenarios need the machine bent for the run: lower dirty-page
+limits, a memory-limited cgroup.  Every such change is undone on the way out, whatever
+happens in between.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = ROOT / "scripts" / "workloads"
+FAKE_SMI = ROOT / "scripts" / "fake-nvidia-smi"
+REPORT_SCHEMA = "trainbpf.report/1"
+
+RECORD_SECONDS = 6
+# The workload outlives any recording; it is stopped once the recorder is done.
+WORKLOAD_SECONDS = 300
+# Start recording once the pipeline is in its steady state (queues filled or drained).
+WARMUP_S = 1.5
+READY_TIMEOUT_S = 60
+# bcc compiles the probes when the recorder starts: on a busy 2-core machine that takes
+# a while, on top of the recording itself.
+RECORD_TIMEOUT_S = RECORD_SECONDS + 120
+ANALYZE_TIMEOUT_S = 120
+# Other work on the machine competes with the workload for the two cores and turns any
+# injected stall into CPU contention.  Wait (a while) for the machine to quieten down
+# before a run, and say how busy it was when a result looks wrong.
+QUIET_BELOW_CORES = 0.5
+QUIET_WAIT_S = 30
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str  # the workload: scripts/workloads/<name>.py
+    # Categories accepted as the top finding; empty for the healthy run.
+    expected: tuple[str, ...] = ()
+    min_share: float = 0.3
+    # (vm.dirty_bytes, vm.dirty_background_bytes) for the run.
+    dirty_limits: tuple[int, int] | None = None
+    memory_limit: int | None = None  # run inside a cgroup with this memory limit
+    declares_topology: bool = False  # the workload writes the topology for --topology
+    requires: str | None = None  # a module the workload imports beyond numpy
+
+    @property
+    def healthy(self) -> bool:
+        return not self.expected
+
+
+SCENARIOS = (
+    Scenario("decode_threads", ("input_pipeline",)),
+    Scenario("decode_processes", ("input_pipeline",)),
+    Scenario("decode_torch", ("input_pipeline",), requires="torch"),
+    Scenario("cpu_oversubscribed", ("cpu_contention",)),
+    # A real pthread mutex, not the GIL: gil_contention would be the wrong answer.
+    Scenario("allocator_lock", ("lock_contention",)),
+    Scenario("mmap_churn", ("allocator_churn", "page_faults")),
+    Scenario("checkpoint_dirty", ("dirty_throttling",), dirty_limits=(16 * MiB, 4 * MiB)),
+    Scenario("reclaim_cgroup", ("memory_reclaim",), memory_limit=768 * MiB),
+    Scenario("numa_wrong_node", ("numa_remote",), declares_topology=True),
+    Scenario("demo_trainer", ("input_pipeline",)),
+    Scenario("healthy"),
+)
+
+
+class ScenarioError(RuntimeError):
+    """The scenario could not be run to a report (as opposed to a wrong answer)."""
+
+
+@dataclass
+class ScenarioResult:
+    scenario: Scenario
+    report: dict
+    trace: Path
+    workdir: Path
+    busy_cores_before: float  # CPU use on the machine just before the workload started
+
+    @property
+    def findings(self) -> list[dict]:
+        return self.report["findings"]
+
+    @property
+    def top(self) -> dict | None:
+        return self.findings[0] if self.findings else None
+
+    def describe(self) -> str:
+        """One line for people: the GPU's idleness and the findings, biggest first."""
+        gpu = self.report.get("gpu") or {}
+        parts = [f"{f['category']} {f['share']:.2f} ({f['severity']}, {f['seconds']:.2f} s)"
+                 for f in self.findings]
+        return (f"{self.scenario.name}: GPU idle {gpu.get('idle_fraction')} over "
+                f"{gpu.get('samples')} samples, starved {self.report.get('starved_s')} s; "
+                f"findings: {'; '.join(parts) or 'none'} "
+                f"[machine busy {self.busy_cores_before:.1f} cores before the run]")
+
+
+def trainbpf_cli() -> Path:
+    """The console script installed beside the interpreter running the tests."""
+    return Path(sys.executable).parent / "trainbpf"
+
+
+def fake_gpu_env(workdir: Path) -> dict[str, str]:
+    """Environment for workload and recorder: the stand-in nvidia-smi first on PATH and
+    a simulated-GPU file private to this run."""
+    bin_dir = workdir / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    link = bin_dir / "nvidia-smi"
+    if not link.exists():
+        link.symlink_to(FAKE_SMI)
+    env = dict(os.environ)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    env["TRAINBPF_SIM_GPU"] = str(workdir / "sim-gpu")
+    return env
+
+
+# --- machine settings a scenario bends, always restored -------------------------------
+
+VM_SYSCTL = Path("/proc/sys/vm")
+
+
+@contextlib.contextmanager
+def lowered_dirty_limits(dirty_bytes: int, background_bytes: int):
+    """Set vm.dirty_bytes and vm.dirty_background_bytes; restore all four dirty knobs
+    after.  Setting a *_bytes knob zeroes its *_ratio twin (and back), so the one that
+    was in force is written back."""
+    knobs = ("dirty_bytes", "dirty_ratio", "dirty_background_bytes", "dirty_background_ratio")
+    saved = {k: (VM_SYSCTL / k).read_text().strip() for k in knobs}
+    try:
+        (VM_SYSCTL / "dirty_background_bytes").write_text(str(background_bytes))
+        (VM_SYSCTL / "dirty_bytes").write_text(str(dirty_bytes))
+        yield
+    finally:
+        for in_bytes, as_ratio in (("dirty_bytes", "dirty_ratio"),
+                                   ("dirty_background_bytes", "dirty_background_ratio")):
+            knob = in_bytes if int(saved[in_bytes]) else as_ratio
+            (VM_SYSCTL / knob).write_text(saved[knob])
+
+
+@dataclass
+class MemoryCgroup:
+    path: Path
+    parent: Path  # where left-over processes go before the cgroup is removed
+    version: int
+
+    def add_self(self) -> None:
+        """Move the calling process in (used between fork and exec)."""
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def remove(self) -> None:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                for pid in (self.path / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(OSError):
+                        (self.parent / "cgroup.procs").write_text(pid)
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                # EBUSY while exiting tasks are still charged to it: retry briefly.
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
+def _memory_cgroup_location() -> tuple[Path, int]:
+    """(this process's memory cgroup folder, cgroup version) from /proc/self."""
+    v1_path = v2_path = None
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            v1_path = path
+        elif controllers == "":
+            v2_path = path
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        root, mount_point = fields[3], fields[4]
+        after = fields[fields.index("-") + 1:]
+        fstype, super_options = after[0], after[2].split(",")
+        if v1_path is not None and fstype == "cgroup" and "memory" in super_options:
+            return Path(mount_point) / os.path.relpath(v1_path, root), 1
+        if v1_path is None and v2_path is not None and fstype == "cgroup2":
+            return Path(mount_point), 2
+    raise ScenarioError("no memory cgroup controller is mounted")
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_bytes: int):
+    """A fresh memory cgroup limited to `limit_bytes`, removed afterwards.
+
+    cgroup v1 (the memory controller on its own hierarchy): a child of this process's
+    memory cgroup, so the limits above still count.  cgroup v2: a child of the root (a
+    v2 cgroup holding processes cannot delegate controllers to children)."""
+    base, version = _memory_cgroup_location()
+    name = f"trainbpf-test-{os.getpid()}-{secrets.token_hex(3)}"
+    if version == 2:
+        control = base / "cgroup.subtree_control"
+        if "memory" not in control.read_text().split():
+            raise ScenarioError(f"the memory controller is not enabled in {control}")
+    cgroup = MemoryCgroup(base / name, base, version)
+    cgroup.path.mkdir()
+    try:
+        if version == 1:
+            (cgroup.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        else:
+            (cgroup.path / "memory.max").write_text(str(limit_bytes))
+            with contextlib.suppress(FileNotFoundError):
+                (cgroup.path / "memory.swap.max").write_text("0")
+        yield cgroup
+    finally:
+        cgroup.remove()
+
+
+# --- one run ---------------------------------------------------------------------------
+
+
+def busy_cores(seconds: float = 1.0) -> float:
+    """CPUs' worth of non-idle time on the machine over the next `seconds`."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields[:8]), idle
+
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return ((total1 - total0) - (idle1 - idle0)) / ticks / seconds
+
+
+def wait_for_quiet(limit_cores: float = QUIET_BELOW_CORES, timeout: float = QUIET_WAIT_S) -> float:
+    """Wait up to `timeout` for CPU use to drop below `limit_cores`; return the last
+    measurement (the run goes ahead either way)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = busy_cores()
+        if load < limit_cores or time.monotonic() > deadline:
+            return load
+
+
+@contextlib.contextmanager
+def running_workload(scenario: Scenario, env: dict, workdir: Path,
+                     cgroup: MemoryCgroup | None = None, extra_args: tuple[str, ...] = ()):
+    """Start the workload, wait for its `ready pid=N` line, yield the process, stop it."""
+    script = WORKLOADS / f"{scenario.name}.py"
+    log = open(workdir / "workload.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "--seconds", str(WORKLOAD_SECONDS), *extra_args],
+        env=env, stdout=subprocess.PIPE, stderr=log,
+        preexec_fn=cgroup.add_self if cgroup else None,
+    )
+    try:
+        line = _read_line(proc, READY_TIMEOUT_S)
+        if line != f"ready pid={proc.pid}":
+            raise ScenarioError(f"{scenario.name} did not start: {line!r}; "
+                                f"log: {_tail(workdir / 'workload.log')}")
+        yield proc
+    finally:
+        stop_process(proc)
+        log.close()
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            return f"(no line within {timeout} s)"
+    return proc.stdout.readline().decode(errors="replace").strip()
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _tail(path: Path, n: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return "(no log)"
+
+
+def run_scenario(scenario: Scenario, workdir: Path) -> ScenarioResult:
+    """Record the scenario's workload for RECORD_SECONDS and analyse the trace."""
+    cli = trainbpf_cli()
+    env = fake_gpu_env(workdir)
+    trace = workdir / f"{scenario.name}.parquet"
+    record_args = []
+    workload_args: tuple[str, ...] = ()
+    if scenario.declares_topology:
+        topology = workdir / "topology.json"
+        workload_args = ("--topology-out", str(topology))
+        record_args = ["--topology", str(topology)]
+    busy_before = wait_for_quiet()
+    with contextlib.ExitStack() as bent:
+        if scenario.dirty_limits:
+            bent.enter_context(lowered_dirty_limits(*scenario.dirty_limits))
+        cgroup = None
+        if scenario.memory_limit:
+            cgroup = bent.enter_context(memory_cgroup(scenario.memory_limit))
+        workload = bent.enter_context(
+            running_workload(scenario, env, workdir, cgroup, workload_args))
+        time.sleep(WARMUP_S)
+        recorded = subprocess.run(
+            [str(cli), "record", "--pid", str(workload.pid), "--duration", str(RECORD_SECONDS),
+             "-o", str(trace), *record_args],
+            env=env, capture_output=True, text=True, timeout=RECORD_TIMEOUT_S,
+        )
+        (workdir / "record.log").write_text(recorded.stdout + recorded.stderr)
+        if recorded.returncode != 0:
+            raise ScenarioError(f"trainbpf record exited {recorded.returncode}: "
+                                f"{recorded.stderr.strip()[-2000:]}")
+        if workload.poll() is not None:
+            raise ScenarioError(f"{scenario.name} exited during the recording "
+                                f"({workload.returncode}): {_tail(workdir / 'workload.log')}")
+    analyzed = subprocess.run([str(cli), "analyze", str(trace), "--format", "json"],
+                              capture_output=True, text=True, timeout=ANALYZE_TIMEOUT_S)
+    if analyzed.returncode != 0:
+        raise ScenarioError(f"trainbpf analyze exited {analyzed.returncode}: "
+                            f"{analyzed.stderr.strip()[-2000:]}")
+    (workdir / "report.json").write_text(analyzed.stdout)
+    try:
+        report = json.loads(analyzed.stdout)
+    except json.JSONDecodeError as exc:
+        raise ScenarioError(f"trainbpf analyze --format json printed no JSON: {exc}") from exc
+    return ScenarioResult(scenario, report, trace, workdir, busy_before)
