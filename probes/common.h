@@ -18,9 +18,13 @@
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 512 /* per probe, must be a power of two */
 #endif
-/* 1: every thread on the machine is traced (node-wide health check). */
+/* 1: every thread on the machine is traced (node-wide health check), except the
+ * recorder's own process SELF_TGID. */
 #ifndef TRACE_ALL
 #define TRACE_ALL 0
+#endif
+#ifndef SELF_TGID
+#define SELF_TGID 0
 #endif
 
 /* Index into `lost`; the collector side names them (tracer/collector.py PROBE_IDS). */
@@ -37,8 +41,7 @@
 /* tid -> tgid of every traced thread: seeded from /proc at start, extended at fork.
  * Kept in a map because sched_switch's incoming task is not `current`. */
 BPF_HASH(traced, u32, u32, MAX_THREADS);
-/* The recorder's own threads, left out when TRACE_ALL traces the whole machine. */
-BPF_HASH(ignored, u32, u32, 1024);
+
 BPF_PERCPU_ARRAY(lost, u64, PROBE_COUNT);
 BPF_STACK_TRACE(stacks, STACK_ENTRIES);
 
@@ -52,11 +55,14 @@ static __always_inline u32 current_tgid(void)
     return (u32)(bpf_get_current_pid_tgid() >> 32);
 }
 
-/* True when `tid` belongs to the traced tree. */
+/* True when `tid` belongs to the traced tree.  Node-wide, every task but the idle task
+ * and the recorder is traced; every caller there runs in a context whose `current` is
+ * the task in question or the one acting on it (a waker), so the recorder's own work
+ * and its wake-ups stay out. */
 static __always_inline int is_traced(u32 tid)
 {
     if (TRACE_ALL)
-        return tid != 0 && ignored.lookup(&tid) == NULL;
+        return tid != 0 && current_tgid() != SELF_TGID;
     return traced.lookup(&tid) != NULL;
 }
 

@@ -100,6 +100,7 @@ def cflags(collectors: list[Collector], settings: Settings, tracefs: Path) -> li
     defines = {
         "RINGBUF_PAGES": settings.ringbuf_pages,
         "TRACE_ALL": int(settings.trace_all),
+        "SELF_TGID": os.getpid(),
     }
     for c in collectors:
         defines.update(c.defines())
@@ -139,11 +140,6 @@ def event_dtypes(bpf, collectors: list[Collector]) -> dict[str, "object"]:
 
 def set_traced(bpf, tid: int, tgid: int) -> None:
     bpf["traced"][ctypes.c_uint32(tid)] = ctypes.c_uint32(tgid)
-
-
-def ignore(bpf, tid: int) -> None:
-    """Leave `tid` out of a node-wide (TRACE_ALL) recording."""
-    bpf["ignored"][ctypes.c_uint32(tid)] = ctypes.c_uint32(1)
 
 
 def untrace(bpf, tid: int) -> None:

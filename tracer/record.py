@@ -121,9 +121,6 @@ class Recorder:
             if self.pid is not None and not procs.is_alive(self.pid):
                 raise TargetError(f"process {self.pid} exited before the probes attached")
             gpu.start()
-            if self.settings.trace_all:  # the recorder does not trace itself
-                for tid in os.listdir("/proc/self/task"):
-                    loader.ignore(bpf, int(tid))
             self.meta = self._meta(collectors, wall_minus_mono, gpu)
             writer = SpoolWriter(self.output, self.meta)
             try:
