@@ -163,7 +163,7 @@ def _carve_short(short: pd.DataFrame, tid: np.ndarray, gap_start: np.ndarray, ga
         period_start = np.concatenate([[np.iinfo(np.int64).min], period_end[:-1]])
         gi, pi, s, e = intersect(gap_start[lo:hi], gap_end[lo:hi], period_start, period_end)
         overlap = (e - s).astype(np.float64)
-        running = np.bincount(pi, weights=overlap, minlength=len(period_end))
+        running = np.bincount(pi, weights=overlap, minlength=len(period_end)).astype(np.float64)
         blk, rq = f["blk"].to_numpy(np.float64), f["rq"].to_numpy(np.float64)
         share = np.divide(blk, blk + rq, out=np.zeros_like(blk), where=(blk + rq) > 0)
         # Each period's short waits, capped at its running time, spread over its gaps.
@@ -182,8 +182,6 @@ def clip_states(states: pd.DataFrame, span: Span) -> pd.DataFrame:
     start = np.maximum(states["start_ns"].to_numpy(), span.start_ns)
     end = np.minimum(states["end_ns"].to_numpy(), span.end_ns)
     keep = end > start
-    if keep.all():
-        return states
     out = states[keep].copy()
     out["start_ns"] = start[keep]
     out["end_ns"] = end[keep]
