@@ -171,6 +171,42 @@ def recover(
     typer.echo(f"wrote {path}", err=True)
 
 
+class _HealthCommand(typer.core.TyperCommand):
+    """`trainbpf health` exits 0-3 by contract, where 2 means critical: a command-line
+    mistake must read "could not check" (3), not click's usage-error 2."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except Exception as exc:
+            if getattr(exc, "exit_code", None) == 2:  # click's UsageError and kin
+                exc.exit_code = 3
+            raise
+
+
+@app.command(cls=_HealthCommand)
+def health(
+    duration: Optional[float] = typer.Option(None, "--duration", "-d", help="Seconds to record (config duration_s, default 10)."),
+    pid: Optional[list[int]] = typer.Option(None, "--pid", "-p", help="Training process to check (kernel tgid); repeat for several. Default: auto-detect."),
+    textfile_dir: Optional[Path] = typer.Option(None, "--textfile-dir", help="node_exporter textfile folder to write trainbpf_health.prom into."),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="Write the run's JSON document here (for `trainbpf fleet`)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML config (default /etc/trainbpf/health.toml when present); see docs/health.md."),
+) -> None:
+    """Scheduled node health check: short record + analyze; exit 0 ok, 1 warning, 2 critical, 3 could not check."""
+    from trainbpf.health import UNKNOWN, health_config, render_summary, run_health
+
+    try:
+        result = run_health(config=health_config(
+            config_file=config, duration=duration, pids=pid, textfile_dir=textfile_dir, json_file=json_file))
+    except TrainbpfError as exc:
+        typer.echo(f"trainbpf: error: {exc}", err=True)
+        raise typer.Exit(UNKNOWN)
+    typer.echo(render_summary(result))
+    if result.error:
+        typer.echo(f"trainbpf: error: {result.error}", err=True)
+    raise typer.Exit(result.exit_code)
+
+
 def main() -> None:
     try:
         app()
