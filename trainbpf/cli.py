@@ -207,6 +207,27 @@ def health(
     raise typer.Exit(result.exit_code)
 
 
+@app.command()
+def fleet(
+    source: str = typer.Argument(..., help="Folder of health JSON documents (searched recursively) or a glob."),
+    format: str = typer.Option("text", "--format", "-f", help="text, json or csv."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the table here instead of stdout."),
+) -> None:
+    """Merge many nodes' `trainbpf health --json` documents into one table ranked by starved share."""
+    from trainbpf.fleet import run_fleet
+
+    try:
+        text, skipped = run_fleet(source=source, fmt=format, output=output)
+    except TrainbpfError as exc:
+        _fail(exc)
+    for line in skipped:
+        typer.echo(f"trainbpf: warning: skipped {line}", err=True)
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        typer.echo(f"wrote {output}", err=True)
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,141 @@
+"""`trainbpf fleet`: many nodes' health JSON documents merged into one table that ranks
+the nodes by starved share, with each node's top stall category."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import io
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from trainbpf.errors import UsageError
+from trainbpf.health import HEALTH_SCHEMA, write_atomic
+
+FLEET_SCHEMA = "trainbpf.fleet/1"
+FORMATS = ("text", "json", "csv")
+# Worst first: a critical node, then one that could not be checked, then a warning.
+STATUS_ORDER = {"critical": 0, "unknown": 1, "warning": 2, "ok": 3}
+
+
+@dataclass(frozen=True)
+class FleetRow:
+    rank: int
+    host: str
+    status: str
+    exit_code: int
+    starved_ratio: float | None
+    top_category: str | None
+    top_share: float | None
+    targets: int
+    finished: str
+    error: str | None
+    file: str
+
+
+def health_files(source: str) -> list[Path]:
+    """A folder (every *.json below it) or a glob pattern."""
+    path = Path(source)
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*.json") if p.is_file())
+    return sorted(Path(p) for p in glob.glob(source, recursive=True) if Path(p).is_file())
+
+
+def load_documents(files: list[Path]) -> tuple[list[tuple[Path, dict[str, Any]]], list[str]]:
+    """(file, document) of every health document, newest per host, and one line per file
+    skipped."""
+    newest: dict[str, tuple[Path, dict[str, Any]]] = {}
+    skipped = []
+    for path in files:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            skipped.append(f"{path}: not readable JSON ({exc})")
+            continue
+        if not isinstance(doc, dict) or doc.get("schema") != HEALTH_SCHEMA:
+            skipped.append(f"{path}: not a {HEALTH_SCHEMA} document")
+            continue
+        host = str(doc.get("host"))
+        if host not in newest or doc.get("finished_timestamp", 0) > newest[host][1].get("finished_timestamp", 0):
+            newest[host] = (path, doc)
+    return list(newest.values()), skipped
+
+
+def _top_share(doc: dict[str, Any]) -> float | None:
+    """The share of the top category in the worst target's findings."""
+    graded = [t for t in doc.get("targets", []) if t.get("starved_ratio") is not None]
+    if not graded:
+        return None
+    worst = max(graded, key=lambda t: t["starved_ratio"])
+    return worst["findings"][0]["share"] if worst.get("findings") else None
+
+
+def fleet_rows(documents: list[tuple[Path, dict[str, Any]]]) -> list[FleetRow]:
+    """One row per node, most starved first; nodes without a starved share (no target,
+    or not checked) follow, worst status first."""
+    def order(item: tuple[Path, dict[str, Any]]) -> tuple:
+        doc = item[1]
+        starved = doc.get("starved_ratio")
+        return (starved is None, -(starved or 0.0), STATUS_ORDER.get(str(doc.get("status")), len(STATUS_ORDER)), str(doc.get("host")))
+
+    rows = []
+    for rank, (path, doc) in enumerate(sorted(documents, key=order), start=1):
+        rows.append(FleetRow(
+            rank=rank, host=str(doc.get("host")), status=str(doc.get("status")), exit_code=int(doc.get("exit_code", 3)),
+            starved_ratio=doc.get("starved_ratio"), top_category=doc.get("top_category"), top_share=_top_share(doc),
+            targets=len(doc.get("targets", [])), finished=str(doc.get("finished", "")), error=doc.get("error"), file=str(path),
+        ))
+    return rows
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def category_counts(rows: list[FleetRow]) -> dict[str, int]:
+    return dict(Counter(r.top_category for r in rows if r.top_category).most_common())
+
+
+def render(rows: list[FleetRow], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps({"schema": FLEET_SCHEMA, "nodes": [asdict(r) for r in rows],
+                           "top_categories": category_counts(rows)}, indent=2) + "\n"
+    if fmt == "csv":
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        names = list(FleetRow.__dataclass_fields__)
+        writer.writerow(names)
+        for r in rows:
+            writer.writerow(["" if v is None else v for v in (getattr(r, n) for n in names)])
+        return buf.getvalue()
+    table = [("rank", "host", "status", "starved", "top category", "share", "targets", "checked (UTC)")]
+    for r in rows:
+        table.append((str(r.rank), r.host, r.status, _pct(r.starved_ratio), r.top_category or "-",
+                      _pct(r.top_share), str(r.targets), r.finished.replace("T", " ").rstrip("Z")))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    counts = category_counts(rows)
+    if counts:
+        lines.append("")
+        lines.append("top categories: " + ", ".join(f"{c} {n} node{'s' if n != 1 else ''}" for c, n in counts.items()))
+    return "\n".join(lines) + "\n"
+
+
+def run_fleet(*, source: str, fmt: str = "text", output: Path | None = None) -> tuple[str, list[str]]:
+    """The fleet table of the health documents at `source` (a folder or a glob) as
+    `fmt`, written to `output` when given; returns (text, lines about skipped files)."""
+    if fmt not in FORMATS:
+        raise UsageError(f"--format {fmt}: choose {', '.join(FORMATS)}")
+    files = health_files(source)
+    if not files:
+        raise UsageError(f"{source}: no health JSON files (a folder of them or a glob such as '/shared/health/*.json')")
+    documents, skipped = load_documents(files)
+    if not documents:
+        raise UsageError(f"{source}: none of the {len(files)} JSON files is a {HEALTH_SCHEMA} document")
+    text = render(fleet_rows(documents), fmt)
+    if output is not None:
+        write_atomic(output, text)
+    return text, skipped
