@@ -538,7 +538,7 @@ def analyze_target(*, trace_path: Path, target: Target, tids: set[int], threshol
         if th["tid"] in tids:
             for state, seconds in th["seconds"].items():
                 key = (th["role"], state)
-                result.role_seconds[key] = result.role_seconds.get(key, 0.0) + float(seconds)
+                result.role_seconds[key] = round(result.role_seconds.get(key, 0.0) + float(seconds), 6)
     result.status = make_check("starved_ratio", result.starved_ratio, thresholds, target.pid).status
     return result
 
