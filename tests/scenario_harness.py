@@ -42,7 +42,7 @@ ANALYZE_TIMEOUT_S = 120
 # injected stall into CPU contention.  Wait (a while) for the machine to quieten down
 # before a run, and say how busy it was when a result looks wrong.
 QUIET_BELOW_CORES = 0.5
-QUIET_WAIT_S = 30
+QUIET_WAIT_S = 20
 
 MiB = 1 << 20
 
@@ -237,14 +237,14 @@ def busy_cores(seconds: float = 1.0) -> float:
 
     def sample() -> tuple[int, int]:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        idle = fields[3] + fields[4]  # idle + iowait
-        return sum(fields[:8]), idle
+        return sum(fields[:8]), fields[3] + fields[4]  # all, idle + iowait
 
     total0, idle0 = sample()
     time.sleep(seconds)
     total1, idle1 = sample()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return ((total1 - total0) - (idle1 - idle0)) / ticks / seconds
+    if total1 <= total0:
+        return 0.0
+    return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
 
 
 def wait_for_quiet(limit_cores: float = QUIET_BELOW_CORES, timeout: float = QUIET_WAIT_S) -> float:
