@@ -207,8 +207,11 @@ class Recorder:
                 self.request_stop("duration")
             if self.pid is not None and not procs.is_alive(self.pid):
                 self.request_stop("target exited")
-            if now >= next_flush or self._stop.is_set():
-                if self._stop.is_set():
+            # Read once: a signal arriving during the flush below must not end the loop
+            # before the ring buffers are drained, so it takes effect next time round.
+            stopping = self._stop.is_set()
+            if now >= next_flush or stopping:
+                if stopping:
                     bpf.ring_buffer_consume()  # what is still in the ring buffers
                 total_rows += self._flush(bpf, collectors, raw, dtypes, owner, symbolizer, writer, gpu, procsampler)
                 lost = loader.lost_counts(bpf)
@@ -224,7 +227,7 @@ class Recorder:
                 if self.status:
                     self.status(f"recording {now - start:6.1f}s  events {total_rows}  "
                                 f"lost {sum(lost.values())}  written {writer.bytes_written / 1e6:.1f} MB")
-            if self._stop.is_set():
+            if stopping:
                 break
 
         tgids = sorted({tg for tid, tg in self.threads.items()})
