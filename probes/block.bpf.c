@@ -65,6 +65,6 @@ TRACEPOINT_PROBE(block, block_rq_complete)
     e->tid = st.tid;
     e->pid = st.pid;
     __builtin_memcpy(e->rwbs, args->rwbs, sizeof(e->rwbs));
-    block_events.ringbuf_submit(e, 0);
+    block_events.ringbuf_submit(e, submit_flags(PROBE_BLOCK));
     return 0;
 }

@@ -44,6 +44,7 @@ BPF_HASH(traced, u32, u32, MAX_THREADS);
 
 BPF_PERCPU_ARRAY(lost, u64, PROBE_COUNT);
 BPF_STACK_TRACE(stacks, STACK_ENTRIES);
+BPF_PERCPU_ARRAY(unwoken, u32, PROBE_COUNT); /* records since the last forced wake-up */
 
 static __always_inline u32 current_tid(void)
 {
@@ -71,6 +72,22 @@ static __always_inline void count_lost(u32 probe)
     u64 *n = lost.lookup(&probe);
     if (n)
         (*n)++;
+}
+
+/* Flags for ringbuf_submit.  User space drains the ring buffers on a 100 ms timer, so a
+ * record normally wakes nobody: the default wake-up per record (whenever the reader has
+ * caught up) costs an interrupt and a context switch of the recorder per event of a slow
+ * stream.  Every WAKEUP_EVERY records per CPU one forces a wake-up, so a burst is drained
+ * long before the ring fills (the loader sizes WAKEUP_EVERY to a quarter of it). */
+static __always_inline u64 submit_flags(u32 probe)
+{
+    u32 *n = unwoken.lookup(&probe);
+    if (!n)
+        return 0;
+    if (++*n < WAKEUP_EVERY)
+        return BPF_RB_NO_WAKEUP;
+    *n = 0;
+    return BPF_RB_FORCE_WAKEUP;
 }
 
 #endif

@@ -1,6 +1,8 @@
 /* Futex waits of traced threads: futex(FUTEX_WAIT*, FUTEX_LOCK_PI*), futex_wait and
  * futex_waitv, with the address waited on and the user stack at entry.  Waits shorter
- * than MIN_FUTEX_NS are dropped in the kernel (sched's short sums still count the time). */
+ * than MIN_FUTEX_NS are dropped in the kernel (sched's short sums still count the time).
+ * The user stack is taken at exit, and only for waits that are kept: a syscall returns to
+ * where it was called from, so it is the stack at entry. */
 #ifndef MIN_FUTEX_NS
 #define MIN_FUTEX_NS 20000
 #endif
@@ -23,13 +25,12 @@ struct futex_wait {
     u64 ts_ns;
     u64 uaddr;
     s32 op;
-    s32 ustack_id;
 };
 
 BPF_RINGBUF_OUTPUT(futex_events, RINGBUF_PAGES);
 BPF_HASH(futex_waiting, u32, struct futex_wait, MAX_THREADS);
 
-static __always_inline int futex_enter(void *args, u64 uaddr, s32 op)
+static __always_inline int futex_enter(u64 uaddr, s32 op)
 {
     u32 tid = current_tid();
     if (!is_traced(tid))
@@ -38,12 +39,11 @@ static __always_inline int futex_enter(void *args, u64 uaddr, s32 op)
     w.ts_ns = bpf_ktime_get_ns();
     w.uaddr = uaddr;
     w.op = op;
-    w.ustack_id = stacks.get_stackid(args, BPF_F_USER_STACK);
     futex_waiting.update(&tid, &w);
     return 0;
 }
 
-static __always_inline int futex_exit(void)
+static __always_inline int futex_exit(void *args)
 {
     u32 tid = current_tid();
     struct futex_wait *w = futex_waiting.lookup(&tid);
@@ -65,8 +65,8 @@ static __always_inline int futex_exit(void)
     e->tid = tid;
     e->pid = current_tgid();
     e->op = wait.op;
-    e->ustack_id = wait.ustack_id;
-    futex_events.ringbuf_submit(e, 0);
+    e->ustack_id = stacks.get_stackid(args, BPF_F_USER_STACK);
+    futex_events.ringbuf_submit(e, submit_flags(PROBE_FUTEX));
     return 0;
 }
 
@@ -76,34 +76,34 @@ TRACEPOINT_PROBE(syscalls, sys_enter_futex)
     /* WAIT, LOCK_PI, WAIT_BITSET, WAIT_REQUEUE_PI, LOCK_PI2: the calls that block */
     if (cmd != 0 && cmd != 6 && cmd != 9 && cmd != 11 && cmd != 13)
         return 0;
-    return futex_enter(args, (u64)args->uaddr, cmd);
+    return futex_enter((u64)args->uaddr, cmd);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_exit_futex)
 {
-    return futex_exit();
+    return futex_exit(args);
 }
 
 #ifdef HAVE_TP_SYSCALLS_SYS_ENTER_FUTEX_WAIT
 TRACEPOINT_PROBE(syscalls, sys_enter_futex_wait)
 {
-    return futex_enter(args, (u64)args->uaddr, OP_FUTEX_WAIT_SYSCALL);
+    return futex_enter((u64)args->uaddr, OP_FUTEX_WAIT_SYSCALL);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_exit_futex_wait)
 {
-    return futex_exit();
+    return futex_exit(args);
 }
 #endif
 
 #ifdef HAVE_TP_SYSCALLS_SYS_ENTER_FUTEX_WAITV
 TRACEPOINT_PROBE(syscalls, sys_enter_futex_waitv)
 {
-    return futex_enter(args, (u64)args->waiters, OP_FUTEX_WAITV_SYSCALL);
+    return futex_enter((u64)args->waiters, OP_FUTEX_WAITV_SYSCALL);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_exit_futex_waitv)
 {
-    return futex_exit();
+    return futex_exit(args);
 }
 #endif

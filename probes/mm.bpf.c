@@ -76,7 +76,7 @@ static __always_inline void mm_emit(u32 what, u64 ts, u64 dur, u64 addr, u64 siz
     e->arg = arg;
     e->arg2 = arg2;
     e->cpu = bpf_get_smp_processor_id();
-    mm_events.ringbuf_submit(e, 0);
+    mm_events.ringbuf_submit(e, submit_flags(PROBE_MM));
 }
 
 /* Begins an interval of a traced thread for `concern`. */

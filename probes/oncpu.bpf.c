@@ -32,6 +32,6 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx)
     e->kstack_id = stacks.get_stackid(ctx, 0);
     e->ustack_id = stacks.get_stackid(ctx, BPF_F_USER_STACK);
     e->pad = 0;
-    oncpu_events.ringbuf_submit(e, 0);
+    oncpu_events.ringbuf_submit(e, submit_flags(PROBE_ONCPU));
     return 0;
 }

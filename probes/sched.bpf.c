@@ -3,7 +3,15 @@
  * (task_newtask / task_rename / sched_process_exec / sched_process_exit).
  *
  * Intervals >= MIN_BLOCK_NS stream out with stacks; shorter ones are summed in the kernel
- * per (tid, state) so every nanosecond stays accounted for without flooding user space. */
+ * per (tid, state) so every nanosecond stays accounted for without flooding user space.
+ *
+ * Stacks cost most (a kernel stack walk is ~2 us) and only streamed intervals keep them.
+ * Where the kernel has the bare sched_exit_tp tracepoint (6.16+; the loader then defines
+ * HAVE_RAW_TP_SCHED_EXIT_TP) they are taken at switch-in, once the length is known:
+ * sched_exit_tp fires at the end of __schedule in the task just switched in, whose kernel
+ * and user stacks are still those it switched out with.  sched_switch parks the interval
+ * in a per-CPU slot; sched_exit_tp, next on that CPU, adds the stacks and emits it.
+ * Elsewhere the stacks are taken at every switch-out. */
 #ifndef MIN_BLOCK_NS
 #define MIN_BLOCK_NS 20000
 #endif
@@ -82,6 +90,23 @@ BPF_RINGBUF_OUTPUT(task_events, TASK_RINGBUF_PAGES);
 BPF_HASH(switched_out_at, u32, struct switched_out, MAX_THREADS);
 BPF_HASH(woken_at, u32, struct wakeup, MAX_THREADS);
 BPF_HASH(short_waits, struct short_key, struct short_sum, MAX_THREADS);
+#ifdef HAVE_RAW_TP_SCHED_EXIT_TP
+/* The interval of the task being switched in on this CPU, until sched_exit_tp; tid 0: empty. */
+BPF_PERCPU_ARRAY(switching_in, struct offcpu_event, 1);
+#endif
+
+static __always_inline void emit_offcpu(struct offcpu_event *ev, s32 kstack, s32 ustack)
+{
+    struct offcpu_event *e = sched_events.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        count_lost(PROBE_SCHED);
+        return;
+    }
+    *e = *ev;
+    e->kstack_id = kstack;
+    e->ustack_id = ustack;
+    sched_events.ringbuf_submit(e, submit_flags(PROBE_SCHED));
+}
 
 TRACEPOINT_PROBE(sched, sched_switch)
 {
@@ -94,8 +119,13 @@ TRACEPOINT_PROBE(sched, sched_switch)
         so.ts_ns = now;
         so.tgid = current_tgid();
         so.state = args->prev_state;
+#ifdef HAVE_RAW_TP_SCHED_EXIT_TP
+        so.kstack_id = -1;
+        so.ustack_id = -1;
+#else
         so.kstack_id = stacks.get_stackid(args, 0);
         so.ustack_id = stacks.get_stackid(args, BPF_F_USER_STACK);
+#endif
         switched_out_at.update(&prev, &so);
     }
     if (next == 0)
@@ -131,40 +161,74 @@ TRACEPOINT_PROBE(sched, sched_switch)
         }
         return 0;
     }
-    struct offcpu_event *e = sched_events.ringbuf_reserve(sizeof(*e));
-    if (!e) {
-        count_lost(PROBE_SCHED);
+    struct offcpu_event ev = {};
+    ev.ts_ns = now - dur;
+    ev.dur_ns = dur;
+    ev.runq_ns = runq;
+    ev.tid = next;
+    ev.pid = pid;
+    ev.waker_tid = wake.waker_tid;
+    ev.waker_pid = wake.waker_pid;
+    ev.waker_kstack_id = wake.ts_ns ? wake.kstack_id : -1;
+    ev.waker_ustack_id = wake.ts_ns ? wake.ustack_id : -1;
+    ev.cpu = bpf_get_smp_processor_id();
+    ev.state = preempted ? STATE_PREEMPTED : (s32)state;
+#ifdef HAVE_RAW_TP_SCHED_EXIT_TP
+    u32 zero = 0;
+    struct offcpu_event *slot = switching_in.lookup(&zero);
+    if (!slot)
         return 0;
-    }
-    e->ts_ns = now - dur;
-    e->dur_ns = dur;
-    e->runq_ns = runq;
-    e->tid = next;
-    e->pid = pid;
-    e->waker_tid = wake.waker_tid;
-    e->waker_pid = wake.waker_pid;
-    e->kstack_id = kstack;
-    e->ustack_id = ustack;
-    e->waker_kstack_id = wake.ts_ns ? wake.kstack_id : -1;
-    e->waker_ustack_id = wake.ts_ns ? wake.ustack_id : -1;
-    e->cpu = bpf_get_smp_processor_id();
-    e->state = preempted ? STATE_PREEMPTED : (s32)state;
-    sched_events.ringbuf_submit(e, 0);
+    if (slot->tid) /* never picked up: a new task's first run skips sched_exit_tp */
+        emit_offcpu(slot, -1, -1);
+    *slot = ev;
+#else
+    emit_offcpu(&ev, kstack, ustack);
+#endif
     return 0;
 }
+
+#ifdef HAVE_RAW_TP_SCHED_EXIT_TP
+/* A raw tracepoint's kernel stack starts with this program and bpf_trace_run1; skipped,
+ * it starts at __schedule like one taken in sched_switch. */
+#define RAW_TP_SKIP_FRAMES 2
+
+/* End of __schedule, in the task now running: the interval sched_switch parked on this
+ * CPU gets this task's stacks, which are still those it switched out with. */
+RAW_TRACEPOINT_PROBE(sched_exit_tp)
+{
+    u32 zero = 0;
+    struct offcpu_event *slot = switching_in.lookup(&zero);
+    if (!slot || !slot->tid)
+        return 0;
+    if (slot->tid == current_tid())
+        emit_offcpu(slot, stacks.get_stackid(ctx, RAW_TP_SKIP_FRAMES), stacks.get_stackid(ctx, BPF_F_USER_STACK));
+    else
+        emit_offcpu(slot, -1, -1);
+    slot->tid = 0;
+    return 0;
+}
+#endif
 
 TRACEPOINT_PROBE(sched, sched_waking)
 {
     u32 tid = args->pid;
     if (!is_traced(tid))
         return 0;
+    /* Not switched out (still running, or never seen): sched_switch ignores a wake-up
+     * that comes before the switch-out, so there is nothing to keep. */
+    struct switched_out *so = switched_out_at.lookup(&tid);
+    if (!so)
+        return 0;
     u64 id = bpf_get_current_pid_tgid();
     struct wakeup w = {};
     w.ts_ns = bpf_ktime_get_ns();
     w.waker_tid = (u32)id;
     w.waker_pid = id >> 32;
+    /* The kernel stack tells wake-ups from interrupt context (user space drops their
+     * waker), so it is always taken; the waker's user stack only for a wait already
+     * long enough to stream. */
     w.kstack_id = stacks.get_stackid(args, 0);
-    w.ustack_id = stacks.get_stackid(args, BPF_F_USER_STACK);
+    w.ustack_id = w.ts_ns - so->ts_ns >= MIN_BLOCK_NS ? stacks.get_stackid(args, BPF_F_USER_STACK) : -1;
     woken_at.update(&tid, &w);
     return 0;
 }
@@ -185,7 +249,7 @@ static __always_inline void emit_task(u32 tid, u32 pid, u32 parent, u32 what, co
         __builtin_memcpy(e->comm, comm, sizeof(e->comm));
     else
         bpf_get_current_comm(e->comm, sizeof(e->comm));
-    task_events.ringbuf_submit(e, 0);
+    task_events.ringbuf_submit(e, 0); /* rare: the default wake-up is cheap */
 }
 
 TRACEPOINT_PROBE(task, task_newtask)

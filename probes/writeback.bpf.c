@@ -30,6 +30,6 @@ TRACEPOINT_PROBE(writeback, balance_dirty_pages)
     e->tid = tid;
     e->pid = current_tgid();
     __builtin_memcpy(e->bdi, args->bdi, sizeof(e->bdi));
-    writeback_events.ringbuf_submit(e, 0);
+    writeback_events.ringbuf_submit(e, submit_flags(PROBE_WRITEBACK));
     return 0;
 }

@@ -81,6 +81,8 @@ class Collector:
     source: ClassVar[str]  # file under probes/
     tracepoints: ClassVar[tuple[str, ...]] = ()  # "category:event" the probe needs
     optional_tracepoints: ClassVar[tuple[str, ...]] = ()  # compiled in when present
+    # Bare tracepoints (no tracefs entry), attached as raw tracepoints when present.
+    optional_raw_tracepoints: ClassVar[tuple[str, ...]] = ()
     ringbufs: ClassVar[tuple[str, ...]] = ()
     lost_names: ClassVar[tuple[str, ...]] = ()  # keys of PROBE_IDS this probe counts
 

@@ -8,6 +8,7 @@ name the right file) instead of #include-ing them."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.resources
 import os
 import subprocess
@@ -31,6 +32,10 @@ ALL_COLLECTORS: tuple[type[Collector], ...] = (
 PROBE_NAMES = tuple(c.name for c in ALL_COLLECTORS)
 TRACEFS = Path(os.environ.get("TRAINBPF_TRACEFS", "/sys/kernel/tracing"))  # where tracefs lives or is mounted
 DOCTOR = "run `trainbpf doctor`"
+BTF_VMLINUX = Path("/sys/kernel/btf/vmlinux")
+KALLSYMS = Path("/proc/kallsyms")
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+MAX_RECORD_BYTES = 128  # the largest event struct plus the ring buffer's 8-byte header, rounded up
 
 
 def probes_dir() -> Path:
@@ -60,6 +65,26 @@ def tracepoint_exists(tp: str, root: Path = TRACEFS) -> bool:
 def have_define(tp: str) -> str:
     """-D name announcing an optional tracepoint (see #ifdef HAVE_TP_... in the probes)."""
     return "HAVE_TP_" + tp.replace(":", "_").upper()
+
+
+@functools.lru_cache(maxsize=None)
+def raw_tracepoint_exists(name: str) -> bool:
+    """Whether a bare tracepoint (one without a tracefs entry) can be attached: the
+    kernel's BTF has a `btf_trace_<name>` type for every tracepoint, kallsyms a
+    `__traceiter_<name>`."""
+    try:
+        return b"\0btf_trace_" + name.encode() + b"\0" in BTF_VMLINUX.read_bytes()
+    except OSError:
+        pass
+    try:
+        return f" __traceiter_{name}\n" in KALLSYMS.read_text()
+    except OSError:
+        return False
+
+
+def have_raw_define(name: str) -> str:
+    """-D name announcing an optional raw tracepoint (#ifdef HAVE_RAW_TP_... in the probes)."""
+    return "HAVE_RAW_TP_" + name.upper()
 
 
 def select(names: list[str] | None, settings: Settings) -> list[Collector]:
@@ -101,12 +126,16 @@ def cflags(collectors: list[Collector], settings: Settings, tracefs: Path) -> li
         "RINGBUF_PAGES": settings.ringbuf_pages,
         "TRACE_ALL": int(settings.trace_all),
         "SELF_TGID": os.getpid(),
+        # Forced ring-buffer wake-ups (common.h submit_flags) often enough that all CPUs
+        # together fill at most a quarter of a ring between two.
+        "WAKEUP_EVERY": max(1, settings.ringbuf_pages * PAGE_SIZE // (4 * MAX_RECORD_BYTES * (os.cpu_count() or 1))),
     }
     for c in collectors:
         defines.update(c.defines())
     flags = [f"-D{k}={v}" for k, v in defines.items()]
     for c in collectors:
         flags += [f"-D{have_define(tp)}" for tp in c.optional_tracepoints if tracepoint_exists(tp, tracefs)]
+        flags += [f"-D{have_raw_define(tp)}" for tp in c.optional_raw_tracepoints if raw_tracepoint_exists(tp)]
     return flags + ["-I" + str(probes_dir()), "-w"]
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import platform
 import signal
@@ -10,7 +9,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -24,11 +23,13 @@ from trainbpf.tracefile import SpoolWriter, finalize, make_batch
 from trainbpf.tracer import loader, procs, procfs, taskstats
 from trainbpf.tracer.collector import Settings
 from trainbpf.tracer.gpu import GpuSampler
+from trainbpf.tracer.ringbuf import open_rings
 from trainbpf.tracer.sched import SchedCollector
 from trainbpf.tracer.stacks import StackSymbolizer, drop_irq_wakers, stack_refs
 
 FLUSH_INTERVAL_S = 1.0
 POLL_MS = 100
+FINAL_DRAIN_PASSES = 4  # bounded: a target still running keeps producing
 
 
 @dataclass
@@ -41,20 +42,6 @@ class RecordResult:
     threads: int
     gpu_source: str | None
     bytes: int
-
-
-@dataclass
-class _Raw:
-    """Raw records of one ring buffer since the last flush."""
-
-    chunks: list[bytes] = field(default_factory=list)
-
-    def callback(self, ctx, data, size) -> None:
-        self.chunks.append(ctypes.string_at(data, size))
-
-    def take(self) -> bytes:
-        chunks, self.chunks = self.chunks, []
-        return b"".join(chunks)
 
 
 def check_root() -> None:
@@ -94,6 +81,7 @@ class Recorder:
         self.on_attached = on_attached
         self.stop_reason = ""
         self._stop = threading.Event()
+        self._rings = None  # the ring-buffer readers, once open
         self.threads: dict[int, int] = {}  # tid -> tgid, every thread seen
         self.exited: set[int] = set()
 
@@ -128,6 +116,8 @@ class Recorder:
             finally:
                 gpu.stop()
         finally:
+            if self._rings is not None:
+                self._rings.close()
             bpf.cleanup()  # detaches every program and perf event we attached
 
     def _meta(self, collectors, wall_minus_mono: int, gpu: GpuSampler) -> dict:
@@ -177,10 +167,7 @@ class Recorder:
         }))
 
     def _record(self, bpf, collectors, writer: SpoolWriter, gpu: GpuSampler, seed) -> RecordResult:
-        dtypes = loader.event_dtypes(bpf, collectors)
-        raw = {rb: _Raw() for rb in dtypes}
-        for rb, r in raw.items():
-            bpf[rb].open_ring_buffer(r.callback)
+        rings = self._rings = open_rings(bpf, loader.event_dtypes(bpf, collectors))
         owner = {rb: c for c in collectors for rb in c.ringbufs}
         symbolizer = StackSymbolizer(bpf)
         procsampler = procfs.ProcSampler()
@@ -201,7 +188,9 @@ class Recorder:
         total_rows = 0
         lost: dict[str, int] = {}
         while True:
-            bpf.ring_buffer_poll(POLL_MS)
+            # Records arrive without a wake-up (probes/common.h submit_flags): the poll
+            # returns after POLL_MS, or early when a burst forces a wake-up.
+            rings.poll(POLL_MS)
             now = time.monotonic()
             if deadline and now >= deadline:
                 self.request_stop("duration")
@@ -212,8 +201,8 @@ class Recorder:
             stopping = self._stop.is_set()
             if now >= next_flush or stopping:
                 if stopping:
-                    bpf.ring_buffer_consume()  # what is still in the ring buffers
-                total_rows += self._flush(bpf, collectors, raw, dtypes, owner, symbolizer, writer, gpu, procsampler)
+                    rings.drain(passes=FINAL_DRAIN_PASSES)  # what is still in the ring buffers
+                total_rows += self._flush(bpf, collectors, rings, owner, symbolizer, writer, gpu, procsampler)
                 lost = loader.lost_counts(bpf)
                 if any(lost.values()):
                     n = time.monotonic_ns()
@@ -255,13 +244,12 @@ class Recorder:
         return RecordResult(self.output, duration, total_rows, lost, self.stop_reason,
                             len(self.threads), gpu.source, self.output.stat().st_size)
 
-    def _flush(self, bpf, collectors, raw, dtypes, owner, symbolizer, writer, gpu, procsampler) -> int:
+    def _flush(self, bpf, collectors, rings, owner, symbolizer, writer, gpu, procsampler) -> int:
         now_ns = time.monotonic_ns()
         batches: list[pa.RecordBatch] = []
-        for rb, r in raw.items():
-            data = r.take()
-            if data:
-                records = np.frombuffer(data, dtype=dtypes[rb])
+        for rb in owner:
+            records = rings.take(rb)
+            if records is not None and len(records):
                 batches += owner[rb].decode(rb, records)
                 if rb == "task_events":
                     self._track_tasks(bpf, records)

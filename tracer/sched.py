@@ -35,6 +35,7 @@ class SchedCollector(Collector):
         "sched:sched_process_exec",
         "sched:sched_process_exit",
     )
+    optional_raw_tracepoints = ("sched_exit_tp",)  # stacks at switch-in (see sched.bpf.c)
     ringbufs = ("sched_events", "task_events")
     lost_names = ("sched", "task")
 

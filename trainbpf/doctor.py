@@ -99,12 +99,13 @@ def check_bcc() -> Check:
 
 
 def check_tracepoints() -> list[Check]:
-    from trainbpf.tracer.loader import ALL_COLLECTORS, TRACEFS, tracepoint_exists
+    from trainbpf.tracer.loader import ALL_COLLECTORS, TRACEFS, raw_tracepoint_exists, tracepoint_exists
 
     out = []
     for c in ALL_COLLECTORS:
         missing = [tp for tp in c.tracepoints if not tracepoint_exists(tp, TRACEFS)]
         optional = [tp for tp in c.optional_tracepoints if not tracepoint_exists(tp, TRACEFS)]
+        optional += [tp for tp in c.optional_raw_tracepoints if not raw_tracepoint_exists(tp)]
         if missing:
             out.append(Check(f"tracepoints: {c.name}", FAIL, "missing " + ", ".join(missing),
                              "a kernel built with these tracepoints (CONFIG_FTRACE_SYSCALLS etc.) "
@@ -113,7 +114,7 @@ def check_tracepoints() -> list[Check]:
             out.append(Check(f"tracepoints: {c.name}", WARN, "optional missing " + ", ".join(optional),
                              "recorded without them"))
         else:
-            n = len(c.tracepoints) + len(c.optional_tracepoints)
+            n = len(c.tracepoints) + len(c.optional_tracepoints) + len(c.optional_raw_tracepoints)
             out.append(Check(f"tracepoints: {c.name}", OK, f"{n} present" if n else "perf event (CPU clock)"))
     return out
 

@@ -64,7 +64,9 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # (wake-up -> switch-in; all of dur_ns for "R").  peer_* name the waker and its stacks
     # at the wake-up; peer_tid/peer_pid/peer_ustack_id are null when preempted or when the
     # wake-up ran in interrupt context (a timer, an I/O completion), where peer_kstack_id
-    # still shows what woke the thread.
+    # still shows what woke the thread.  peer_ustack_id is also -1 when the wake-up came
+    # sooner than min_block_ns after the switch-out (the interval got that long waiting
+    # for a CPU); the recorder takes the waker's user stack only for waits that long.
     # kstack_id/ustack_id: stacks at switch-out.
     "offcpu": (
         "ts_ns", "dur_ns", "tid", "pid", "cpu", "state", "runq_ns", "peer_tid", "peer_pid",
