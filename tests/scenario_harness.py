@@ -32,7 +32,7 @@ RECORD_SECONDS = 6
 # The workload outlives any recording; it is stopped once the recorder is done.
 WORKLOAD_SECONDS = 300
 # Start recording once the pipeline is in its steady state (queues filled or drained).
-WARMUP_S = 1.5
+WARMUP_S = 1.0
 READY_TIMEOUT_S = 60
 # bcc compiles the probes when the recorder starts: on a busy 2-core machine that takes
 # a while, on top of the recording itself.
