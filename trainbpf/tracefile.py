@@ -242,13 +242,20 @@ class Trace:
     meta: dict[str, Any]
     table: pa.Table
     _frames: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
+    _kind_chunks: list[pa.DictionaryArray] | None = field(default=None, repr=False)
 
     def frame(self, kind: str) -> pd.DataFrame:
         """Rows of one kind with exactly that kind's columns (empty frame if none).
 
         Integer columns without nulls are numpy int64/int32; with nulls, pandas Int64."""
         if kind not in self._frames:
-            self._frames[kind] = _kind_frame(self.table, kind)
+            if self._kind_chunks is None:
+                # Encode the kind column once: one pass over its strings, not one per kind.
+                self._kind_chunks = [pc.dictionary_encode(c) for c in self.table["kind"].chunks]
+            mask = pa.chunked_array(
+                [pc.equal(c.indices, c.dictionary.index(kind)) for c in self._kind_chunks], type=pa.bool_()
+            )
+            self._frames[kind] = _kind_frame(self.table, kind, mask)
         return self._frames[kind]
 
     @property
@@ -257,22 +264,28 @@ class Trace:
         return max(0, int(clock.get("end_mono_ns") or 0) - int(clock.get("start_mono_ns") or 0))
 
 
-def _kind_frame(table: pa.Table, kind: str) -> pd.DataFrame:
+def _kind_frame(table: pa.Table, kind: str, mask: pa.ChunkedArray | None = None) -> pd.DataFrame:
     cols = list(KIND_COLUMNS[kind])
-    sub = table.filter(pc.equal(table["kind"], kind)).select(cols)
+    if mask is None:
+        mask = pc.equal(table["kind"], kind)
+    sub = table.select(cols).filter(mask)
     out = {}
     for name in cols:
         col = sub[name]
         typ = TRACE_SCHEMA.field(name).type
+        # Converted column-wise by Arrow, never through Python objects (traces run to
+        # tens of millions of rows).
         if pa.types.is_integer(typ):
             if col.null_count:
-                out[name] = pd.array(col.to_pylist(), dtype="Int64")
+                out[name] = col.cast(pa.int64()).to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get).array
             else:
                 out[name] = col.to_numpy().astype(typ.to_pandas_dtype(), copy=False)
         elif pa.types.is_floating(typ):
             out[name] = col.to_numpy(zero_copy_only=False).astype("float64")
-        else:
-            out[name] = np.asarray(col.to_pylist(), dtype=object)
+        elif col.null_count < len(col):
+            out[name] = col.to_pandas().array
+        else:  # empty or all null: object, as pandas infers for a list of Nones
+            out[name] = np.full(len(col), None, dtype=object)
     return pd.DataFrame(out, columns=cols)
 
 
