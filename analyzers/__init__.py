@@ -12,7 +12,7 @@ import pandas as pd
 import pyarrow.compute as pc
 
 from trainbpf.analyzers.attribution import RunSplit, attribute_states, churn_threads, sample_classes
-from trainbpf.analyzers.categories import CATEGORIES, STATES
+from trainbpf.analyzers.categories import CATEGORIES, STATES, codes
 from trainbpf.analyzers.chains import is_followed, wait_chains
 from trainbpf.analyzers.findings import EvidenceContext, attribute_starved, build_findings
 from trainbpf.analyzers.gpu import covered_window_ns, gpu_utilisation, idle_windows, starved_pieces
@@ -20,7 +20,7 @@ from trainbpf.analyzers.intervals import Span, as_int64, parse_window, resolve_w
 from trainbpf.analyzers.numa import gpu_node, memory_placement, thread_placement
 from trainbpf.analyzers.roles import assign_roles, observed_threads, pick_trainer
 from trainbpf.analyzers.stacks import classify_stacks
-from trainbpf.analyzers.states import clip_states, state_totals, thread_states
+from trainbpf.analyzers.states import state_totals, thread_states
 
 __all__ = ["Analysis", "analyze", "parse_window", "CATEGORIES", "STATES"]
 
@@ -90,8 +90,7 @@ def _producers(states: pd.DataFrame, trainer: int | None) -> pd.Series:
     if trainer is None:
         return pd.Series(dtype=np.int64)
     mine = states[states["tid"].to_numpy() == trainer]
-    follow = is_followed(mine["state"].astype(str).to_numpy(dtype=object),
-                         mine["futex_class"].astype(str).to_numpy(dtype=object), mine["waker_tid"].to_numpy(np.int64))
+    follow = is_followed(codes(mine["state"]), codes(mine["futex_class"]), mine["waker_tid"].to_numpy(np.int64))
     wakers = mine["waker_tid"].to_numpy(np.int64)[follow]
     return pd.Series(wakers[wakers != trainer]).value_counts()
 
@@ -134,7 +133,7 @@ def analyze(
     )
     samples = sample_classes(frame("oncpu"), stacks)
     run_split = RunSplit(samples)
-    totals = state_totals(clip_states(states, win))
+    totals = state_totals(states, win)
 
     util = gpu_utilisation(frame("gpu"), span)
     if len(util):
@@ -152,13 +151,12 @@ def analyze(
     pieces = starved_pieces(trainer_states, idle, run_split, trainer)
     stalled = pieces.loc[pieces["run_class"] == "", "interval"].unique()
     st = trainer_states.iloc[stalled]
-    follow = is_followed(st["state"].astype(str).to_numpy(dtype=object),
-                         st["futex_class"].astype(str).to_numpy(dtype=object), st["waker_tid"].to_numpy(np.int64))
+    follow = is_followed(codes(st["state"]), codes(st["futex_class"]), st["waker_tid"].to_numpy(np.int64))
     st = st[follow]
     waits = pd.DataFrame({
         "wait": stalled[follow].astype(np.int64), "tid": st["tid"].to_numpy(np.int64),
         "start_ns": st["start_ns"].to_numpy(np.int64), "end_ns": st["end_ns"].to_numpy(np.int64),
-        "waker_tid": st["waker_tid"].to_numpy(np.int64), "state": st["state"].astype(str).to_numpy(dtype=object),
+        "waker_tid": st["waker_tid"].to_numpy(np.int64), "state": np.asarray(st["state"], dtype=object),
     })
     chains = wait_chains(waits, states, run_split)
 
@@ -168,7 +166,7 @@ def analyze(
                                  frame("numa_move"), topology)
     starved = attribute_starved(pieces, trainer_states, chains, trainer_tid=trainer, churn=churn, placement=placement)
     ctx = EvidenceContext(
-        window=win, threads=threads, states=clip_states(states, win), trainer_states=trainer_states,
+        window=win, threads=threads, states=states, trainer_states=trainer_states,
         futex_waits=futex_waits, stacks=stacks, frames={**frames, "faults": frame("faults"), "mm_syscall": frame("mm_syscall")},
         churn=churn, placement=placement, memory_nodes=memory_placement(frame("numa_maps"), topology),
         gpu_node=gpu_node(topology),

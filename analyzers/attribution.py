@@ -9,9 +9,9 @@ from typing import Mapping
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.categories import FUTEX_CLASS_DTYPE, RUN_CLASSES, STATE_DTYPE, STATES
+from trainbpf.analyzers.categories import FUTEX_CLASS_DTYPE, FUTEX_CODE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes
 from trainbpf.analyzers.intervals import Span, as_int64, best_overlap
-from trainbpf.analyzers.stacks import stack_classes
+from trainbpf.analyzers.stacks import CLASS_CODE, stack_class_codes
 
 # Evidence rows of the same thread that name a blocked interval's cause, strongest last
 # (later ones overwrite): a row that overlaps the interval is direct kernel evidence.
@@ -37,8 +37,9 @@ GIL_MIN_TIMED_SHARE = 0.2
 # A thread churns mappings when it makes at least this many mm calls per second.
 CHURN_MIN_CALLS_PER_S = 20.0
 
-_CODE = {name: i for i, name in enumerate(STATES)}
-_BLOCKED_FROM_SCHED = np.array([_CODE["sleep"], _CODE["uninterruptible"], _CODE["other"]])
+_BLOCKED_FROM_SCHED = np.array([STATE_CODE["sleep"], STATE_CODE["uninterruptible"], STATE_CODE["other"]])
+# Stack class code -> RUN_CLASSES code for on-CPU samples (anything else is user work).
+_RUN_OF_STACK = np.array([RUN_CLASSES.index(c) if c in RUN_CLASSES else 0 for c in CLASS_CODE], dtype=np.int8)
 
 FUTEX_COLUMNS = ("pid", "tid", "addr", "start_ns", "end_ns", "waker_tid", "n_waiters", "handoff", "cls")
 SAMPLE_COLUMNS = ("tid", "ts_ns", "cpu", "cls")
@@ -66,42 +67,42 @@ def attribute_states(
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Blocked intervals renamed by their cause, plus a `futex_class` column; and the
     classified futex waits.  `frames` maps kinds to trace frames (missing = none)."""
-    state_codes = states["state"].cat.codes.to_numpy().copy()
+    state_codes = codes(states["state"]).copy()
     blocked = np.flatnonzero(np.isin(state_codes, _BLOCKED_FROM_SCHED))
     b = states.iloc[blocked][["tid", "start_ns", "end_ns", "waker_tid"]]
     code = state_codes[blocked]
-    sched_d = code == _CODE["uninterruptible"]
+    sched_d = code == STATE_CODE["uninterruptible"]
 
     def empty(kind: str) -> pd.DataFrame:
         return frames.get(kind, pd.DataFrame(columns=["ts_ns", "dur_ns", "tid"]))
 
     # Weakest first: block requests explain D-state waits, futex rows futex waits.
     block_rq = best_overlap(b, evidence_intervals(empty("block_rq")))
-    code[(block_rq >= 0) & sched_d] = _CODE["block_io"]
+    code[(block_rq >= 0) & sched_d] = STATE_CODE["block_io"]
     futex = empty("futex")
     futex_iv = evidence_intervals(futex)
     futex_row = best_overlap(b, futex_iv)
-    code[futex_row >= 0] = _CODE["futex"]
-    kcls = stack_classes(stacks, states["kstack_id"].to_numpy()[blocked])
+    code[futex_row >= 0] = STATE_CODE["futex"]
+    kcls = stack_class_codes(stacks, states["kstack_id"].to_numpy()[blocked])
     for name in reversed(STACK_STATES):
-        code[kcls == name] = _CODE[name]
+        code[kcls == CLASS_CODE[name]] = STATE_CODE[name]
     for kind, name in EVIDENCE_KINDS:
         hit = best_overlap(b, evidence_intervals(empty(kind)))
-        code[hit >= 0] = _CODE[name]
+        code[hit >= 0] = STATE_CODE[name]
     state_codes[blocked] = code
 
     waits = classify_futex(futex, futex_iv, futex_row, b["waker_tid"].to_numpy(), stacks, lookback_ns=lookback_ns)
     fclass = np.zeros(len(states), dtype=np.int8)
-    is_futex = code == _CODE["futex"]
-    row_cls = np.where(futex_row >= 0, waits["cls"].cat.codes.to_numpy()[np.maximum(futex_row, 0)] if len(waits) else 0, 0)
-    ucls = stack_classes(stacks, states["ustack_id"].to_numpy()[blocked])
-    cls_codes = {c: i for i, c in enumerate(FUTEX_CLASS_DTYPE.categories)}
-    row_cls = np.where((row_cls == 0) & (ucls == "gil"), cls_codes["gil"], row_cls)
-    row_cls = np.where((row_cls == 0) & (ucls == "lock"), cls_codes["lock"], row_cls)
-    row_cls = np.where(row_cls == 0, cls_codes["wait"], row_cls)
+    is_futex = code == STATE_CODE["futex"]
+    row_cls = np.where(futex_row >= 0, codes(waits["cls"])[np.maximum(futex_row, 0)] if len(waits) else 0, 0)
+    # Without a futex row, the user stack at switch-out may still show the GIL or a lock.
+    ucls = stack_class_codes(stacks, states["ustack_id"].to_numpy()[blocked])
+    row_cls = np.where((row_cls == 0) & (ucls == CLASS_CODE["gil"]), FUTEX_CODE["gil"], row_cls)
+    row_cls = np.where((row_cls == 0) & (ucls == CLASS_CODE["lock"]), FUTEX_CODE["lock"], row_cls)
+    row_cls = np.where(row_cls == 0, FUTEX_CODE["wait"], row_cls)
     fclass[blocked[is_futex]] = row_cls[is_futex]
 
-    out = states.copy()
+    out = states.copy(deep=False)  # the other columns are shared, not copied
     out["state"] = pd.Categorical.from_codes(state_codes, dtype=STATE_DTYPE)
     out["futex_class"] = pd.Categorical.from_codes(fclass, dtype=FUTEX_CLASS_DTYPE)
     return out, waits
@@ -131,56 +132,61 @@ def classify_futex(
     ok = matched_row >= 0
     waker[matched_row[ok]] = matched_waker[ok]
     addr = pd.Series(futex["addr"]).fillna(0).to_numpy(np.uint64)
-    df = pd.DataFrame(
-        {"pid": as_int64(futex["pid"]), "tid": futex_iv["tid"].to_numpy(), "addr": addr,
-         "key": addr.view(np.int64), "start_ns": futex_iv["start_ns"].to_numpy(),
-         "end_ns": futex_iv["end_ns"].to_numpy(), "waker_tid": waker, "row": np.arange(n)}
-    )
-    df["n_waiters"] = df.groupby(["pid", "key"])["tid"].transform("nunique").astype(np.int64)
+    pid = as_int64(futex["pid"])
+    tid = futex_iv["tid"].to_numpy(np.int64)
+    start = futex_iv["start_ns"].to_numpy(np.int64)
+    end = futex_iv["end_ns"].to_numpy(np.int64)
+    # One integer per (process, address): futex addresses are per-process virtual ones.
+    addr_id = pd.MultiIndex.from_arrays([pid, addr.view(np.int64)]).factorize()[0].astype(np.int64)
+    n_addr = int(addr_id.max()) + 1
+    distinct = pd.unique(addr_id * (int(tid.max()) + 1) + tid) if len(tid) else np.zeros(0, np.int64)
+    n_waiters = np.bincount(distinct // (int(tid.max()) + 1), minlength=n_addr)
 
     # Handoff: the waker's latest wait on the same address ended shortly before this one.
-    woken = df[df["waker_tid"] >= 0].sort_values("end_ns", kind="stable")
-    prior = df[["pid", "tid", "key", "end_ns"]].rename(columns={"tid": "waker_tid", "end_ns": "prior_end"})
-    prior = prior.sort_values("prior_end", kind="stable")
-    m = pd.merge_asof(woken, prior, left_on="end_ns", right_on="prior_end", by=["pid", "waker_tid", "key"],
-                      direction="backward", allow_exact_matches=True)
-    gap = m["end_ns"].to_numpy() - m["prior_end"].fillna(-(2**62)).to_numpy(np.int64)
-    reach = np.maximum(lookback_ns, (m["end_ns"] - m["start_ns"]).to_numpy())
+    stride = int(max(tid.max(), waker.max(), 0)) + 1
+    woken_rows = np.flatnonzero(waker >= 0)
+    left = pd.DataFrame({"key": addr_id[woken_rows] * stride + waker[woken_rows], "end_ns": end[woken_rows],
+                         "row": woken_rows}).sort_values("end_ns", kind="stable")
+    right = pd.DataFrame({"key": addr_id * stride + tid, "prior_end": end}).sort_values("prior_end", kind="stable")
+    m = pd.merge_asof(left, right, left_on="end_ns", right_on="prior_end", by="key", direction="backward")
+    rows = m["row"].to_numpy()
+    prior = m["prior_end"].to_numpy(dtype=np.float64, na_value=np.nan)
+    reach = np.maximum(lookback_ns, end[rows] - start[rows])
     handoff = np.zeros(n, dtype=bool)
-    handoff[m["row"].to_numpy()] = m["prior_end"].notna().to_numpy() & (gap <= reach)
-    df["handoff"] = handoff
+    handoff[rows] = ~np.isnan(prior) & (end[rows] - np.nan_to_num(prior, nan=-1e30) <= reach)
 
-    ustack = stack_classes(stacks, futex["ustack_id"] if "ustack_id" in futex else np.full(n, -1))
-    dur = (df["end_ns"] - df["start_ns"]).to_numpy()
-    df["timed"] = (df["waker_tid"].to_numpy() < 0) & (dur >= GIL_SLICE_NS[0]) & (dur <= GIL_SLICE_NS[1])
-    df["gil_stack"] = ustack == "gil"
-    df["lock_stack"] = ustack == "lock"
-    df["woken"] = df["waker_tid"] >= 0
-    per_addr = df.groupby(["pid", "key"]).agg(
-        n_waiters=("n_waiters", "first"), handoffs=("handoff", "sum"), woken=("woken", "sum"),
-        timed=("timed", "mean"), gil_stack=("gil_stack", "any"), lock_stack=("lock_stack", "any"),
-    )
-    shared = per_addr["n_waiters"] >= LOCK_MIN_WAITERS
-    handoff_share = per_addr["handoffs"] / per_addr["woken"].where(per_addr["woken"] > 0, 1)
-    addr_lock = shared & ((handoff_share >= LOCK_MIN_HANDOFF_SHARE) | per_addr["lock_stack"])
-    addr_gil = per_addr["gil_stack"] | (shared & (per_addr["timed"] >= GIL_MIN_TIMED_SHARE))
-    addr_cls = pd.Series("wait", index=per_addr.index, dtype=object)
-    addr_cls[addr_lock.to_numpy()] = "lock"
-    addr_cls[addr_gil.to_numpy()] = "gil"
-    cls = addr_cls.reindex(pd.MultiIndex.from_arrays([df["pid"], df["key"]])).to_numpy(dtype=object)
-    cls = np.where(df["gil_stack"].to_numpy(), "gil", cls)
-    df["cls"] = pd.Categorical(cls, dtype=FUTEX_CLASS_DTYPE)
-    return df[list(FUTEX_COLUMNS)].reset_index(drop=True)
+    ustack = stack_class_codes(stacks, futex["ustack_id"] if "ustack_id" in futex else np.full(n, -1))
+    gil_stack = ustack == CLASS_CODE["gil"]
+    dur = end - start
+    timed = (waker < 0) & (dur >= GIL_SLICE_NS[0]) & (dur <= GIL_SLICE_NS[1])
+
+    def per_addr(flags: np.ndarray) -> np.ndarray:
+        return np.bincount(addr_id, weights=flags, minlength=n_addr)
+
+    waits = per_addr(np.ones(n))
+    woken = per_addr(waker >= 0)
+    shared = n_waiters >= LOCK_MIN_WAITERS
+    handoff_share = per_addr(handoff) / np.maximum(woken, 1)
+    addr_lock = shared & ((handoff_share >= LOCK_MIN_HANDOFF_SHARE) | (per_addr(ustack == CLASS_CODE["lock"]) > 0))
+    addr_gil = (per_addr(gil_stack) > 0) | (shared & (per_addr(timed) / waits >= GIL_MIN_TIMED_SHARE))
+    addr_cls = np.full(n_addr, FUTEX_CODE["wait"], dtype=np.int8)
+    addr_cls[addr_lock] = FUTEX_CODE["lock"]
+    addr_cls[addr_gil] = FUTEX_CODE["gil"]
+    cls = np.where(gil_stack, FUTEX_CODE["gil"], addr_cls[addr_id]).astype(np.int8)
+    return pd.DataFrame({
+        "pid": pid, "tid": tid, "addr": addr, "start_ns": start, "end_ns": end, "waker_tid": waker,
+        "n_waiters": n_waiters[addr_id].astype(np.int64), "handoff": handoff,
+        "cls": pd.Categorical.from_codes(cls, dtype=FUTEX_CLASS_DTYPE),
+    })[list(FUTEX_COLUMNS)]
 
 
 def sample_classes(oncpu: pd.DataFrame, stacks: pd.DataFrame) -> pd.DataFrame:
     """On-CPU samples with what their kernel stack says (RUN_CLASSES; "user" otherwise),
     sorted by time."""
-    kcls = stack_classes(stacks, oncpu["kstack_id"]) if len(oncpu) else np.zeros(0, dtype=object)
-    cls = np.where(np.isin(kcls, RUN_CLASSES), kcls, "user")
+    run_cls = _RUN_OF_STACK[stack_class_codes(stacks, oncpu["kstack_id"])]
     out = pd.DataFrame(
         {"tid": as_int64(oncpu["tid"]), "ts_ns": as_int64(oncpu["ts_ns"]), "cpu": as_int64(oncpu["cpu"]),
-         "cls": pd.Categorical(cls, categories=list(RUN_CLASSES))}
+         "cls": pd.Categorical.from_codes(run_cls, categories=list(RUN_CLASSES))}
     )
     return out.sort_values("ts_ns", kind="stable").reset_index(drop=True)
 

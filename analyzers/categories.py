@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 # Finding categories, in the order the design lists them.
@@ -72,3 +73,15 @@ FOLLOWED_STATES: frozenset[str] = frozenset({"futex", "sleep", "uninterruptible"
 # What on-CPU samples say a running thread was doing (kernel stack at the sample).
 # "user" is ordinary work; the others are stalls that look like running to the scheduler.
 RUN_CLASSES: tuple[str, ...] = ("user", "page_faults", "memory_reclaim", "allocator_churn", "mmap_lock", "block_io", "dirty_throttling")
+# A starved piece's running class: "" for pieces that were not running.
+RUN_CLASS_DTYPE = pd.CategoricalDtype(("",) + RUN_CLASSES)
+
+# Integer codes of the categorical vocabularies: hot paths compare codes, not strings.
+STATE_CODE: dict[str, int] = {name: i for i, name in enumerate(STATES)}
+CATEGORY_CODE: dict[str, int] = {name: i for i, name in enumerate(CATEGORIES)}
+FUTEX_CODE: dict[str, int] = {name: i for i, name in enumerate(FUTEX_CLASSES)}
+
+
+def codes(values: pd.Series) -> np.ndarray:
+    """The integer codes of a categorical column."""
+    return values.cat.codes.to_numpy()

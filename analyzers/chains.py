@@ -15,7 +15,10 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.attribution import RunSplit
-from trainbpf.analyzers.categories import CATEGORY_DTYPE, FOLLOWED_STATES, RUN_CLASSES, STATE_CATEGORY
+from trainbpf.analyzers.categories import (
+    CATEGORIES, CATEGORY_DTYPE, FOLLOWED_STATES, FUTEX_CLASSES, FUTEX_CODE, RUN_CLASSES, STATE_CATEGORY, STATE_CODE,
+    STATES, codes,
+)
 from trainbpf.analyzers.intervals import ClassTime
 
 MAX_DEPTH = 16
@@ -35,20 +38,32 @@ def interval_category(state: str, futex_class: str) -> str:
     return STATE_CATEGORY.get(state, "other")
 
 
+# interval_category for every (state code, futex class code).
+_INTERVAL_CATEGORY = np.array(
+    [[CATEGORIES.index(interval_category(s, f)) for f in FUTEX_CLASSES] for s in STATES], dtype=np.int8
+)
+_FOLLOWED = np.array([STATE_CODE[s] for s in FOLLOWED_STATES])
+_HANDOFF = np.array([FUTEX_CODE["lock"], FUTEX_CODE["gil"]])
+
+
+def interval_category_codes(state: np.ndarray, futex_class: np.ndarray) -> np.ndarray:
+    """interval_category over code arrays, as CATEGORIES codes."""
+    return _INTERVAL_CATEGORY[state, futex_class]
+
+
 def is_followed(state: np.ndarray, futex_class: np.ndarray, waker: np.ndarray) -> np.ndarray:
-    """Intervals whose cause lies with the thread that ended them."""
-    follow = np.isin(state.astype(str), list(FOLLOWED_STATES)) & (waker >= 0)
-    return follow & ~np.isin(futex_class.astype(str), ["lock", "gil"])
+    """Intervals (state and futex-class codes) whose cause lies with the thread that ended them."""
+    return np.isin(state, _FOLLOWED) & (waker >= 0) & ~np.isin(futex_class, _HANDOFF)
 
 
 class _Thread:
     """One thread's states, indexed for window queries."""
 
     def __init__(self, rows: pd.DataFrame, base: int):
-        state = rows["state"].astype(str).to_numpy(dtype=object)
+        state = codes(rows["state"])
         code = np.full(len(rows), _BLOCKED)
-        code[state == "running"] = _RUNNING
-        code[state == "runnable"] = _RUNNABLE
+        code[state == STATE_CODE["running"]] = _RUNNING
+        code[state == STATE_CODE["runnable"]] = _RUNNABLE
         self.time = ClassTime(rows["start_ns"].to_numpy(), rows["end_ns"].to_numpy(), code, 3)
         blocked = np.flatnonzero(code == _BLOCKED)
         self.blocked_start = rows["start_ns"].to_numpy()[blocked]
@@ -67,14 +82,14 @@ def wait_chains(
     if len(waits):
         links.append(pd.DataFrame({
             "wait": waits["wait"].to_numpy(np.int64), "depth": 0,
-            "tid": waits["tid"].to_numpy(np.int64), "state": waits["state"].astype(str).to_numpy(dtype=object),
+            "tid": waits["tid"].to_numpy(np.int64), "state": np.asarray(waits["state"], dtype=object),
             "category": None, "cycle": False,
         }))
     tids = states["tid"].to_numpy()
     spans = pd.Series(np.arange(len(states))).groupby(tids).agg(["min", "max"])
     cache: dict[int, _Thread] = {}
-    st_state = states["state"].astype(str).to_numpy(dtype=object)
-    st_fclass = states["futex_class"].astype(str).to_numpy(dtype=object)
+    st_state = codes(states["state"])
+    st_fclass = codes(states["futex_class"])
     st_waker = states["waker_tid"].to_numpy(np.int64)
     st_start = states["start_ns"].to_numpy(np.int64)
     st_end = states["end_ns"].to_numpy(np.int64)
@@ -123,7 +138,7 @@ def wait_chains(
                 pos = np.searchsorted(th.blocked_start, t[blk], side="left") - 1
                 valid = pos >= 0
                 rows = np.where(valid, th.blocked_row[np.maximum(pos, 0)], -1)
-                state[blk] = np.where(valid, st_state[np.maximum(rows, 0)], "other")
+                state[blk] = np.where(valid, np.asarray(STATES, dtype=object)[st_state[np.maximum(rows, 0)]], "other")
                 category[blk] = "other"
                 next_row[blk] = rows
         # Which blocked links continue: followed causes whose waker is not already in the chain.
@@ -135,8 +150,8 @@ def wait_chains(
             cycle |= follow & (st_waker[r] == prior)
         cycle |= follow & (st_waker[r] == waker)
         stop_here = has_row & ~(follow & ~cycle)
-        category[stop_here] = [
-            interval_category(s, f) for s, f in zip(st_state[r[stop_here]], st_fclass[r[stop_here]])
+        category[stop_here] = np.asarray(CATEGORIES, dtype=object)[
+            interval_category_codes(st_state[r[stop_here]], st_fclass[r[stop_here]])
         ]
         links.append(pd.DataFrame({
             "wait": frontier["wait"].to_numpy(), "depth": depth, "tid": waker,

@@ -15,11 +15,12 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.categories import CATEGORIES, CATEGORY_DTYPE, STATE_DTYPE
-from trainbpf.analyzers.chains import RUN_CATEGORY, interval_category, is_followed
+from trainbpf.analyzers.categories import CATEGORIES, CATEGORY_CODE, CATEGORY_DTYPE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes
+from trainbpf.analyzers.chains import RUN_CATEGORY, interval_category_codes, is_followed
 from trainbpf.analyzers.intervals import NS_PER_S, Span, as_int64
 from trainbpf.analyzers.numa import REMOTE_MIN_FRACTION
 from trainbpf.analyzers.stacks import stack_excerpt
+from trainbpf.analyzers.states import clipped_lengths
 
 # Severity: share of starved time, and how much of the analysed window that time is
 # (a large share of a few stray milliseconds is not worth fixing first).
@@ -62,6 +63,8 @@ RECOMMENDATIONS: dict[str, str] = {
     "more probes (futex, faults, mm, writeback, block) or a lower --min-block to see more.",
 }
 
+# RUN_CLASS_DTYPE code -> CATEGORY code (code 0, not running, is never looked up).
+_RUN_CLASS_CATEGORY = np.array([0] + [CATEGORIES.index(RUN_CATEGORY[c]) for c in RUN_CLASSES], dtype=np.int8)
 ATTRIBUTED_COLUMNS = ("start_ns", "end_ns", "ns", "state", "category", "root_tid", "wait")
 FINDING_COLUMNS = (
     "category", "share", "seconds", "severity", "threads", "chain", "summary", "evidence", "recommendation",
@@ -79,44 +82,49 @@ def attribute_starved(
 ) -> pd.DataFrame:
     """One category and root thread per starved piece (running pieces may split in two)."""
     iv = pieces["interval"].to_numpy(np.int64)
-    st_state = trainer_states["state"].astype(str).to_numpy(dtype=object)[iv]
-    st_fclass = trainer_states["futex_class"].astype(str).to_numpy(dtype=object)[iv]
+    st_state = codes(trainer_states["state"])[iv]
+    st_fclass = codes(trainer_states["futex_class"])[iv]
     st_waker = trainer_states["waker_tid"].to_numpy(np.int64)[iv]
-    running = pieces["run_class"].to_numpy(dtype=object) != ""
+    run_class = codes(pieces["run_class"])
+    running = run_class > 0
     followed = ~running & is_followed(st_state, st_fclass, st_waker)
     trainer = -1 if trainer_tid is None else int(trainer_tid)
 
-    pairs = pd.Series(st_state + "|" + st_fclass)
-    direct = pairs.map({p: interval_category(*p.split("|")) for p in pairs.unique()}).to_numpy(dtype=object)
-    category = np.where(running, pd.Series(pieces["run_class"]).map(RUN_CATEGORY).to_numpy(dtype=object), direct)
+    category = interval_category_codes(st_state, st_fclass).astype(np.int8)
+    category[running] = _RUN_CLASS_CATEGORY[run_class[running]]
     root = np.full(len(pieces), trainer, dtype=np.int64)
     wait = np.where(followed, iv, -1)
     if followed.any() and len(chains):
-        last = chains.drop_duplicates("wait", keep="last").set_index("wait")
-        category[followed] = last["category"].astype(str).reindex(iv[followed]).fillna("other").to_numpy(dtype=object)
-        root[followed] = last["tid"].reindex(iv[followed]).fillna(trainer).to_numpy(np.int64)
-    out = pd.DataFrame({
-        "start_ns": pieces["start_ns"].to_numpy(np.int64), "end_ns": pieces["end_ns"].to_numpy(np.int64),
-        "ns": pieces["ns"].to_numpy(np.float64), "state": pieces["state"].astype(str).to_numpy(dtype=object),
-        "category": category, "root_tid": root, "wait": wait.astype(np.int64),
-    })
+        last = chains.drop_duplicates("wait", keep="last")
+        waits = last["wait"].to_numpy(np.int64)  # sorted: chains are ordered by wait
+        at = np.minimum(np.searchsorted(waits, iv[followed]), len(waits) - 1)
+        found = waits[at] == iv[followed]
+        category[followed] = np.where(found, codes(last["category"])[at], CATEGORY_CODE["other"])
+        root[followed] = np.where(found, last["tid"].to_numpy(np.int64)[at], trainer)
+    ns = pieces["ns"].to_numpy(np.float64).copy()
+    state = codes(pieces["state"])
+    start, end = pieces["start_ns"].to_numpy(np.int64), pieces["end_ns"].to_numpy(np.int64)
     if len(churn):
         churning = churn.loc[churn["churning"], "tid"].to_numpy()
-        hit = (out["category"] == "page_faults") & out["root_tid"].isin(churning)
-        out.loc[hit, "category"] = "allocator_churn"
+        hit = (category == CATEGORY_CODE["page_faults"]) & np.isin(root, churning)
+        category[hit] = CATEGORY_CODE["allocator_churn"]
     if len(placement):
-        remote = placement.set_index("tid")["remote_fraction"]
-        frac = out["root_tid"].map(remote).fillna(0.0).to_numpy()
-        hit = (out["category"].to_numpy() == "input_pipeline") & (frac > REMOTE_MIN_FRACTION)
-        if hit.any():
-            moved = out[hit].copy()
-            moved["ns"] = moved["ns"].to_numpy() * frac[hit]
-            moved["category"] = "numa_remote"
-            out.loc[hit, "ns"] = out.loc[hit, "ns"].to_numpy() * (1.0 - frac[hit])
-            out = pd.concat([out, moved], ignore_index=True)
-    out["category"] = pd.Categorical(out["category"].to_numpy(dtype=object), dtype=CATEGORY_DTYPE)
-    out["state"] = pd.Categorical(out["state"].to_numpy(dtype=object), dtype=STATE_DTYPE)
-    out = out[out["ns"] > 0]
+        remote = pd.Series(placement["remote_fraction"].to_numpy(), index=placement["tid"].to_numpy())
+        frac = remote.reindex(root).fillna(0.0).to_numpy()
+        hit = np.flatnonzero((category == CATEGORY_CODE["input_pipeline"]) & (frac > REMOTE_MIN_FRACTION))
+        if len(hit):
+            moved = ns[hit] * frac[hit]
+            ns[hit] -= moved
+            start, end, state, root, wait = (np.concatenate([a, a[hit]]) for a in (start, end, state, root, wait))
+            category = np.concatenate([category, np.full(len(hit), CATEGORY_CODE["numa_remote"], np.int8)])
+            ns = np.concatenate([ns, moved])
+    keep = ns > 0
+    out = pd.DataFrame({
+        "start_ns": start[keep], "end_ns": end[keep], "ns": ns[keep],
+        "state": pd.Categorical.from_codes(state[keep], dtype=STATE_DTYPE),
+        "category": pd.Categorical.from_codes(category[keep], dtype=CATEGORY_DTYPE),
+        "root_tid": root[keep], "wait": wait[keep].astype(np.int64),
+    })
     return out.sort_values("start_ns", kind="stable")[list(ATTRIBUTED_COLUMNS)].reset_index(drop=True)
 
 
@@ -144,6 +152,17 @@ class EvidenceContext:
         ts = as_int64(frame["ts_ns"])
         keep = (ts >= self.window.start_ns) & (ts < self.window.end_ns) & np.isin(as_int64(frame["tid"]), list(tids))
         return frame[keep]
+
+    def intervals(self, state: str, tids: Any = None) -> pd.DataFrame:
+        """State intervals in `state` (of threads `tids`, default all) with their ns inside
+        the window as `ns`; intervals wholly outside it left out."""
+        st = self.states
+        keep = codes(st["state"]) == STATE_CODE[state]
+        if tids is not None:
+            keep &= np.isin(st["tid"].to_numpy(), list(tids))
+        rows = st[keep]
+        ns = clipped_lengths(rows, self.window)
+        return rows.assign(ns=ns)[ns > 0]
 
     def thread(self, tid: int) -> dict[str, Any]:
         row = self.threads.loc[self.threads["tid"] == tid]
@@ -224,16 +243,13 @@ def _input_pipeline(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]
 
 
 def _cpu_contention(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
-    st = ctx.states
-    rq = st[(st["state"] == "runnable").to_numpy() & st["tid"].isin(roots).to_numpy()]
-    lat = (rq["end_ns"] - rq["start_ns"]).to_numpy()
-    per = rq.assign(ns=lat).groupby("tid")["ns"].sum().sort_values(ascending=False)
-    all_rq = st[(st["state"] == "runnable").to_numpy()]
+    rq = ctx.intervals("runnable", roots)
+    per = rq.groupby("tid")["ns"].sum().sort_values(ascending=False)
     return {
         "runnable_intervals": int(len(rq)),
-        **_ms(lat, "runq"),
+        **_ms(rq["end_ns"] - rq["start_ns"], "runq"),
         "runnable_s": {str(int(t)): float(ns) / NS_PER_S for t, ns in per.iloc[:MAX_THREADS].items()},
-        "all_threads_runnable_s": float((all_rq["end_ns"] - all_rq["start_ns"]).sum()) / NS_PER_S,
+        "all_threads_runnable_s": float(ctx.intervals("runnable")["ns"].sum()) / NS_PER_S,
         "threads_traced": int(len(ctx.threads)),
     }
 
@@ -257,12 +273,11 @@ def _churn(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict
 def _page_faults(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
     faults = ctx.rows("faults", roots)
     count = int(np.maximum(as_int64(faults["count"], 0), 0).sum()) if len(faults) else 0
-    st = ctx.states
-    blocked = st[(st["state"] == "page_faults").to_numpy() & st["tid"].isin(roots).to_numpy()]
+    blocked = ctx.intervals("page_faults", roots)
     return {
         "faults": count,
         "faults_per_s": count / max(ctx.window.seconds, 1e-9),
-        "blocked_in_fault_path_s": float((blocked["end_ns"] - blocked["start_ns"]).sum()) / NS_PER_S,
+        "blocked_in_fault_path_s": float(blocked["ns"].sum()) / NS_PER_S,
         "running_in_fault_path_s": float(pieces.loc[pieces["state"] == "running", "ns"].sum()) / NS_PER_S,
         "kernel_stack": _top_stack(ctx, blocked["kstack_id"]),
     }
@@ -370,15 +385,26 @@ def _dominant_chain(pieces: pd.DataFrame, chains: pd.DataFrame, ctx: EvidenceCon
         best = (float(best_direct.max()), [{**_link(ctx, trainer_tid), "state": label}])
     if len(followed) and len(chains):
         links = chains[chains["wait"].isin(followed["wait"].unique())]
-        wide = links.pivot(index="wait", columns="depth", values=["tid", "state"])
-        key = wide.astype(str).agg("|".join, axis=1)
+        key = chain_keys(links)
         ns = followed.groupby("wait")["ns"].sum()
         per_key = ns.groupby(key.reindex(ns.index)).sum()
         if len(per_key) and float(per_key.max()) > best[0]:
-            wait = key.index[key == per_key.idxmax()][0]
+            wait = key.index[key.to_numpy() == per_key.idxmax()][0]
             chain = links[links["wait"] == wait]
             best = (float(per_key.max()), [{**_link(ctx, int(r.tid)), "state": str(r.state)} for r in chain.itertuples()])
     return best[1]
+
+
+def chain_keys(links: pd.DataFrame) -> pd.Series:
+    """Per wait, a 64-bit key equal for waits whose chains have the same links (tid and
+    state at each depth): each link's code times a per-depth odd constant, summed with
+    wrap-around.  Collisions are vanishingly unlikely and would only merge two chains."""
+    codes = pd.MultiIndex.from_arrays([links["tid"].to_numpy(), links["state"].to_numpy()]).factorize()[0]
+    depth = links["depth"].to_numpy(np.int64)
+    mixers = np.random.default_rng(0).integers(1, 2**63, size=int(depth.max()) + 1 if len(depth) else 1, dtype=np.uint64) | np.uint64(1)
+    with np.errstate(over="ignore"):
+        term = (codes.astype(np.uint64) + np.uint64(1)) * mixers[depth]
+    return pd.Series(term).groupby(links["wait"].to_numpy()).sum()
 
 
 def _link(ctx: EvidenceContext, tid: int) -> dict[str, Any]:

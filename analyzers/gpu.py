@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.attribution import RunSplit
-from trainbpf.analyzers.categories import RUN_CLASSES, STATE_DTYPE
+from trainbpf.analyzers.categories import RUN_CLASS_DTYPE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes
 from trainbpf.analyzers.intervals import Span, as_int64, intersect, merge_intervals
 
 DEFAULT_SAMPLE_PERIOD_NS = 100_000_000  # nvidia-smi -lms 100
@@ -72,11 +72,12 @@ def starved_pieces(
     s = trainer_states["start_ns"].to_numpy(np.int64)
     e = trainer_states["end_ns"].to_numpy(np.int64)
     ia, _, ps, pe = intersect(s, e, windows["start_ns"].to_numpy(np.int64), windows["end_ns"].to_numpy(np.int64))
-    state = trainer_states["state"].to_numpy()[ia]
-    running = np.asarray(state == "running")
+    state = codes(trainer_states["state"])[ia]
+    running = state == STATE_CODE["running"]
     pieces = pd.DataFrame(
         {"interval": ia.astype(np.int64), "start_ns": ps, "end_ns": pe, "ns": (pe - ps).astype(np.float64),
-         "state": pd.Categorical(state, dtype=STATE_DTYPE), "run_class": ""}
+         "state": pd.Categorical.from_codes(state, dtype=STATE_DTYPE),
+         "run_class": pd.Categorical.from_codes(np.zeros(len(ia), np.int8), dtype=RUN_CLASS_DTYPE)}
     )
     stalled = pieces[~running]
     parts = [stalled]
@@ -91,8 +92,7 @@ def starved_pieces(
             if hit.any():
                 part = run[hit].copy()
                 part["ns"] = part["ns"].to_numpy() * share[hit]
-                part["run_class"] = cls
+                part["run_class"] = pd.Categorical([cls] * int(hit.sum()), dtype=RUN_CLASS_DTYPE)
                 parts.append(part)
     out = pd.concat(parts, ignore_index=True) if len(parts) > 1 else stalled.reset_index(drop=True)
-    out["run_class"] = out["run_class"].astype(str)
     return out[list(PIECE_COLUMNS)].sort_values(["start_ns", "run_class"], kind="stable").reset_index(drop=True)

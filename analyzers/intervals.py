@@ -198,41 +198,67 @@ class ClassTime:
         return self.upto(b) - self.upto(a)
 
 
-def best_overlap(
-    left: pd.DataFrame, right: pd.DataFrame, *, by: str = "tid"
-) -> np.ndarray:
-    """For each `left` interval, the position in `right` of the same-`by` interval that
-    overlaps it most (-1: none).  Both frames have start_ns/end_ns; `left` sorted by start_ns.
+def thread_ranges(tid: np.ndarray) -> dict[int, tuple[int, int]]:
+    """{tid: (first, last + 1)} positions of each thread's run in an array sorted by tid."""
+    if not len(tid):
+        return {}
+    starts = np.concatenate([[0], np.flatnonzero(tid[1:] != tid[:-1]) + 1])
+    ends = np.concatenate([starts[1:], [len(tid)]])
+    return {int(t): (int(a), int(b)) for t, a, b in zip(tid[starts], starts, ends)}
 
-    Checks the latest `right` interval starting at or before each left start and the first
-    one starting inside it: enough when `right` intervals of one thread rarely nest."""
+
+def dense_rank(tid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct tids, each row's index among them) without sorting the rows:
+    tids are small non-negative integers, so a table lookup does it (np.unique otherwise)."""
+    tid = np.asarray(tid)
+    if not len(tid) or tid.min() < 0 or tid.max() > 1 << 24:
+        return np.unique(tid, return_inverse=True)
+    present = np.flatnonzero(np.bincount(tid))
+    rank_type = np.uint16 if len(present) <= 1 << 16 else np.uint32
+    lut = np.zeros(int(present[-1]) + 1, dtype=rank_type)
+    lut[present] = np.arange(len(present), dtype=rank_type)
+    return present, lut[tid]
+
+
+def sort_by_thread(tid: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """The order that sorts rows by (tid, start), ties kept in input order.
+
+    Recorded rows arrive nearly sorted by time, where a stable sort is fast; the threads
+    are then ordered by a (radix) sort of their small dense rank."""
+    by_time = np.argsort(start, kind="stable")
+    return by_time[np.argsort(dense_rank(np.asarray(tid)[by_time])[1], kind="stable")]
+
+
+def best_overlap(left: pd.DataFrame, right: pd.DataFrame, *, by: str = "tid") -> np.ndarray:
+    """For each `left` interval, the position in `right` of the same-`by` interval that
+    overlaps it most (-1: none).  Both frames have start_ns/end_ns.
+
+    Per thread, two candidates: of the `right` intervals starting at or before the left
+    start, the one reaching furthest; and the first one starting inside the left interval."""
     out = np.full(len(left), -1, dtype=np.int64)
     if not len(left) or not len(right):
         return out
-    l = pd.DataFrame(
-        {by: left[by].to_numpy(np.int64), "start_ns": left["start_ns"].to_numpy(np.int64),
-         "end_ns": left["end_ns"].to_numpy(np.int64), "pos": np.arange(len(left))}
-    )
-    r = pd.DataFrame(
-        {by: right[by].to_numpy(np.int64), "r_start": right["start_ns"].to_numpy(np.int64),
-         "r_end": right["end_ns"].to_numpy(np.int64), "r_pos": np.arange(len(right))}
-    ).sort_values("r_start", kind="stable")
-    l = l.sort_values("start_ns", kind="stable")
-    best = np.zeros(len(left), dtype=np.int64)
-    for direction in ("backward", "forward"):
-        m = pd.merge_asof(
-            l, r, left_on="start_ns", right_on="r_start", by=by, direction=direction
-        )
-        r_pos = m["r_pos"].to_numpy(dtype=np.float64, na_value=np.nan)
-        found = ~np.isnan(r_pos)
-        ov = np.where(
-            found,
-            np.minimum(m["end_ns"].to_numpy(), m["r_end"].fillna(0).to_numpy(np.int64))
-            - np.maximum(m["start_ns"].to_numpy(), m["r_start"].fillna(0).to_numpy(np.int64)),
-            0,
-        )
-        pos = m["pos"].to_numpy()
-        better = found & (ov > 0) & (ov > best[pos])
-        best[pos[better]] = ov[better]
-        out[pos[better]] = r_pos[better].astype(np.int64)
+    l_tid, l_start, l_end = as_int64(left[by]), as_int64(left["start_ns"]), as_int64(left["end_ns"])
+    l_order = sort_by_thread(l_tid, l_start)
+    r_tid, r_start, r_end = as_int64(right[by]), as_int64(right["start_ns"]), as_int64(right["end_ns"])
+    r_order = sort_by_thread(r_tid, r_start)
+    r_ranges = thread_ranges(r_tid[r_order])
+    for tid, (a, b) in thread_ranges(l_tid[l_order]).items():  # a loop over threads
+        if tid not in r_ranges:
+            continue
+        c, d = r_ranges[tid]
+        rows = r_order[c:d]
+        rs, re = r_start[rows], r_end[rows]
+        lpos = l_order[a:b]
+        ls, le = l_start[lpos], l_end[lpos]
+        reach = np.maximum.accumulate(re)
+        furthest = np.maximum.accumulate(np.where(re >= reach, np.arange(len(re)), 0))
+        i = np.searchsorted(rs, ls, side="right") - 1
+        k = furthest[np.maximum(i, 0)]
+        before = np.where(i >= 0, np.minimum(le, re[k]) - ls, 0)
+        j = np.minimum(i + 1, len(rs) - 1)
+        inside = np.where(i + 1 < len(rs), np.minimum(le, re[j]) - rs[j], 0)
+        best = np.where(inside > before, j, k)
+        overlap = np.maximum(before, inside)
+        out[lpos] = np.where(overlap > 0, rows[best], -1)
     return out

@@ -32,49 +32,45 @@ USER_PATTERNS: tuple[tuple[str, str], ...] = (
 )
 ALLOCATOR_PATTERN = r"malloc|free|arena|tcache|calloc|realloc|je_|tc_"
 
+# Class vocabulary; "" (code 0) when nothing matched.  Hot paths compare integer codes.
+STACK_CLASSES: tuple[str, ...] = ("",) + tuple(n for n, _ in KERNEL_PATTERNS) + tuple(n for n, _ in USER_PATTERNS)
+STACK_CLASS_DTYPE = pd.CategoricalDtype(STACK_CLASSES)
+CLASS_CODE = {name: np.int8(i) for i, name in enumerate(STACK_CLASSES)}
 STACK_COLUMNS = ("stack_id", "kernel", "cls", "allocator", "frames")
 
 
 def classify_stacks(stack: pd.DataFrame) -> pd.DataFrame:
-    """One row per stack id: whether it is a kernel stack, its class ("" when nothing
-    matched), whether it runs through the allocator, and its frames."""
-    if not len(stack):
-        return pd.DataFrame(
-            {
-                "stack_id": np.zeros(0, np.int64),
-                "kernel": np.zeros(0, bool),
-                "cls": pd.Series([], dtype=str),
-                "allocator": np.zeros(0, bool),
-                "frames": pd.Series([], dtype=str),
-            }
-        )
+    """One row per stack id: whether it is a kernel stack, its class (STACK_CLASSES),
+    whether it runs through the allocator, and its frames."""
     df = pd.DataFrame(
         {
             "stack_id": as_int64(stack["kstack_id"]),
-            "kernel": stack["state"].astype(str).to_numpy() != "user",
-            "frames": stack["name"].fillna("").astype(str),
+            "kernel": stack["state"].fillna("").astype(str).to_numpy(dtype=object) != "user",
+            "frames": stack["name"].fillna("").astype(str).to_numpy(dtype=object),
         }
     ).drop_duplicates("stack_id", keep="last")
-    cls = pd.Series("", index=df.index, dtype=object)
+    frames = df["frames"].astype(str)
+    cls = np.zeros(len(df), dtype=np.int8)
     for kernel, patterns in ((True, KERNEL_PATTERNS), (False, USER_PATTERNS)):
         # Walk from the least to the most specific pattern so the most specific wins.
         for name, pattern in reversed(patterns):
-            hit = df["frames"].str.contains(pattern, regex=True) & (df["kernel"] == kernel)
-            cls[hit.to_numpy()] = name
-    df["cls"] = cls.astype(str)
-    df["allocator"] = df["frames"].str.contains(ALLOCATOR_PATTERN, regex=True) & ~df["kernel"]
+            hit = frames.str.contains(pattern, regex=True).to_numpy(dtype=bool) & (df["kernel"].to_numpy() == kernel)
+            cls[hit] = CLASS_CODE[name]
+    df["cls"] = pd.Categorical.from_codes(cls, dtype=STACK_CLASS_DTYPE)
+    df["allocator"] = frames.str.contains(ALLOCATOR_PATTERN, regex=True).to_numpy(dtype=bool) & ~df["kernel"].to_numpy()
+    df["frames"] = frames
     return df[list(STACK_COLUMNS)].reset_index(drop=True)
 
 
-def stack_classes(stacks: pd.DataFrame, ids: object) -> np.ndarray:
-    """The class of each stack id in `ids` ("" for unknown or null ids), as an object array."""
+def stack_class_codes(stacks: pd.DataFrame, ids: object) -> np.ndarray:
+    """The class code (CLASS_CODE) of each stack id in `ids`; 0 for unknown or null ids."""
     ids = as_int64(ids)
-    out = np.full(len(ids), "", dtype=object)
-    if not len(stacks):
+    out = np.zeros(len(ids), dtype=np.int8)
+    if not len(stacks) or not len(ids):
         return out
     sid = stacks["stack_id"].to_numpy(np.int64)
     order = np.argsort(sid, kind="stable")
-    sid, cls = sid[order], stacks["cls"].to_numpy(dtype=object)[order]
+    sid, cls = sid[order], stacks["cls"].cat.codes.to_numpy()[order]
     pos = np.clip(np.searchsorted(sid, ids), 0, len(sid) - 1)
     hit = sid[pos] == ids
     out[hit] = cls[pos[hit]]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.categories import STATE_DTYPE, STATES
-from trainbpf.analyzers.intervals import NS_PER_S, Span, as_int64, intersect
+from trainbpf.analyzers.categories import STATE_DTYPE, STATES, codes
+from trainbpf.analyzers.intervals import NS_PER_S, Span, as_int64, dense_rank, intersect, sort_by_thread
 
 STATE_COLUMNS = ("tid", "start_ns", "end_ns", "state", "waker_tid", "kstack_id", "ustack_id")
 
@@ -37,17 +37,29 @@ def _frame(tid, start, end, code, waker, kstack, ustack) -> pd.DataFrame:
             "waker_tid": np.asarray(waker, dtype=np.int32),
             "kstack_id": np.asarray(kstack, dtype=np.int32),
             "ustack_id": np.asarray(ustack, dtype=np.int32),
-        }
+        },
+        copy=False,
     )
 
 
-def _blocked_code(sched_state: np.ndarray) -> np.ndarray:
-    """What the scheduler's state letter alone says about a blocked interval."""
-    letter = pd.Series(sched_state, dtype=object).fillna("").astype(str).str[:1].to_numpy(dtype=object)
-    code = np.full(len(letter), _CODE["other"], dtype=np.int8)
-    code[(letter == "S") | (letter == "I")] = _CODE["sleep"]
-    code[letter == "D"] = _CODE["uninterruptible"]
-    return code
+def _sched_codes(sched_state: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, what the scheduler's state letter alone says about the blocked part
+    (a state code) and whether the thread was preempted ("R").  Letters are decoded once
+    per distinct value."""
+    values, uniques = pd.factorize(sched_state)
+    letters = [str(u)[:1] for u in uniques] + [""]  # the last entry serves nulls (-1)
+    blocked = np.array(
+        [_CODE["sleep"] if x in ("S", "I") else _CODE["uninterruptible"] if x == "D" else _CODE["other"] for x in letters],
+        dtype=np.int8,
+    )
+    preempted = np.array([x == "R" for x in letters])
+    return blocked[values], preempted[values]
+
+
+def _positions(tid: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Index of each key in the sorted unique `tid` array, and whether it is there."""
+    pos = np.minimum(np.searchsorted(tid, keys), max(len(tid) - 1, 0))
+    return pos, (tid[pos] == keys) if len(tid) else np.zeros(len(keys), bool)
 
 
 def thread_states(offcpu: pd.DataFrame, offcpu_short: pd.DataFrame, threads: pd.DataFrame) -> pd.DataFrame:
@@ -61,80 +73,89 @@ def thread_states(offcpu: pd.DataFrame, offcpu_short: pd.DataFrame, threads: pd.
     t_first = threads["first_ns"].to_numpy(np.int64)[order]
     t_last = threads["last_ns"].to_numpy(np.int64)[order]
 
-    tid = as_int64(offcpu["tid"])
-    known = np.isin(tid, t_tid)
-    tid = tid[known]
-    ts = as_int64(offcpu["ts_ns"])[known]
-    dur = np.maximum(as_int64(offcpu["dur_ns"], 0)[known], 0)
-    runq = np.clip(as_int64(offcpu["runq_ns"], 0)[known], 0, dur)
-    sched = offcpu["state"].to_numpy(dtype=object)[known]
-    blocked_code = _blocked_code(sched)
-    preempted = pd.Series(sched, dtype=object).fillna("").astype(str).str[:1].to_numpy(dtype=object) == "R"
-    runq = np.where(preempted, dur, runq)
-    waker = as_int64(offcpu["peer_tid"])[known]
-    kstack = as_int64(offcpu["kstack_id"])[known]
-    ustack = as_int64(offcpu["ustack_id"])[known]
+    pos, known = _positions(t_tid, as_int64(offcpu["tid"]))
+    everyone = bool(known.all())
 
-    pos = np.searchsorted(t_tid, tid)
+    def column(name: str, fill: int = -1) -> np.ndarray:
+        """An offcpu column of the rows of known threads (usually all: no copy then)."""
+        values = as_int64(offcpu[name], fill)
+        return values if everyone else values[known]
+
+    pos = pos if everyone else pos[known]
+    ts = column("ts_ns")
+    dur = np.maximum(column("dur_ns", 0), 0)
+    blocked_code, preempted = _sched_codes(offcpu["state"])
+    if not everyone:
+        blocked_code, preempted = blocked_code[known], preempted[known]
+    runq = np.where(preempted, dur, np.minimum(np.maximum(column("runq_ns", 0), 0), dur))
     first, last = t_first[pos], t_last[pos]
-    start = np.clip(ts, first, last)
-    end = np.clip(ts + dur, first, last)
-    wake = np.clip(ts + dur - runq, start, end)
+    start = np.minimum(np.maximum(ts, first), last)
+    end = np.minimum(np.maximum(ts + dur, first), last)
+    wake = np.minimum(np.maximum(ts + dur - runq, start), end)
+    del ts, dur, runq, first, last
 
-    # One virtual row per thread at its end carries the tail running gap.
-    n_rows = len(tid)
-    tid = np.concatenate([tid, t_tid])
+    # One virtual row per thread at its end carries the tail running gap; appended last,
+    # a stable sort keeps it after any real row that starts at the same time.
+    n_rows = len(pos)
+    pos = np.concatenate([pos, np.arange(len(t_tid))])
     start = np.concatenate([start, t_last])
-    wake = np.concatenate([wake, t_last])
-    end = np.concatenate([end, t_last])
-    first = np.concatenate([first, t_first])
-    virtual = np.concatenate([np.zeros(n_rows, bool), np.ones(len(t_tid), bool)])
-    order = np.lexsort((virtual, start, tid))
-    tid, start, wake, end, first = tid[order], start[order], wake[order], end[order], first[order]
-    src = np.where(virtual[order], -1, order)  # offcpu row behind each slot
+    order = sort_by_thread(pos, start)
+    pos, start = pos[order], start[order]
+    wake = np.concatenate([wake, t_last])[order]
+    end = np.concatenate([end, t_last])[order]
+    src = np.where(order < n_rows, order, -1)  # offcpu row (among known ones) behind each slot
+    del order
 
-    # Overlapping rows (inconsistent input) lose their overlap to the earlier row.
-    reach = pd.Series(end).groupby(tid).cummax().to_numpy()
-    prev_end = np.empty_like(reach)
-    prev_end[1:] = reach[:-1]
-    new_thread = np.ones(len(tid), bool)
-    new_thread[1:] = tid[1:] != tid[:-1]
-    prev_end[new_thread] = first[new_thread]
-    start = np.maximum(start, prev_end)
-    wake = np.clip(wake, start, np.maximum(end, start))
-    end = np.maximum(end, start)
-    gap_start = prev_end
-    gap_end = start
+    new_thread = np.ones(len(pos), bool)
+    new_thread[1:] = pos[1:] != pos[:-1]
+    prev_end = np.empty_like(end)
+    prev_end[1:] = end[:-1]
+    prev_end[new_thread] = t_first[pos[new_thread]]
+    if (start < prev_end).any():
+        # Overlapping rows (inconsistent input) lose their overlap to the earlier rows.
+        reach = pd.Series(end).groupby(pos, sort=False).cummax().to_numpy()
+        prev_end[1:] = reach[:-1]
+        prev_end[new_thread] = t_first[pos[new_thread]]
+        start = np.maximum(start, prev_end)
+        end = np.maximum(end, start)
+        wake = np.minimum(np.maximum(wake, start), end)
 
-    short_blk, short_rq = _carve_short(offcpu_short, tid, gap_start, gap_end)
-    run_end = gap_end - short_blk - short_rq
-
-    bounds = np.stack(
-        [gap_start, run_end, run_end + short_blk, gap_end, wake, end], axis=1
-    )  # (n, 6): edges of the 5 parts
-    p_start = bounds[:, :-1].ravel()
-    p_end = bounds[:, 1:].ravel()
-    keep = p_end > p_start
-    slot = np.repeat(np.arange(len(tid)), _PARTS)[keep]
-    part = np.tile(np.arange(_PARTS), len(tid))[keep]
-    row = src[slot]
-    has_row = row >= 0
-    safe_row = np.where(has_row, row, 0)
-
-    def from_row(values: np.ndarray, parts: tuple[int, ...]) -> np.ndarray:
-        picked = values[safe_row] if len(values) else np.zeros(len(row), np.int64)
-        return np.where(has_row & np.isin(part, parts), picked, -1)
-
-    code = np.array(
-        [_CODE["running"], _CODE["short_wait"], _CODE["runnable"], 0, _CODE["runnable"]], dtype=np.int8
-    )[part]
-    is_blocked = part == 3
-    code[is_blocked] = blocked_code[safe_row[is_blocked]] if n_rows else code[is_blocked]
-    # The waker ended the blocked part; stacks were taken at switch-out.
-    return _frame(
-        tid[slot], p_start[keep], p_end[keep], code,
-        from_row(waker, (3, 4)), from_row(kstack, (3,)), from_row(ustack, (3,)),
-    )
+    short_blk, short_rq = _carve_short(offcpu_short, t_tid[pos], prev_end, start)
+    run_end = start - short_blk - short_rq
+    # Each slot is up to five consecutive parts; empty parts are left out.
+    edges = (prev_end, run_end, run_end + short_blk, start, wake, end)
+    kept = [edges[p + 1] > edges[p] for p in range(_PARTS)]
+    counts = np.zeros(len(pos), dtype=np.int64)
+    for k in kept:
+        counts += k
+    offset = np.cumsum(counts) - counts
+    total = int(counts.sum())
+    out_start = np.empty(total, np.int64)
+    out_end = np.empty(total, np.int64)
+    out_code = np.empty(total, np.int8)
+    waker = np.full(total, -1, np.int32)
+    kstack = np.full(total, -1, np.int32)
+    ustack = np.full(total, -1, np.int32)
+    part_code = (_CODE["running"], _CODE["short_wait"], _CODE["runnable"], None, _CODE["runnable"])
+    row_waker = column("peer_tid")
+    for p in range(_PARTS):
+        k = kept[p]
+        at = offset[k]
+        out_start[at] = edges[p][k]
+        out_end[at] = edges[p + 1][k]
+        rows = src[k]
+        real = rows >= 0
+        if p == 3:  # the blocked part: its cause so far, its waker, stacks at switch-out
+            out_code[at] = np.where(real, blocked_code[np.maximum(rows, 0)] if n_rows else 0, _CODE["other"])
+            waker[at[real]] = row_waker[rows[real]]
+            kstack[at[real]] = column("kstack_id")[rows[real]]
+            ustack[at[real]] = column("ustack_id")[rows[real]]
+        else:
+            out_code[at] = part_code[p]
+        if p == 4:  # the runnable tail after a wake-up
+            waker[at[real]] = row_waker[rows[real]]
+        offset[k] += 1
+    return _frame(np.repeat(t_tid[pos], counts), out_start, out_end, out_code, waker, kstack, ustack)
 
 
 def _carve_short(short: pd.DataFrame, tid: np.ndarray, gap_start: np.ndarray, gap_end: np.ndarray):
@@ -149,7 +170,7 @@ def _carve_short(short: pd.DataFrame, tid: np.ndarray, gap_start: np.ndarray, ga
         return out_blk.astype(np.int64), out_rq.astype(np.int64)
     dur = np.maximum(as_int64(short["dur_ns"], 0), 0)
     runq = np.clip(as_int64(short["runq_ns"], 0), 0, dur)
-    preempted = short["state"].fillna("").astype(str).str[:1].to_numpy(dtype=object) == "R"
+    preempted = _sched_codes(short["state"])[1]
     runq = np.where(preempted, dur, runq)
     flushes = (
         pd.DataFrame({"tid": as_int64(short["tid"]), "flush_ns": as_int64(short["ts_ns"]), "blk": dur - runq, "rq": runq})
@@ -177,30 +198,34 @@ def _carve_short(short: pd.DataFrame, tid: np.ndarray, gap_start: np.ndarray, ga
     return blk_ns, rq_ns
 
 
-def clip_states(states: pd.DataFrame, span: Span) -> pd.DataFrame:
-    """The state intervals cut to the analysed window."""
+def clipped_lengths(states: pd.DataFrame, span: Span) -> np.ndarray:
+    """Each interval's ns inside `span` (0 outside it)."""
     start = np.maximum(states["start_ns"].to_numpy(), span.start_ns)
     end = np.minimum(states["end_ns"].to_numpy(), span.end_ns)
-    keep = end > start
-    out = states[keep].copy()
-    out["start_ns"] = start[keep]
-    out["end_ns"] = end[keep]
-    return out.reset_index(drop=True)
+    return np.maximum(end - start, 0)
 
 
 TOTAL_COLUMNS = ("tid", "state", "ns")
 
 
-def state_totals(states: pd.DataFrame) -> pd.DataFrame:
-    """ns per (tid, state), every state that occurs; long form."""
-    df = pd.DataFrame(
-        {"tid": states["tid"].to_numpy(np.int64), "state": states["state"],
-         "ns": (states["end_ns"] - states["start_ns"]).to_numpy(np.int64)}
-    )
-    out = df.groupby(["tid", "state"], observed=True, as_index=False)["ns"].sum()
-    out["ns"] = out["ns"].astype(np.int64)
-    out["tid"] = out["tid"].astype(np.int64)
-    return out[list(TOTAL_COLUMNS)]
+def state_totals(states: pd.DataFrame, span: Span | None = None) -> pd.DataFrame:
+    """ns per (tid, state) inside `span` (default: everything), states with time only;
+    long form, sorted by tid then state."""
+    tid = states["tid"].to_numpy(np.int64)
+    if span is None:
+        ns = (states["end_ns"] - states["start_ns"]).to_numpy(np.int64)
+    else:
+        ns = clipped_lengths(states, span)
+    tids, rank = dense_rank(tid)
+    n_states = len(STATES)
+    sums = np.bincount(rank.astype(np.int64) * n_states + codes(states["state"]), weights=ns, minlength=len(tids) * n_states)
+    sums = np.rint(sums).astype(np.int64)
+    hit = np.flatnonzero(sums > 0)
+    return pd.DataFrame({
+        "tid": tids[hit // n_states].astype(np.int64),
+        "state": pd.Categorical.from_codes(hit % n_states, dtype=STATE_DTYPE),
+        "ns": sums[hit],
+    })
 
 
 def state_seconds(totals: pd.DataFrame) -> dict[int, dict[str, float]]:

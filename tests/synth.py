@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
+import pyarrow as pa
 
 from trainbpf.schema import KIND_COLUMNS, SCHEMA_ID
 from trainbpf.tracefile import SpoolWriter, finalize, make_batch, read_trace, spool_path_for
@@ -246,3 +247,63 @@ def healthy(duration_s: float = 10.0, *, gpu: bool = True) -> Synth:
     if gpu:
         s.gpu_series(lambda ts: 92.0)
     return s
+
+
+def big_trace(path: Path, events: int = 1_000_000, *, seconds: float = 60.0, threads: int = 16, seed: int = 0) -> Path:
+    """A large, self-consistent trace built with numpy (for scale tests and benchmarks):
+    about 60% off-CPU intervals, 20% on-CPU samples, 15% futex waits, the rest faults,
+    mm calls, block requests and GPU samples.  Thread 100 trains; 200.. are workers."""
+    rng = np.random.default_rng(seed)
+    tids = np.array([TRAINER] + [WORKER + i for i in range(threads - 1)], dtype=np.int32)
+    span = d(seconds)
+    meta = Synth(seconds).meta
+    writer = SpoolWriter(Path(path), meta)
+    n_off = int(events * 0.6) // threads
+    kstacks = {i + 1: f for i, f in enumerate((FUTEX_STACK, SLEEP_STACK, FAULT_IO_STACK, BLOCK_STACK, RECLAIM_STACK, DIRTY_STACK))}
+    for sid, frames in kstacks.items():
+        writer.add(make_batch("stack", {"ts_ns": [START_NS], "kstack_id": [sid], "state": ["kernel"], "pid": [TRAINER], "name": [";".join(frames)]}))
+    for i, tid in enumerate(tids):
+        comm = "python" if tid == TRAINER else "pt_data_worker"
+        writer.add(make_batch("thread", {"ts_ns": [START_NS], "tid": [tid], "pid": [TRAINER], "comm": [comm], "name": ["seed"]}))
+        # Alternate running and off-CPU stretches whose lengths fill the span.
+        run = rng.exponential(1.0, n_off)
+        off = rng.exponential(1.0, n_off)
+        scale = span / (run.sum() + off.sum())
+        run_ns, off_ns = (run * scale).astype(np.int64) + 1, (off * scale).astype(np.int64) + 1
+        starts = START_NS + np.cumsum(run_ns) + np.concatenate([[0], np.cumsum(off_ns)[:-1]])
+        waker = rng.choice(tids, n_off)
+        writer.add(make_batch("offcpu", {
+            "ts_ns": starts, "dur_ns": off_ns, "tid": np.full(n_off, tid, np.int32), "pid": np.full(n_off, TRAINER, np.int32),
+            "cpu": rng.integers(0, 4, n_off).astype(np.int32), "state": rng.choice(np.array(["S", "D", "R"], dtype=object), n_off, p=[0.8, 0.1, 0.1]),
+            "runq_ns": (off_ns * rng.uniform(0, 0.2, n_off)).astype(np.int64),
+            "peer_tid": pa.array(waker, mask=waker == tid), "kstack_id": rng.integers(1, len(kstacks) + 1, n_off).astype(np.int32),
+        }))
+        futex = rng.random(n_off) < 0.25
+        writer.add(make_batch("futex", {
+            "ts_ns": starts[futex], "dur_ns": off_ns[futex], "tid": np.full(futex.sum(), tid, np.int32),
+            "pid": np.full(futex.sum(), TRAINER, np.int32), "addr": rng.choice(np.arange(0x1000, 0x1000 + 64 * 50, 64, dtype=np.uint64), futex.sum()),
+            "op": np.full(futex.sum(), 137, np.int32),
+        }))
+        writer.flush()
+    n_on = int(events * 0.2)
+    writer.add(make_batch("oncpu", {
+        "ts_ns": np.sort(START_NS + rng.integers(0, span, n_on)), "tid": rng.choice(tids, n_on),
+        "pid": np.full(n_on, TRAINER, np.int32), "cpu": rng.integers(0, 4, n_on).astype(np.int32),
+        "kstack_id": pa.array(rng.integers(1, len(kstacks) + 1, n_on).astype(np.int32), mask=rng.random(n_on) < 0.7),
+    }))
+    n_misc = int(events * 0.02)
+    for kind, extra in (("faults", {"count": rng.integers(1, 500, n_misc)}),
+                        ("mm_syscall", {"name": rng.choice(np.array(["mmap", "munmap"], dtype=object), n_misc), "size": rng.integers(4096, 1 << 24, n_misc)}),
+                        ("block_rq", {"size": rng.integers(4096, 1 << 20, n_misc), "name": np.full(n_misc, "R", dtype=object)})):
+        writer.add(make_batch(kind, {
+            "ts_ns": np.sort(START_NS + rng.integers(0, span, n_misc)), "dur_ns": rng.integers(1000, 10_000_000, n_misc),
+            "tid": rng.choice(tids, n_misc), "pid": np.full(n_misc, TRAINER, np.int32), **extra,
+        }))
+    n_gpu = int(seconds * 10)
+    writer.add(make_batch("gpu", {
+        "ts_ns": START_NS + np.arange(1, n_gpu + 1) * 100_000_000, "op": np.zeros(n_gpu, np.int32),
+        "value": rng.choice([2.0, 95.0], n_gpu), "name": np.full(n_gpu, "GPU-0", dtype=object),
+    }))
+    writer.flush()
+    writer.close()
+    return finalize(spool_path_for(Path(path)), Path(path))
