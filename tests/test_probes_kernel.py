@@ -93,7 +93,10 @@ def test_busy_process_outside_the_tree_adds_no_rows(basic):
     t = basic.trace.table.to_pandas()
     for col in ("tid", "pid", "peer_tid", "peer_pid"):
         assert not (t[col] == basic.outsider).any(), f"outsider {basic.outsider} found in {col}"
-    assert set(t.pid.dropna().astype(int)) <= {basic.pid, basic.tids["child"], 0}
+    # other processes appear only as wakers of traced threads (the test itself, writing
+    # "go" to the workload's stdin, is one), with their user stacks
+    wakers = set(basic.trace.frame("offcpu").peer_pid.dropna().astype(int))
+    assert set(t.pid.dropna().astype(int)) <= {basic.pid, basic.tids["child"], 0} | wakers
 
 
 def test_target_exit_ends_recording_with_complete_trace(basic):
@@ -207,3 +210,28 @@ def test_system_wide_recording_sees_other_processes_but_not_itself(tmp_path):
     assert not (rows.pid == os.getpid()).any(), "the recorder must not trace itself"
     threads = trace.frame("thread")
     assert other.pid in set(threads.tid)
+
+
+def test_a_thread_blocked_for_the_whole_recording_is_blocked_not_running(tmp_path):
+    """Waits that began before the recording, or never ended, are off-CPU time too."""
+    require_root()
+    from trainbpf.tracefile import read_trace
+    from trainbpf.tracer.record import record
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.5)  # asleep before the recorder attaches
+        record(pid=sleeper.pid, output=tmp_path / "t.parquet", duration=2, gpu="off", handle_signals=False)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    trace = read_trace(tmp_path / "t.parquet")
+    clock = trace.meta["clock"]
+    span = clock["end_mono_ns"] - clock["start_mono_ns"]
+    off = trace.frame("offcpu")
+    mine = off[off.tid == sleeper.pid]
+    assert len(mine) == 1, mine
+    row = mine.iloc[0]
+    assert row.state == "S" and row.cpu == -1, "still asleep when the recording stopped"
+    assert row.ts_ns == clock["start_mono_ns"] and row.ts_ns + row.dur_ns == clock["end_mono_ns"]
+    assert span >= 1.9e9

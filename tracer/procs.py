@@ -15,6 +15,7 @@ class ThreadInfo:
     pid: int  # tgid
     comm: str
     parent_tid: int  # the process's parent for main threads, else the tgid
+    state: str = "R"  # /proc state letter when seen: R running, S sleeping, D disk wait, ...
 
 
 def _read(path: Path) -> str | None:
@@ -83,7 +84,7 @@ def threads_of(pid: int) -> list[ThreadInfo]:
         comm, fields = _stat_fields(text)
         if tid == pid:
             ppid = int(fields[1])
-        out.append(ThreadInfo(tid, pid, comm, ppid if tid == pid and ppid is not None else pid))
+        out.append(ThreadInfo(tid, pid, comm, ppid if tid == pid and ppid is not None else pid, fields[0]))
     return out
 
 

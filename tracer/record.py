@@ -172,8 +172,14 @@ class Recorder:
         symbolizer = StackSymbolizer(bpf)
         procsampler = procfs.ProcSampler()
 
+        # The recording starts here: the tree is seeded from now, and threads already
+        # blocked begin their off-CPU interval now.
+        self.start_ns = time.monotonic_ns()
         self._seed(bpf, writer, seed)
-        self._seed(bpf, writer, self._walk())  # threads born between the first walk and the attach
+        walked = self._walk()  # again: threads born between the first walk and the attach
+        self._seed(bpf, writer, walked)
+        sched = next(c for c in collectors if isinstance(c, SchedCollector))
+        sched.seed_blocked(bpf, walked, self.start_ns)
         tgids = sorted(set(self.threads.values()))
         for batch in (procfs.numa_maps_batch(tgids, "start"), taskstats.snapshot(dict(self.threads), "start")):
             if batch is not None:
@@ -182,7 +188,7 @@ class Recorder:
         if self.on_attached:
             self.on_attached()
 
-        start = time.monotonic()
+        start = self.start_ns / 1e9
         deadline = start + self.duration if self.duration else None
         next_flush = start + FLUSH_INTERVAL_S
         total_rows = 0
@@ -219,6 +225,11 @@ class Recorder:
             if stopping:
                 break
 
+        end_ns = time.monotonic_ns()
+        live = {tid for tid in self.threads if tid not in self.exited}
+        for batch in sched.open_intervals(bpf, end_ns, live):
+            writer.add(batch)
+            total_rows += batch.num_rows
         tgids = sorted({tg for tid, tg in self.threads.items()})
         live = {tid: tg for tid, tg in self.threads.items() if tid not in self.exited}
         for batch in (procfs.numa_maps_batch(tgids, "end"), taskstats.snapshot(live, "end")):
@@ -234,7 +245,7 @@ class Recorder:
             "complete": True,
             "stop_reason": self.stop_reason,
             "lost": lost,
-            "clock": {**self.meta["clock"], "end_mono_ns": time.monotonic_ns()},
+            "clock": {**self.meta["clock"], "start_mono_ns": self.start_ns, "end_mono_ns": end_ns},
             "gpu": {"source": gpu.source, "samples": gpu.count},
         }
         try:

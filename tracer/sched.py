@@ -13,6 +13,10 @@ STATE_LETTERS = {0x100: "R", 0: "R", 1: "S", 2: "D", 4: "T", 8: "t", 16: "X", 32
 TASK_WHAT = {0: "seed", 1: "thread", 2: "process", 3: "exec", 4: "rename", 5: "exit"}
 
 
+# /proc state letter -> the prev_state bits sched_switch would have reported
+PROC_STATE_BITS = {"S": 1, "D": 2, "T": 4, "t": 8, "I": 128}
+
+
 def state_letters(raw: np.ndarray) -> np.ndarray:
     """Map raw prev_state values to one letter; the lowest set bit wins (S|NOLOAD -> S)."""
     raw = raw.astype(np.int64)
@@ -22,6 +26,16 @@ def state_letters(raw: np.ndarray) -> np.ndarray:
         out[low == bit] = letter
     out[(raw == 0) | (raw == 0x100)] = "R"
     return out
+
+
+def _insert(table, tid: int, leaf) -> None:
+    """Add an entry only if the key is absent (BPF_NOEXIST)."""
+    import ctypes
+
+    from bcc.libbcc import lib
+
+    key = table.Key(tid)
+    lib.bpf_update_elem(table.map_fd, ctypes.byref(key), ctypes.byref(leaf), 1)
 
 
 class SchedCollector(Collector):
@@ -104,6 +118,57 @@ class SchedCollector(Collector):
                 )
             )
         return pa.concat_batches(batches) if len(batches) > 1 else batches[0]
+
+    @staticmethod
+    def seed_blocked(bpf, threads, now_ns: int) -> None:
+        """Threads already off-CPU when tracing starts: their interval begins now, as if
+        they had switched out at the start (else the wait would pass for running time)."""
+        table = bpf["switched_out_at"]
+        for t in threads:
+            bits = PROC_STATE_BITS.get(t.state)
+            if bits is None:
+                continue
+            leaf = table.Leaf()
+            leaf.ts_ns, leaf.state, leaf.kstack_id, leaf.ustack_id, leaf.tgid = now_ns, bits, -1, -1, t.pid
+            # NOEXIST: a real switch-out since attach is more accurate than the seed
+            _insert(table, t.tid, leaf)
+
+    def open_intervals(self, bpf, end_ns: int, live: set[int]) -> list[pa.RecordBatch]:
+        """Off-CPU intervals still open when tracing stops (a thread blocked to the end,
+        or never run again): they end at the stop, with cpu -1."""
+        woken = {k.value: v for k, v in bpf["woken_at"].items()}
+        rows = []
+        for k, so in bpf["switched_out_at"].items():
+            tid = k.value
+            dur = end_ns - so.ts_ns
+            if tid not in live or dur < self.settings.min_block_ns or so.ts_ns > end_ns:
+                continue
+            w = woken.get(tid)
+            woke = w is not None and w.ts_ns >= so.ts_ns
+            preempted = so.state in (0, 0x100)
+            runq = dur if preempted else (end_ns - w.ts_ns if woke else 0)
+            rows.append((so.ts_ns, dur, tid, so.tgid, so.state, runq,
+                         w.waker_tid if woke else 0, w.waker_pid if woke else 0,
+                         so.kstack_id, so.ustack_id, w.kstack_id if woke else -1))
+        if not rows:
+            return []
+        cols = list(zip(*rows))
+        waker = np.array(cols[6], dtype=np.int32)
+        return [make_batch("offcpu", {
+            "ts_ns": np.array(cols[0], dtype=np.int64),
+            "dur_ns": np.array(cols[1], dtype=np.int64),
+            "tid": np.array(cols[2], dtype=np.int32),
+            "pid": np.array(cols[3], dtype=np.int32),
+            "cpu": np.full(len(rows), -1, dtype=np.int32),
+            "state": state_letters(np.array(cols[4], dtype=np.int64)),
+            "runq_ns": np.array(cols[5], dtype=np.int64),
+            "peer_tid": pa.array(waker, mask=waker == 0),
+            "peer_pid": pa.array(np.array(cols[7], dtype=np.int32), mask=waker == 0),
+            "kstack_id": stack_ids(np.array(cols[8], dtype=np.int32)),
+            "ustack_id": stack_ids(np.array(cols[9], dtype=np.int32)),
+            "peer_kstack_id": stack_ids(np.array(cols[10], dtype=np.int32)),
+            "peer_ustack_id": np.full(len(rows), -1, dtype=np.int32),
+        })]
 
     def drain(self, bpf, now_ns: int) -> list[pa.RecordBatch]:
         items = drain_hash(bpf["short_waits"])
