@@ -60,7 +60,8 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     "exit": ("ts_ns", "tid", "pid", "comm"),
     # An off-CPU interval >= min_block_ns: switched out at ts_ns with `state`
     # ("S" sleep, "D" uninterruptible, "R" preempted while runnable, "I", "T", "X", ...),
-    # switched back in after dur_ns on `cpu`.  runq_ns is the part spent runnable
+    # switched back in after dur_ns on `cpu`.  Threads already asleep when the recording
+    # started begin at its start; an interval still open at the stop ends there, cpu -1.  runq_ns is the part spent runnable
     # (wake-up -> switch-in; all of dur_ns for "R").  peer_* name the waker and its stacks
     # at the wake-up; peer_tid/peer_pid/peer_ustack_id are null when preempted or when the
     # wake-up ran in interrupt context (a timer, an I/O completion), where peer_kstack_id
