@@ -98,8 +98,8 @@ class Collector:
     def decode(self, ringbuf: str, records: np.ndarray) -> list[pa.RecordBatch]:
         raise NotImplementedError
 
-    def drain(self, bpf, now_ns: int) -> list[pa.RecordBatch]:
-        """Read and reset in-kernel aggregates."""
+    def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
+        """Read and reset in-kernel aggregates; `final` at the end of the recording."""
         return []
 
 

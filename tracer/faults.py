@@ -18,20 +18,25 @@ class FaultsCollector(Collector):
     def defines(self) -> dict[str, int]:
         return {"FAULT_BUCKET_NS": self.settings.fault_bucket_ns}
 
-    def drain(self, bpf, now_ns: int) -> list[pa.RecordBatch]:
-        items = drain_hash(bpf["fault_counts"])
-        if not items:
+    def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
+        if final:  # stop counting first, so the runs still open in the per-CPU slots are exact
+            bpf.detach_tracepoint(tp=self.tracepoints[0])
+        counts = [(k.bucket, k.tid, k.pid, getattr(v, "value", v)) for k, v in drain_hash(bpf["fault_counts"])]
+        if final:
+            counts += [(r.bucket, r.tid, r.pid, r.count) for r in bpf["fault_runs"][0] if r.traced and r.count]
+        if not counts:
             return []
+        bucket, tid, pid, count = (np.array(col, dtype=np.int64) for col in zip(*counts))
         width = self.settings.fault_bucket_ns
         return [
             make_batch(
                 "faults",
                 {
-                    "ts_ns": np.array([k.bucket for k, _ in items], dtype=np.int64) * width,
-                    "dur_ns": np.full(len(items), width, dtype=np.int64),
-                    "tid": np.array([k.tid for k, _ in items], dtype=np.int32),
-                    "pid": np.array([k.pid for k, _ in items], dtype=np.int32),
-                    "count": np.array([getattr(v, "value", v) for _, v in items], dtype=np.int64),
+                    "ts_ns": bucket * width,
+                    "dur_ns": np.full(len(counts), width, dtype=np.int64),
+                    "tid": tid.astype(np.int32),
+                    "pid": pid.astype(np.int32),
+                    "count": count,
                 },
             )
         ]

@@ -24,7 +24,7 @@ from trainbpf.tracer import loader, procs, procfs, taskstats
 from trainbpf.tracer.collector import Settings
 from trainbpf.tracer.gpu import GpuSampler
 from trainbpf.tracer.ringbuf import open_rings
-from trainbpf.tracer.sched import SchedCollector
+from trainbpf.tracer.sched import TASK_EXIT, SchedCollector
 from trainbpf.tracer.stacks import StackSymbolizer, drop_irq_wakers, stack_refs
 
 FLUSH_INTERVAL_S = 1.0
@@ -208,7 +208,8 @@ class Recorder:
             if now >= next_flush or stopping:
                 if stopping:
                     rings.drain(passes=FINAL_DRAIN_PASSES)  # what is still in the ring buffers
-                total_rows += self._flush(bpf, collectors, rings, owner, symbolizer, writer, gpu, procsampler)
+                total_rows += self._flush(bpf, collectors, rings, owner, symbolizer, writer, gpu, procsampler,
+                                          final=stopping)
                 lost = loader.lost_counts(bpf)
                 if any(lost.values()):
                     n = time.monotonic_ns()
@@ -255,7 +256,7 @@ class Recorder:
         return RecordResult(self.output, duration, total_rows, lost, self.stop_reason,
                             len(self.threads), gpu.source, self.output.stat().st_size)
 
-    def _flush(self, bpf, collectors, rings, owner, symbolizer, writer, gpu, procsampler) -> int:
+    def _flush(self, bpf, collectors, rings, owner, symbolizer, writer, gpu, procsampler, *, final: bool) -> int:
         now_ns = time.monotonic_ns()
         batches: list[pa.RecordBatch] = []
         for rb in owner:
@@ -265,7 +266,7 @@ class Recorder:
                 if rb == "task_events":
                     self._track_tasks(bpf, records)
         for c in collectors:
-            batches += c.drain(bpf, now_ns)
+            batches += c.drain(bpf, now_ns, final=final)
         # Kernel stacks first: they tell which wake-ups came from interrupt context, whose
         # "waker" (and its user stack) must be dropped before user stacks are resolved.
         refs = [stack_refs(b) for b in batches]
@@ -287,7 +288,7 @@ class Recorder:
 
     def _track_tasks(self, bpf, records: np.ndarray) -> None:
         for tid, pid, what in zip(records["tid"].tolist(), records["pid"].tolist(), records["what"].tolist()):
-            if what == 5:  # TASK_EXIT
+            if what == TASK_EXIT:
                 self.exited.add(tid)
             else:
                 self.threads.setdefault(tid, pid)

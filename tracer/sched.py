@@ -11,6 +11,7 @@ from trainbpf.tracer.collector import Collector, cstrings, drain_hash, stack_ids
 # prev_state bits as sched_switch reports them (TASK_REPORT); 0x100 = preempted.
 STATE_LETTERS = {0x100: "R", 0: "R", 1: "S", 2: "D", 4: "T", 8: "t", 16: "X", 32: "Z", 64: "P", 128: "I"}
 TASK_WHAT = {0: "seed", 1: "thread", 2: "process", 3: "exec", 4: "rename", 5: "exit"}
+TASK_EXEC, TASK_EXIT = 3, 5
 
 
 # /proc state letter -> the prev_state bits sched_switch would have reported
@@ -170,7 +171,7 @@ class SchedCollector(Collector):
             "peer_ustack_id": np.full(len(rows), -1, dtype=np.int32),
         })]
 
-    def drain(self, bpf, now_ns: int) -> list[pa.RecordBatch]:
+    def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
         items = drain_hash(bpf["short_waits"])
         if not items:
             return []
