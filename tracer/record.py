@@ -24,7 +24,7 @@ from trainbpf.tracer import loader, procs, procfs, taskstats
 from trainbpf.tracer.collector import Settings
 from trainbpf.tracer.gpu import GpuSampler
 from trainbpf.tracer.ringbuf import open_rings
-from trainbpf.tracer.sched import TASK_EXIT, SchedCollector
+from trainbpf.tracer.sched import TASK_EXEC, TASK_EXIT, SchedCollector
 from trainbpf.tracer.stacks import StackSymbolizer, drop_irq_wakers, stack_refs
 
 FLUSH_INTERVAL_S = 1.0
@@ -265,6 +265,8 @@ class Recorder:
                 batches += owner[rb].decode(rb, records)
                 if rb == "task_events":
                     self._track_tasks(bpf, records)
+                    if (records["what"] == TASK_EXEC).any():
+                        symbolizer.exec_seen()
         for c in collectors:
             batches += c.drain(bpf, now_ns, final=final)
         # Kernel stacks first: they tell which wake-ups came from interrupt context, whose
