@@ -68,7 +68,9 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # still shows what woke the thread.  peer_ustack_id is also -1 when the wake-up came
     # sooner than min_block_ns after the switch-out (the interval got that long waiting
     # for a CPU); the recorder takes the waker's user stack only for waits that long.
-    # kstack_id/ustack_id: stacks at switch-out.
+    # kstack_id/ustack_id: stacks at switch-out (-1 where unknown: for intervals seeded at
+    # the start, and, on kernels with sched_exit_tp where stacks are taken at switch-in,
+    # for intervals still open at the stop).
     "offcpu": (
         "ts_ns", "dur_ns", "tid", "pid", "cpu", "state", "runq_ns", "peer_tid", "peer_pid",
         "kstack_id", "ustack_id", "peer_kstack_id", "peer_ustack_id",
