@@ -49,7 +49,8 @@ class Analysis:
     gpu: pd.DataFrame  # utilisation sweeps
     idle: pd.DataFrame  # GPU-idle windows inside the window (the window itself without GPU)
     starved: pd.DataFrame  # findings.ATTRIBUTED_COLUMNS
-    chains: pd.DataFrame  # chains.CHAIN_COLUMNS
+    chains: pd.DataFrame  # chains.LINK_COLUMNS: the path each followed wait took
+    chain_ends: pd.DataFrame  # chains.END_COLUMNS: where its shares ended
     churn: pd.DataFrame
     placement: pd.DataFrame
     findings: pd.DataFrame  # findings.FINDING_COLUMNS
@@ -93,6 +94,16 @@ def _producers(states: pd.DataFrame, trainer: int | None) -> pd.Series:
     follow = is_followed(codes(mine["state"]), codes(mine["futex_class"]), mine["waker_tid"].to_numpy(np.int64))
     wakers = mine["waker_tid"].to_numpy(np.int64)[follow]
     return pd.Series(wakers[wakers != trainer]).value_counts()
+
+
+# Threads whose CPU use is the input pipeline's own.
+PIPELINE_ROLES = ("trainer", "dataloader", "pin_memory")
+
+
+def cpus_used(*, offcpu_cpu: pd.Series, samples: pd.DataFrame) -> int:
+    """How many CPUs the traced threads ran on (switch-in CPUs and sample CPUs)."""
+    cpus = np.concatenate([as_int64(offcpu_cpu), samples["cpu"].to_numpy(np.int64)])
+    return max(1, len(np.unique(cpus[cpus >= 0])))
 
 
 def lost_counts(meta: dict[str, Any], lost_rows: pd.DataFrame) -> dict[str, int]:
@@ -158,24 +169,27 @@ def analyze(
         "start_ns": st["start_ns"].to_numpy(np.int64), "end_ns": st["end_ns"].to_numpy(np.int64),
         "waker_tid": st["waker_tid"].to_numpy(np.int64), "state": np.asarray(st["state"], dtype=object),
     })
-    chains = wait_chains(waits, states, run_split)
+    pipeline = threads.loc[threads["role"].isin(PIPELINE_ROLES), "tid"].to_numpy(np.int64)
+    chains, chain_ends = wait_chains(
+        waits, states, run_split, pipeline_tids=tuple(int(t) for t in pipeline), n_cpus=cpus_used(offcpu_cpu=frame("offcpu")["cpu"], samples=samples),
+    )
 
     churn = churn_threads(frame("mm_syscall"), frame("faults"), win)
     topology = meta.get("topology") or {}
     placement = thread_placement(samples[(samples["ts_ns"] >= win.start_ns) & (samples["ts_ns"] < win.end_ns)],
                                  frame("numa_move"), topology)
-    starved = attribute_starved(pieces, trainer_states, chains, trainer_tid=trainer, churn=churn, placement=placement)
+    starved = attribute_starved(pieces, trainer_states, chain_ends, trainer_tid=trainer, churn=churn, placement=placement)
     ctx = EvidenceContext(
         window=win, threads=threads, states=states, trainer_states=trainer_states,
         futex_waits=futex_waits, stacks=stacks, frames={**frames, "faults": frame("faults"), "mm_syscall": frame("mm_syscall")},
         churn=churn, placement=placement, memory_nodes=memory_placement(frame("numa_maps"), topology),
         gpu_node=gpu_node(topology),
     )
-    findings = build_findings(starved, chains, ctx, trainer_tid=trainer)
+    findings = build_findings(starved, chains, chain_ends, ctx, trainer_tid=trainer)
     return Analysis(
         path=str(getattr(trace, "path", "")), meta=meta, span=span, window=win, trainer_tid=trainer,
         gpu_idle_threshold=float(gpu_idle_threshold), basis=basis, threads=threads, states=states, totals=totals,
-        futex_waits=futex_waits, samples=samples, gpu=util, idle=idle, starved=starved, chains=chains,
+        futex_waits=futex_waits, samples=samples, gpu=util, idle=idle, starved=starved, chains=chains, chain_ends=chain_ends,
         churn=churn, placement=placement, findings=findings, lost=lost_counts(meta, frame("lost")),
         idle_fraction=idle_fraction,
     )

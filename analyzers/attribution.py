@@ -34,8 +34,10 @@ HANDOFF_LOOKBACK_NS = 50_000_000
 # un-woken waits of about that length on one shared address are the GIL.
 GIL_SLICE_NS = (4_000_000, 6_500_000)
 GIL_MIN_TIMED_SHARE = 0.2
-# A thread churns mappings when it makes at least this many mm calls per second.
+# A thread churns mappings when it makes at least this many mm calls per second, or
+# maps at least this many fresh bytes per second.
 CHURN_MIN_CALLS_PER_S = 20.0
+CHURN_MIN_BYTES_PER_S = 64 << 20
 
 _BLOCKED_FROM_SCHED = np.array([STATE_CODE["sleep"], STATE_CODE["uninterruptible"], STATE_CODE["other"]])
 # Stack class code -> RUN_CLASSES code for on-CPU samples (anything else is user work).
@@ -248,10 +250,13 @@ def churn_threads(mm_syscall: pd.DataFrame, faults: pd.DataFrame, span: Span) ->
     per["faults"] = fault_counts.reindex(per.index).fillna(0)
     per["calls_per_s"] = per["calls"] / seconds
     per["faults_per_s"] = per["faults"] / seconds
-    # Faults "on freshly mapped memory": the bytes mapped cover a good part of the pages
-    # faulted in (4 KiB each), and mappings come and go often.
+    # Churn: faults "on freshly mapped memory" (the bytes mapped cover a good part of
+    # the pages faulted in, 4 KiB each), memory given back rather than kept (unmapped or
+    # madvised away), and mappings that come and go often or in bulk.
     fresh = (per["map_bytes"] + per["unmap_bytes"]) / 4096.0 >= 0.25 * per["faults"]
-    per["churning"] = (per["calls_per_s"] >= CHURN_MIN_CALLS_PER_S) & fresh & (per["faults"] > 0)
+    given_back = per["unmap_bytes"] >= 0.5 * per["map_bytes"]
+    often = (per["calls_per_s"] >= CHURN_MIN_CALLS_PER_S) | (per["map_bytes"] / seconds >= CHURN_MIN_BYTES_PER_S)
+    per["churning"] = fresh & given_back & often & (per["faults"] > 0)
     per = per.reset_index(names="tid")
     out = pd.DataFrame(
         {"tid": per["tid"].to_numpy(np.int64), "calls": per["calls"].to_numpy(np.int64),

@@ -1,12 +1,18 @@
 """Wake-up chains: whom a wait was waiting for, and what that thread was doing meanwhile.
 
-For a wait [a, t) ended by waker W at t, W's time inside [a, t) decides: mostly running
-means the awaited thing was still being produced (input_pipeline, or the stall class its
-on-CPU samples show); mostly runnable means W could not get a CPU (cpu_contention); mostly
-blocked means W was itself waiting, and the chain continues with W's last blocked interval
-before t.  One vectorised step per chain depth, over all open chains at once; a chain
-stops at a cause that is not followed, at a waker seen before in the same chain (a cycle),
-at an untraced waker, or at MAX_DEPTH.
+A wait [a, t) ended by waker W at t is shared out by W's time inside [a, t): the part W
+spent running means the awaited thing was still being produced (input_pipeline, or the
+stall class W's on-CPU samples show); the part it spent runnable was still producing too
+as far as the CPUs were busy with the pipeline itself, and otherwise could not get a CPU
+(cpu_contention); the part it spent blocked continues down the chain into W's last
+blocked interval before t, whose own cause (or waker) decides.  One vectorised step
+per chain depth over all open chains at once; a chain stops at a cause that is not
+followed, at a waker already in the same chain (a cycle), at an untraced waker, or at
+MAX_DEPTH.
+
+Two tables come out: `links`, the path each wait was followed along (depth 0 is the
+waiter), and `ends`, where its shares ended: one row per (depth, thread, state) with the
+category and the weight (the fraction of the wait); a wait's weights sum to 1.
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ from trainbpf.analyzers.categories import (
 from trainbpf.analyzers.intervals import ClassTime
 
 MAX_DEPTH = 16
-CHAIN_COLUMNS = ("wait", "depth", "tid", "state", "category", "cycle")
+LINK_COLUMNS = ("wait", "depth", "tid", "state")
+END_COLUMNS = ("wait", "depth", "tid", "state", "category", "weight", "cycle")
+# Shares smaller than this fraction of a wait are dropped.
+MIN_WEIGHT = 1e-6
 
 _RUNNING, _RUNNABLE, _BLOCKED = 0, 1, 2
 # Running stall classes, as categories.
@@ -71,20 +80,45 @@ class _Thread:
         self.blocked_row = blocked + base  # positions in the whole states frame
 
 
+def _table(columns: tuple[str, ...], parts: list[dict]) -> pd.DataFrame:
+    """Concatenate row groups into a frame with the fixed columns and dtypes."""
+    out = pd.concat([pd.DataFrame(p) for p in parts], ignore_index=True) if parts else pd.DataFrame(
+        {c: np.zeros(0) for c in columns}
+    )
+    for c in ("wait", "depth", "tid"):
+        out[c] = out[c].astype(np.int64)
+    out["state"] = out["state"].astype(object).astype(str)
+    if "category" in columns:
+        out["category"] = pd.Categorical(out["category"].to_numpy(dtype=object), dtype=CATEGORY_DTYPE)
+        out["weight"] = out["weight"].astype(np.float64)
+        out["cycle"] = out["cycle"].astype(bool)
+    return out.sort_values(["wait", "depth"], kind="stable")[list(columns)].reset_index(drop=True)
+
+
 def wait_chains(
-    waits: pd.DataFrame, states: pd.DataFrame, run_split: RunSplit, *, max_depth: int = MAX_DEPTH
-) -> pd.DataFrame:
-    """Chains of the followed `waits` (columns wait, tid, start_ns, end_ns, waker_tid: the
-    blocked part [start_ns, end_ns) ended by waker_tid).  `states` is every thread's
-    attributed states sorted by (tid, start_ns).  One row per link; depth 0 is the waiter,
-    the last link of a wait names the category, which every link of it carries."""
-    links: list[pd.DataFrame] = []
+    waits: pd.DataFrame,
+    states: pd.DataFrame,
+    run_split: RunSplit,
+    *,
+    pipeline_tids: tuple[int, ...] = (),
+    n_cpus: int = 1,
+    max_depth: int = MAX_DEPTH,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Follow the `waits` (columns wait, tid, start_ns, end_ns, waker_tid, state: the
+    blocked part [start_ns, end_ns) ended by waker_tid) through `states` (every thread's
+    attributed states, sorted by (tid, start_ns)).  Returns (links, ends).
+
+    A waker that sat runnable was still producing as far as the CPUs were busy with the
+    pipeline itself (`pipeline_tids`: trainer, data loaders): that share of its runnable
+    time counts as input_pipeline, the rest (CPUs taken by others) as cpu_contention.
+    The share is the other pipeline threads' running time in the window over what the
+    `n_cpus` CPUs could run while the waker was queued, at most 1: it assumes they ran
+    while it waited, which errs towards input_pipeline."""
+    links: list[dict] = []
+    ends: list[dict] = []
     if len(waits):
-        links.append(pd.DataFrame({
-            "wait": waits["wait"].to_numpy(np.int64), "depth": 0,
-            "tid": waits["tid"].to_numpy(np.int64), "state": np.asarray(waits["state"], dtype=object),
-            "category": None, "cycle": False,
-        }))
+        links.append({"wait": waits["wait"].to_numpy(np.int64), "depth": 0,
+                      "tid": waits["tid"].to_numpy(np.int64), "state": np.asarray(waits["state"], dtype=object)})
     tids = states["tid"].to_numpy()
     spans = pd.Series(np.arange(len(states))).groupby(tids).agg(["min", "max"])
     cache: dict[int, _Thread] = {}
@@ -93,6 +127,9 @@ def wait_chains(
     st_waker = states["waker_tid"].to_numpy(np.int64)
     st_start = states["start_ns"].to_numpy(np.int64)
     st_end = states["end_ns"].to_numpy(np.int64)
+    state_names = np.asarray(STATES, dtype=object)
+    category_names = np.asarray(CATEGORIES, dtype=object)
+    run_category = np.asarray([RUN_CATEGORY[c] for c in RUN_CLASSES], dtype=object)
 
     def thread(tid: int) -> _Thread | None:
         if tid not in cache:
@@ -102,79 +139,76 @@ def wait_chains(
             cache[tid] = _Thread(states.iloc[lo : hi + 1], int(lo))
         return cache[tid]
 
-    frontier = pd.DataFrame({
-        "wait": waits["wait"].to_numpy(np.int64), "a": waits["start_ns"].to_numpy(np.int64),
-        "t": waits["end_ns"].to_numpy(np.int64), "waker": waits["waker_tid"].to_numpy(np.int64),
-    })
-    seen = {0: waits["tid"].to_numpy(np.int64)}  # depth -> tid per frontier row, aligned
+    def pipeline_busy(a: np.ndarray, t: np.ndarray, waker: int) -> np.ndarray:
+        """ns the pipeline's other threads ran inside each [a, t)."""
+        busy = np.zeros(len(a))
+        for p in pipeline_tids:  # a loop over threads
+            th = thread(int(p)) if p != waker else None
+            if th is not None:
+                busy += th.time.between(a, t)[:, _RUNNING]
+        return busy
+
+    def end(wait, depth, tid, state, category, weight, cycle=False) -> None:
+        """Record where a share of some waits ended (scalars broadcast over the waits)."""
+        keep = np.asarray(weight) > MIN_WEIGHT
+        if keep.any():
+            def each(value):
+                return np.broadcast_to(np.asarray(value, dtype=object if isinstance(value, str) else None), keep.shape)[keep]
+
+            ends.append({"wait": wait[keep], "depth": depth, "tid": each(tid), "state": each(state),
+                         "category": each(category), "weight": np.asarray(weight, dtype=np.float64)[keep],
+                         "cycle": each(cycle)})
+
+    wait = waits["wait"].to_numpy(np.int64)
+    a, t = waits["start_ns"].to_numpy(np.int64), waits["end_ns"].to_numpy(np.int64)
+    waker = waits["waker_tid"].to_numpy(np.int64)
+    weight = np.ones(len(waits))
+    seen = [waits["tid"].to_numpy(np.int64)]  # tids on each open chain, one array per depth
     for depth in range(1, max_depth + 1):
-        if not len(frontier):
+        if not len(wait):
             break
-        n = len(frontier)
-        state = np.empty(n, dtype=object)
-        category = np.empty(n, dtype=object)
+        n = len(wait)
+        blocked_weight = np.zeros(n)
         next_row = np.full(n, -1, dtype=np.int64)
-        waker = frontier["waker"].to_numpy()
-        a, t = frontier["a"].to_numpy(), frontier["t"].to_numpy()
         for w, idx in pd.Series(np.arange(n)).groupby(waker).indices.items():
             th = thread(int(w))
             if th is None:
-                state[idx], category[idx] = "untraced", "other"
+                end(wait[idx], depth, w, "untraced", "other", weight[idx])
                 continue
-            times = th.time.between(a[idx], t[idx])
-            mode = np.argmax(times[:, [_RUNNING, _RUNNABLE, _BLOCKED]], axis=1)
-            mode[times.sum(axis=1) == 0] = _RUNNING  # a zero-length wait: the waker ran
-            run = idx[mode == _RUNNING]
-            if len(run):
-                frac = run_split.fractions(int(w), a[run], t[run])
-                cls = np.asarray(RUN_CLASSES, dtype=object)[np.argmax(frac, axis=1)]
-                state[run] = "running"
-                category[run] = [RUN_CATEGORY[c] for c in cls]
-            rq = idx[mode == _RUNNABLE]
-            state[rq], category[rq] = "runnable", "cpu_contention"
-            blk = idx[mode == _BLOCKED]
-            if len(blk):
-                # The waker's last blocked interval that began before the wake-up.
-                pos = np.searchsorted(th.blocked_start, t[blk], side="left") - 1
-                valid = pos >= 0
-                rows = np.where(valid, th.blocked_row[np.maximum(pos, 0)], -1)
-                state[blk] = np.where(valid, np.asarray(STATES, dtype=object)[st_state[np.maximum(rows, 0)]], "other")
-                category[blk] = "other"
-                next_row[blk] = rows
-        # Which blocked links continue: followed causes whose waker is not already in the chain.
-        has_row = next_row >= 0
+            times = th.time.between(a[idx], t[idx]).astype(np.float64)
+            total = times.sum(axis=1)
+            times[total == 0, _RUNNING] = 1.0  # a zero-length wait: the waker ran
+            frac = times / np.maximum(times.sum(axis=1, keepdims=True), 1.0)
+            run = weight[idx] * frac[:, _RUNNING]
+            split = run_split.fractions(int(w), a[idx], t[idx])
+            for k in range(len(RUN_CLASSES)):
+                end(wait[idx], depth, w, "running", run_category[k], run * split[:, k])
+            queued = weight[idx] * frac[:, _RUNNABLE]
+            if (queued > MIN_WEIGHT).any():
+                queued_ns = np.maximum(times[:, _RUNNABLE], 1.0)
+                own = np.clip(pipeline_busy(a[idx], t[idx], int(w)) / (max(n_cpus, 1) * queued_ns), 0.0, 1.0)
+                end(wait[idx], depth, w, "runnable", "input_pipeline", queued * own)
+                end(wait[idx], depth, w, "runnable", "cpu_contention", queued * (1.0 - own))
+            blocked_weight[idx] = weight[idx] * frac[:, _BLOCKED]
+            # The waker's last blocked interval that began before the wake-up.
+            if len(th.blocked_row):
+                pos = np.searchsorted(th.blocked_start, t[idx], side="left") - 1
+                next_row[idx] = np.where(pos >= 0, th.blocked_row[np.maximum(pos, 0)], -1)
+        has_row = (next_row >= 0) & (blocked_weight > MIN_WEIGHT)
+        lost = (next_row < 0) & (blocked_weight > MIN_WEIGHT)
+        end(wait[lost], depth, waker[lost], "other", "other", blocked_weight[lost])
         r = np.maximum(next_row, 0)
         follow = has_row & is_followed(st_state[r], st_fclass[r], st_waker[r])
         cycle = np.zeros(n, dtype=bool)
-        for prior in seen.values():
+        for prior in seen + [waker]:
             cycle |= follow & (st_waker[r] == prior)
-        cycle |= follow & (st_waker[r] == waker)
-        stop_here = has_row & ~(follow & ~cycle)
-        category[stop_here] = np.asarray(CATEGORIES, dtype=object)[
-            interval_category_codes(st_state[r[stop_here]], st_fclass[r[stop_here]])
-        ]
-        links.append(pd.DataFrame({
-            "wait": frontier["wait"].to_numpy(), "depth": depth, "tid": waker,
-            "state": state, "category": category, "cycle": cycle,
-        }))
         go = follow & ~cycle & (depth < max_depth)
-        seen = {d: v[go] for d, v in seen.items()}
-        seen[depth] = waker[go]
-        frontier = pd.DataFrame({
-            "wait": frontier["wait"].to_numpy()[go], "a": st_start[r[go]],
-            "t": st_end[r[go]], "waker": st_waker[r[go]],
-        })
-    if not links:
-        return pd.DataFrame({
-            "wait": np.zeros(0, np.int64), "depth": np.zeros(0, np.int64), "tid": np.zeros(0, np.int64),
-            "state": pd.Series([], dtype=str), "category": pd.Categorical([], dtype=CATEGORY_DTYPE),
-            "cycle": np.zeros(0, bool),
-        })
-    out = pd.concat(links, ignore_index=True)
-    final = out.dropna(subset=["category"]).drop_duplicates("wait", keep="last").set_index("wait")["category"]
-    out["category"] = pd.Categorical(out["wait"].map(final).fillna("other").to_numpy(dtype=object), dtype=CATEGORY_DTYPE)
-    out["state"] = out["state"].astype(str)
-    out["depth"] = out["depth"].astype(np.int64)
-    out["tid"] = out["tid"].astype(np.int64)
-    out["cycle"] = out["cycle"].astype(bool)
-    return out.sort_values(["wait", "depth"], kind="stable")[list(CHAIN_COLUMNS)].reset_index(drop=True)
+        stop = has_row & ~go
+        end(wait[stop], depth, waker[stop], state_names[st_state[r[stop]]],
+            category_names[interval_category_codes(st_state[r[stop]], st_fclass[r[stop]])],
+            blocked_weight[stop], cycle[stop])
+        if go.any():
+            links.append({"wait": wait[go], "depth": depth, "tid": waker[go], "state": state_names[st_state[r[go]]]})
+        seen = [v[go] for v in seen] + [waker[go]]
+        wait, a, t, waker, weight = wait[go], st_start[r[go]], st_end[r[go]], st_waker[r[go]], blocked_weight[go]
+    return _table(LINK_COLUMNS, links), _table(END_COLUMNS, ends)

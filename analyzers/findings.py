@@ -29,6 +29,8 @@ WARNING_SHARE = 0.05
 CRITICAL_MIN_IMPACT = 0.05
 WARNING_MIN_IMPACT = 0.01
 MAX_THREADS = 5
+# Categories explaining less starved time than this are noise, not findings.
+MIN_FINDING_NS = 1_000_000
 
 RECOMMENDATIONS: dict[str, str] = {
     "input_pipeline": "The trainer waits for data that is still being produced: add data-loader workers "
@@ -65,7 +67,7 @@ RECOMMENDATIONS: dict[str, str] = {
 
 # RUN_CLASS_DTYPE code -> CATEGORY code (code 0, not running, is never looked up).
 _RUN_CLASS_CATEGORY = np.array([0] + [CATEGORIES.index(RUN_CATEGORY[c]) for c in RUN_CLASSES], dtype=np.int8)
-ATTRIBUTED_COLUMNS = ("start_ns", "end_ns", "ns", "state", "category", "root_tid", "wait")
+ATTRIBUTED_COLUMNS = ("start_ns", "end_ns", "ns", "state", "category", "root_tid", "wait", "end")
 FINDING_COLUMNS = (
     "category", "share", "seconds", "severity", "threads", "chain", "summary", "evidence", "recommendation",
 )
@@ -74,36 +76,46 @@ FINDING_COLUMNS = (
 def attribute_starved(
     pieces: pd.DataFrame,
     trainer_states: pd.DataFrame,
-    chains: pd.DataFrame,
+    chain_ends: pd.DataFrame,
     *,
     trainer_tid: int | None,
     churn: pd.DataFrame,
     placement: pd.DataFrame,
 ) -> pd.DataFrame:
-    """One category and root thread per starved piece (running pieces may split in two)."""
+    """Categories and root threads of the starved pieces: a piece the trainer spent in a
+    followed wait is shared out as its chain ended (`end` = row of `chain_ends`, else -1)."""
     iv = pieces["interval"].to_numpy(np.int64)
     st_state = codes(trainer_states["state"])[iv]
     st_fclass = codes(trainer_states["futex_class"])[iv]
     st_waker = trainer_states["waker_tid"].to_numpy(np.int64)[iv]
     run_class = codes(pieces["run_class"])
     running = run_class > 0
-    followed = ~running & is_followed(st_state, st_fclass, st_waker)
     trainer = -1 if trainer_tid is None else int(trainer_tid)
 
     category = interval_category_codes(st_state, st_fclass).astype(np.int8)
     category[running] = _RUN_CLASS_CATEGORY[run_class[running]]
+    ns = pieces["ns"].to_numpy(np.float64)
+    rows = np.arange(len(pieces))
     root = np.full(len(pieces), trainer, dtype=np.int64)
-    wait = np.where(followed, iv, -1)
-    if followed.any() and len(chains):
-        last = chains.drop_duplicates("wait", keep="last")
-        waits = last["wait"].to_numpy(np.int64)  # sorted: chains are ordered by wait
-        at = np.minimum(np.searchsorted(waits, iv[followed]), len(waits) - 1)
-        found = waits[at] == iv[followed]
-        category[followed] = np.where(found, codes(last["category"])[at], CATEGORY_CODE["other"])
-        root[followed] = np.where(found, last["tid"].to_numpy(np.int64)[at], trainer)
-    ns = pieces["ns"].to_numpy(np.float64).copy()
-    state = codes(pieces["state"])
-    start, end = pieces["start_ns"].to_numpy(np.int64), pieces["end_ns"].to_numpy(np.int64)
+    end = np.full(len(pieces), -1, dtype=np.int64)
+    followed = ~running & is_followed(st_state, st_fclass, st_waker)
+    ended = np.zeros(len(pieces), bool)
+    if followed.any() and len(chain_ends):
+        e_wait = chain_ends["wait"].to_numpy(np.int64)  # sorted
+        lo = np.searchsorted(e_wait, iv, side="left")
+        count = np.where(followed, np.searchsorted(e_wait, iv, side="right") - lo, 0)
+        ended = count > 0
+        # One row per (piece, end of its wait's chain), weighted by the end's share.
+        piece = np.repeat(rows, count)
+        at = np.repeat(lo, count) + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+        rows = np.concatenate([rows[~ended], piece])
+        ns = np.concatenate([ns[~ended], ns[piece] * chain_ends["weight"].to_numpy()[at]])
+        category = np.concatenate([category[~ended], codes(chain_ends["category"])[at]])
+        root = np.concatenate([root[~ended], chain_ends["tid"].to_numpy(np.int64)[at]])
+        end = np.concatenate([end[~ended], at])
+    wait = np.where(end >= 0, iv[rows], -1)
+    start, stop = pieces["start_ns"].to_numpy(np.int64)[rows], pieces["end_ns"].to_numpy(np.int64)[rows]
+    state = codes(pieces["state"])[rows]
     if len(churn):
         churning = churn.loc[churn["churning"], "tid"].to_numpy()
         hit = (category == CATEGORY_CODE["page_faults"]) & np.isin(root, churning)
@@ -114,16 +126,17 @@ def attribute_starved(
         hit = np.flatnonzero((category == CATEGORY_CODE["input_pipeline"]) & (frac > REMOTE_MIN_FRACTION))
         if len(hit):
             moved = ns[hit] * frac[hit]
+            ns = ns.copy()
             ns[hit] -= moved
-            start, end, state, root, wait = (np.concatenate([a, a[hit]]) for a in (start, end, state, root, wait))
+            start, stop, state, root, wait, end = (np.concatenate([x, x[hit]]) for x in (start, stop, state, root, wait, end))
             category = np.concatenate([category, np.full(len(hit), CATEGORY_CODE["numa_remote"], np.int8)])
             ns = np.concatenate([ns, moved])
     keep = ns > 0
     out = pd.DataFrame({
-        "start_ns": start[keep], "end_ns": end[keep], "ns": ns[keep],
+        "start_ns": start[keep], "end_ns": stop[keep], "ns": ns[keep],
         "state": pd.Categorical.from_codes(state[keep], dtype=STATE_DTYPE),
         "category": pd.Categorical.from_codes(category[keep], dtype=CATEGORY_DTYPE),
-        "root_tid": root[keep], "wait": wait[keep].astype(np.int64),
+        "root_tid": root[keep], "wait": wait[keep].astype(np.int64), "end": end[keep].astype(np.int64),
     })
     return out.sort_values("start_ns", kind="stable")[list(ATTRIBUTED_COLUMNS)].reset_index(drop=True)
 
@@ -370,10 +383,12 @@ def severity(share: float, seconds: float, window_s: float, category: str) -> st
     return "info"
 
 
-def _dominant_chain(pieces: pd.DataFrame, chains: pd.DataFrame, ctx: EvidenceContext, trainer_tid: int) -> list[dict[str, Any]]:
+def _dominant_chain(
+    pieces: pd.DataFrame, links: pd.DataFrame, ends: pd.DataFrame, ctx: EvidenceContext, trainer_tid: int
+) -> list[dict[str, Any]]:
     """The chain of this finding that explains the most time, as links."""
-    followed = pieces[pieces["wait"] >= 0]
-    direct = pieces[pieces["wait"] < 0]
+    followed = pieces[pieces["end"] >= 0]
+    direct = pieces[pieces["end"] < 0]
     best_direct = direct.groupby("state", observed=True)["ns"].sum() if len(direct) else pd.Series(dtype=float)
     best: tuple[float, list[dict[str, Any]]] = (-1.0, [])
     if len(best_direct):
@@ -383,28 +398,40 @@ def _dominant_chain(pieces: pd.DataFrame, chains: pd.DataFrame, ctx: EvidenceCon
         if state == "running":
             label = "running/" + str(run.groupby("category", observed=True)["ns"].sum().idxmax())
         best = (float(best_direct.max()), [{**_link(ctx, trainer_tid), "state": label}])
-    if len(followed) and len(chains):
-        links = chains[chains["wait"].isin(followed["wait"].unique())]
-        key = chain_keys(links)
-        ns = followed.groupby("wait")["ns"].sum()
-        per_key = ns.groupby(key.reindex(ns.index)).sum()
-        if len(per_key) and float(per_key.max()) > best[0]:
-            wait = key.index[key.to_numpy() == per_key.idxmax()][0]
-            chain = links[links["wait"] == wait]
-            best = (float(per_key.max()), [{**_link(ctx, int(r.tid)), "state": str(r.state)} for r in chain.itertuples()])
+    if len(followed):
+        keys = chain_keys(links, ends)
+        per_key = followed["ns"].groupby(keys[followed["end"].to_numpy()]).sum()
+        if float(per_key.max()) > best[0]:
+            at = int(followed["end"].to_numpy()[keys[followed["end"].to_numpy()] == per_key.idxmax()][0])
+            e = ends.iloc[at]
+            path = links[(links["wait"] == e["wait"]).to_numpy() & (links["depth"] < e["depth"]).to_numpy()]
+            chain = [{**_link(ctx, int(r.tid)), "state": str(r.state)} for r in path.itertuples()]
+            best = (float(per_key.max()), chain + [{**_link(ctx, int(e["tid"])), "state": str(e["state"])}])
     return best[1]
 
 
-def chain_keys(links: pd.DataFrame) -> pd.Series:
-    """Per wait, a 64-bit key equal for waits whose chains have the same links (tid and
-    state at each depth): each link's code times a per-depth odd constant, summed with
-    wrap-around.  Collisions are vanishingly unlikely and would only merge two chains."""
-    codes = pd.MultiIndex.from_arrays([links["tid"].to_numpy(), links["state"].to_numpy()]).factorize()[0]
-    depth = links["depth"].to_numpy(np.int64)
-    mixers = np.random.default_rng(0).integers(1, 2**63, size=int(depth.max()) + 1 if len(depth) else 1, dtype=np.uint64) | np.uint64(1)
+def chain_keys(links: pd.DataFrame, ends: pd.DataFrame) -> np.ndarray:
+    """Per row of `ends`, a 64-bit key equal for ends reached along the same chain (the
+    same thread and state at every depth, and the same end): each link's code times a
+    per-depth odd constant, summed with wrap-around.  Collisions are vanishingly unlikely
+    and would only merge two chains in the display."""
+    tid = np.concatenate([links["tid"].to_numpy(np.int64), ends["tid"].to_numpy(np.int64)])
+    state = np.concatenate([links["state"].to_numpy(dtype=object), ends["state"].to_numpy(dtype=object)])
+    code = pd.MultiIndex.from_arrays([tid, state]).factorize()[0].astype(np.uint64) + np.uint64(1)
+    depth = np.concatenate([links["depth"].to_numpy(np.int64), ends["depth"].to_numpy(np.int64)])
+    mixers = np.random.default_rng(0).integers(1, 2**63, size=int(depth.max(initial=0)) + 1, dtype=np.uint64) | np.uint64(1)
     with np.errstate(over="ignore"):
-        term = (codes.astype(np.uint64) + np.uint64(1)) * mixers[depth]
-    return pd.Series(term).groupby(links["wait"].to_numpy()).sum()
+        term = code * mixers[depth]
+        link_term, end_term = term[: len(links)], term[len(links):]
+        # Prefix sums of the link terms along each wait's path (links sorted by wait, depth).
+        l_wait = links["wait"].to_numpy(np.int64)
+        prefix = np.cumsum(link_term)
+        first = np.searchsorted(l_wait, l_wait, side="left")
+        prefix = prefix - np.where(first > 0, prefix[np.maximum(first - 1, 0)], np.uint64(0))
+        e_wait = ends["wait"].to_numpy(np.int64)
+        last_link = np.searchsorted(l_wait, e_wait, side="left") + ends["depth"].to_numpy(np.int64) - 1
+        path = np.where(last_link >= 0, prefix[np.clip(last_link, 0, max(len(prefix) - 1, 0))] if len(prefix) else 0, 0)
+        return (path.astype(np.uint64) + end_term).astype(np.uint64)
 
 
 def _link(ctx: EvidenceContext, tid: int) -> dict[str, Any]:
@@ -413,7 +440,7 @@ def _link(ctx: EvidenceContext, tid: int) -> dict[str, Any]:
 
 
 def build_findings(
-    attributed: pd.DataFrame, chains: pd.DataFrame, ctx: EvidenceContext, *, trainer_tid: int | None
+    attributed: pd.DataFrame, links: pd.DataFrame, ends: pd.DataFrame, ctx: EvidenceContext, *, trainer_tid: int | None
 ) -> pd.DataFrame:
     """One finding per category with starved time (plus remote-NUMA placement seen
     without starved time, as info), sorted by share, largest first."""
@@ -425,7 +452,7 @@ def build_findings(
     for category in CATEGORIES:
         ns = float(per_cat.get(category, 0.0))
         pieces = attributed[attributed["category"] == category]
-        if ns <= 0:
+        if ns < MIN_FINDING_NS:
             if category == "numa_remote" and len(ctx.placement) and (ctx.placement["remote_fraction"] > REMOTE_MIN_FRACTION).any():
                 rows.append(_finding(category, 0.0, 0.0, window_s, [], [], _numa(ctx, []), ctx, remote_only=True))
             continue
@@ -433,7 +460,7 @@ def build_findings(
         roots = [int(t) for t in by_root.index]
         shown = roots + _contenders(ctx, category, roots)
         share = min(1.0, ns / total) if total > 0 else 0.0
-        chain = _dominant_chain(pieces, chains, ctx, trainer)
+        chain = _dominant_chain(pieces, links, ends, ctx, trainer)
         evidence = {"starved_s": ns / NS_PER_S, **_evidence(category, ctx, pieces, roots)}
         rows.append(_finding(category, share, ns / NS_PER_S, window_s, shown[:MAX_THREADS], chain, evidence, ctx))
     if not rows:

@@ -157,6 +157,35 @@ def test_allocator_churn(tmp_path):
     check_shares(a)
 
 
+def test_allocator_churn_in_bulk(tmp_path):
+    """A fresh 384 MiB buffer mapped, faulted in and unmapped every 150 ms step: few calls,
+    but all the faults land on memory that is mapped only to be given back."""
+    s = Synth()
+    s.thread(TRAINER, "python")
+    for x in periodic(0.0, 10.0, 0.15):
+        s.mm_syscall(TRAINER, x, 0.0001, "mmap", 384 << 20)
+        s.faults(TRAINER, x, 0.1, (384 << 20) // 4096)
+        s.mm_syscall(TRAINER, x + 0.1, 0.01, "munmap", 384 << 20)
+    s.oncpu_every(TRAINER, 0.0, 10.0, hz=100, kstack=lambda ts: FAULT_STACK if (ts % 0.15) < 0.1 else None)
+    s.gpu_series(lambda ts: 3.0)
+    a = analyze(s.read(tmp_path))
+    f = top(a)
+    assert f.category == "allocator_churn"
+    assert f.share == pytest.approx(1.0)
+
+
+def test_one_big_allocation_is_page_faults_not_churn(tmp_path):
+    """The same faults on one buffer mapped once and kept: page faults, not churn."""
+    s = Synth()
+    s.thread(TRAINER, "python")
+    s.mm_syscall(TRAINER, 0.0, 0.0001, "mmap", 4 << 30)
+    for x in periodic(0.0, 10.0, 0.15):
+        s.faults(TRAINER, x, 0.1, (384 << 20) // 4096)
+    s.oncpu_every(TRAINER, 0.0, 10.0, hz=100, kstack=lambda ts: FAULT_STACK if (ts % 0.15) < 0.1 else None)
+    s.gpu_series(lambda ts: 3.0)
+    assert top(analyze(s.read(tmp_path))).category == "page_faults"
+
+
 def test_page_faults(tmp_path):
     s = Synth()
     s.thread(TRAINER, "python")
