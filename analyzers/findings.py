@@ -62,7 +62,7 @@ RECOMMENDATIONS: dict[str, str] = {
     "numa_remote": "Data-loading threads run on a NUMA node other than the GPU's: bind them and their "
     "memory to the GPU's node (numactl --cpunodebind/--membind, sched_setaffinity in worker_init_fn).",
     "other": "Time the trace cannot attribute (timer sleeps, short waits, untraced wakers): record with "
-    "more probes (futex, faults, mm, writeback, block) or a lower --min-block to see more.",
+    "more probes (futex, faults, mm, writeback, block) or a lower --min-block-us to see more.",
 }
 
 # RUN_CLASS_DTYPE code -> CATEGORY code (code 0, not running, is never looked up).
