@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 
 from trainbpf.analyzers.attribution import RunSplit, attribute_states, churn_threads, sample_classes
 from trainbpf.analyzers.categories import CATEGORIES, STATES, codes
-from trainbpf.analyzers.chains import is_followed, wait_chains
+from trainbpf.analyzers.chains import followed_waits, is_followed, wait_chains
 from trainbpf.analyzers.findings import EvidenceContext, attribute_starved, build_findings
 from trainbpf.analyzers.gpu import covered_window_ns, gpu_utilisation, idle_windows, starved_pieces
 from trainbpf.analyzers.intervals import Span, as_int64, parse_window, resolve_window, trace_span
@@ -86,13 +86,9 @@ def _seen(table) -> pd.DataFrame:
     return pd.DataFrame({"tid": as_int64(agg["tid"]), "pid": as_int64(agg["pid_max"]), "first_ns": as_int64(agg["ts_ns_min"], 0)})
 
 
-def _producers(states: pd.DataFrame, trainer: int | None) -> pd.Series:
+def _wake_counts(trainer_states: pd.DataFrame, followed: np.ndarray, trainer: int | None) -> pd.Series:
     """Per waker tid, how many of the trainer's followed waits (not lock handoffs) it ended."""
-    if trainer is None:
-        return pd.Series(dtype=np.int64)
-    mine = states[states["tid"].to_numpy() == trainer]
-    follow = is_followed(codes(mine["state"]), codes(mine["futex_class"]), mine["waker_tid"].to_numpy(np.int64))
-    wakers = mine["waker_tid"].to_numpy(np.int64)[follow]
+    wakers = trainer_states["waker_tid"].to_numpy(np.int64)[followed]
     return pd.Series(wakers[wakers != trainer]).value_counts()
 
 
@@ -138,9 +134,14 @@ def analyze(
     evidence_kinds = ("futex", "mmap_lock", "reclaim", "compaction", "dirty_pause", "block_rq")
     frames = {kind: frame(kind) for kind in evidence_kinds}
     states, futex_waits = attribute_states(thread_states(frame("offcpu"), frame("offcpu_short"), base), frames, stacks)
+    # The trainer's intervals, positions of which identify its waits from here on.
+    trainer_states = states[states["tid"].to_numpy() == (-2 if trainer is None else trainer)].reset_index(drop=True)
+    followed = is_followed(codes(trainer_states["state"]), codes(trainer_states["futex_class"]),
+                           trainer_states["waker_tid"].to_numpy(np.int64))
     threads = assign_roles(
         base, trainer=trainer, named_by_user=trainer_tid is not None,
-        trainer_wakers=_producers(states, trainer), writer_tids=np.unique(as_int64(frame("dirty_pause")["tid"])),
+        trainer_wakers=_wake_counts(trainer_states, followed, trainer),
+        writer_tids=np.unique(as_int64(frame("dirty_pause")["tid"])),
     )
     samples = sample_classes(frame("oncpu"), stacks)
     run_split = RunSplit(samples)
@@ -158,20 +159,14 @@ def analyze(
         idle = idle[idle["end_ns"] > idle["start_ns"]].reset_index(drop=True)
         idle_fraction = None
 
-    trainer_states = states[states["tid"].to_numpy() == (trainer if trainer is not None else -2)].reset_index(drop=True)
     pieces = starved_pieces(trainer_states, idle, run_split, trainer)
+    # Only the waits that starved the GPU are followed.
     stalled = pieces.loc[pieces["run_class"] == "", "interval"].unique()
-    st = trainer_states.iloc[stalled]
-    follow = is_followed(codes(st["state"]), codes(st["futex_class"]), st["waker_tid"].to_numpy(np.int64))
-    st = st[follow]
-    waits = pd.DataFrame({
-        "wait": stalled[follow].astype(np.int64), "tid": st["tid"].to_numpy(np.int64),
-        "start_ns": st["start_ns"].to_numpy(np.int64), "end_ns": st["end_ns"].to_numpy(np.int64),
-        "waker_tid": st["waker_tid"].to_numpy(np.int64), "state": np.asarray(st["state"], dtype=object),
-    })
+    waits = followed_waits(trainer_states, stalled[followed[stalled]])
     pipeline = threads.loc[threads["role"].isin(PIPELINE_ROLES), "tid"].to_numpy(np.int64)
     chains, chain_ends = wait_chains(
-        waits, states, run_split, pipeline_tids=tuple(int(t) for t in pipeline), n_cpus=cpus_used(offcpu_cpu=frame("offcpu")["cpu"], samples=samples),
+        waits, states, run_split, pipeline_tids=tuple(int(t) for t in pipeline),
+        n_cpus=cpus_used(offcpu_cpu=frame("offcpu")["cpu"], samples=samples),
     )
 
     churn = churn_threads(frame("mm_syscall"), frame("faults"), win)

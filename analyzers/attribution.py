@@ -190,7 +190,7 @@ def sample_classes(oncpu: pd.DataFrame, stacks: pd.DataFrame) -> pd.DataFrame:
         {"tid": as_int64(oncpu["tid"]), "ts_ns": as_int64(oncpu["ts_ns"]), "cpu": as_int64(oncpu["cpu"]),
          "cls": pd.Categorical.from_codes(run_cls, categories=list(RUN_CLASSES))}
     )
-    return out.sort_values("ts_ns", kind="stable").reset_index(drop=True)
+    return out.sort_values("ts_ns", kind="stable")[list(SAMPLE_COLUMNS)].reset_index(drop=True)
 
 
 class RunSplit:

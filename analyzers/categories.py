@@ -39,7 +39,6 @@ STATES: tuple[str, ...] = (
     "short_wait",
     "other",
 )
-BLOCKED_STATES: tuple[str, ...] = STATES[2:]
 
 # What a futex wait was, as far as the trace tells: "wait" for something another thread
 # does (followed to the waker), a contended "lock", or the "gil"; "none" off futexes.

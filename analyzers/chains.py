@@ -65,6 +65,17 @@ def is_followed(state: np.ndarray, futex_class: np.ndarray, waker: np.ndarray) -
     return np.isin(state, _FOLLOWED) & (waker >= 0) & ~np.isin(futex_class, _HANDOFF)
 
 
+def followed_waits(states: pd.DataFrame, rows: np.ndarray) -> pd.DataFrame:
+    """The waits at positions `rows` of `states` in wait_chains' input form; a wait's id
+    is its position."""
+    st = states.iloc[rows]
+    return pd.DataFrame({
+        "wait": np.asarray(rows, dtype=np.int64), "tid": st["tid"].to_numpy(np.int64),
+        "start_ns": st["start_ns"].to_numpy(np.int64), "end_ns": st["end_ns"].to_numpy(np.int64),
+        "waker_tid": st["waker_tid"].to_numpy(np.int64), "state": np.asarray(st["state"], dtype=object),
+    })
+
+
 class _Thread:
     """One thread's states, indexed for window queries."""
 
@@ -76,7 +87,6 @@ class _Thread:
         self.time = ClassTime(rows["start_ns"].to_numpy(), rows["end_ns"].to_numpy(), code, 3)
         blocked = np.flatnonzero(code == _BLOCKED)
         self.blocked_start = rows["start_ns"].to_numpy()[blocked]
-        self.blocked_end = rows["end_ns"].to_numpy()[blocked]
         self.blocked_row = blocked + base  # positions in the whole states frame
 
 

@@ -67,7 +67,9 @@ RECOMMENDATIONS: dict[str, str] = {
 
 # RUN_CLASS_DTYPE code -> CATEGORY code (code 0, not running, is never looked up).
 _RUN_CLASS_CATEGORY = np.array([0] + [CATEGORIES.index(RUN_CATEGORY[c]) for c in RUN_CLASSES], dtype=np.int8)
-ATTRIBUTED_COLUMNS = ("start_ns", "end_ns", "ns", "state", "category", "root_tid", "wait", "end")
+# interval: the trainer state interval (position among its states) the piece lies in;
+# end: the row of the chain ends that shared it out, -1 for pieces not followed.
+ATTRIBUTED_COLUMNS = ("start_ns", "end_ns", "ns", "state", "category", "root_tid", "interval", "end")
 FINDING_COLUMNS = (
     "category", "share", "seconds", "severity", "threads", "chain", "summary", "evidence", "recommendation",
 )
@@ -113,7 +115,7 @@ def attribute_starved(
         category = np.concatenate([category[~ended], codes(chain_ends["category"])[at]])
         root = np.concatenate([root[~ended], chain_ends["tid"].to_numpy(np.int64)[at]])
         end = np.concatenate([end[~ended], at])
-    wait = np.where(end >= 0, iv[rows], -1)
+    interval = iv[rows]
     start, stop = pieces["start_ns"].to_numpy(np.int64)[rows], pieces["end_ns"].to_numpy(np.int64)[rows]
     state = codes(pieces["state"])[rows]
     if len(churn):
@@ -128,7 +130,9 @@ def attribute_starved(
             moved = ns[hit] * frac[hit]
             ns = ns.copy()
             ns[hit] -= moved
-            start, stop, state, root, wait, end = (np.concatenate([x, x[hit]]) for x in (start, stop, state, root, wait, end))
+            start, stop, state, root, interval, end = (
+                np.concatenate([x, x[hit]]) for x in (start, stop, state, root, interval, end)
+            )
             category = np.concatenate([category, np.full(len(hit), CATEGORY_CODE["numa_remote"], np.int8)])
             ns = np.concatenate([ns, moved])
     keep = ns > 0
@@ -136,7 +140,7 @@ def attribute_starved(
         "start_ns": start[keep], "end_ns": stop[keep], "ns": ns[keep],
         "state": pd.Categorical.from_codes(state[keep], dtype=STATE_DTYPE),
         "category": pd.Categorical.from_codes(category[keep], dtype=CATEGORY_DTYPE),
-        "root_tid": root[keep], "wait": wait[keep].astype(np.int64), "end": end[keep].astype(np.int64),
+        "root_tid": root[keep], "interval": interval[keep].astype(np.int64), "end": end[keep].astype(np.int64),
     })
     return out.sort_values("start_ns", kind="stable")[list(ATTRIBUTED_COLUMNS)].reset_index(drop=True)
 
@@ -207,9 +211,10 @@ def _futex_evidence(ctx: EvidenceContext, cls: str, roots: list[int]) -> dict[st
     waits = ctx.futex_waits
     waits = waits[(waits["cls"] == cls).to_numpy() & waits["tid"].isin(roots).to_numpy()
                   & (waits["start_ns"] < ctx.window.end_ns).to_numpy() & (waits["end_ns"] > ctx.window.start_ns).to_numpy()]
-    by_addr = waits.assign(ns=waits["end_ns"] - waits["start_ns"]).groupby("addr")["ns"].sum().sort_values(ascending=False)
-    addrs = [int(a) for a in by_addr.index[:3]]
-    on_addrs = ctx.futex_waits[ctx.futex_waits["addr"].isin(addrs)]
+    by_addr = waits.assign(ns=waits["end_ns"] - waits["start_ns"]).groupby(["pid", "addr"])["ns"].sum()
+    top = by_addr.sort_values(ascending=False).index[:3]
+    addrs = [int(a) for _, a in top]
+    on_addrs = ctx.futex_waits.set_index(["pid", "addr"]).index.isin(top)
     frame = ctx.frames.get("futex")
     ustacks = frame["ustack_id"].iloc[waits.index] if frame is not None and len(waits) else []
     stack = _top_stack(ctx, ustacks)
@@ -218,7 +223,7 @@ def _futex_evidence(ctx: EvidenceContext, cls: str, roots: list[int]) -> dict[st
         "futex_waits": int(len(waits)),
         **_ms(waits["end_ns"] - waits["start_ns"], "futex_wait"),
         "addresses": [hex(a) for a in addrs],
-        "waiting_threads": int(on_addrs["tid"].nunique()),
+        "waiting_threads": int(ctx.futex_waits.loc[on_addrs, "tid"].nunique()),
         "handoff_share": float(waits["handoff"].mean()) if len(waits) else 0.0,
         "user_stack": stack,
         "allocator_in_stack": allocator,
@@ -231,15 +236,17 @@ def _contenders(ctx: EvidenceContext, category: str, roots: list[int]) -> list[i
     if cls is None:
         return []
     waits = ctx.futex_waits[(ctx.futex_waits["cls"] == cls).to_numpy()]
-    addrs = waits.loc[waits["tid"].isin(roots), "addr"].unique()
-    others = waits[waits["addr"].isin(addrs) & ~waits["tid"].isin(roots)]
+    keys = waits.set_index(["pid", "addr"]).index
+    shared = keys.isin(keys[waits["tid"].isin(roots).to_numpy()])
+    others = waits[shared & ~waits["tid"].isin(roots).to_numpy()]
     by_time = (others["end_ns"] - others["start_ns"]).groupby(others["tid"]).sum().sort_values(ascending=False)
     return [int(t) for t in by_time.index]
 
 
 def _evidence(category: str, ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
     ev: dict[str, Any] = {}
-    waits = pieces.loc[pieces["wait"] >= 0, "wait"].unique()
+    # The trainer's own waits behind this finding (not its running time).
+    waits = pieces.loc[(pieces["state"] != "running").to_numpy(), "interval"].unique()
     if len(waits):
         ts = ctx.trainer_states
         ev["trainer_waits"] = int(len(waits))
@@ -384,7 +391,8 @@ def severity(share: float, seconds: float, window_s: float, category: str) -> st
 
 
 def _dominant_chain(
-    pieces: pd.DataFrame, links: pd.DataFrame, ends: pd.DataFrame, ctx: EvidenceContext, trainer_tid: int
+    pieces: pd.DataFrame, links: pd.DataFrame, ends: pd.DataFrame, keys: np.ndarray, ctx: EvidenceContext,
+    trainer_tid: int,
 ) -> list[dict[str, Any]]:
     """The chain of this finding that explains the most time, as links."""
     followed = pieces[pieces["end"] >= 0]
@@ -399,7 +407,6 @@ def _dominant_chain(
             label = "running/" + str(run.groupby("category", observed=True)["ns"].sum().idxmax())
         best = (float(best_direct.max()), [{**_link(ctx, trainer_tid), "state": label}])
     if len(followed):
-        keys = chain_keys(links, ends)
         per_key = followed["ns"].groupby(keys[followed["end"].to_numpy()]).sum()
         if float(per_key.max()) > best[0]:
             at = int(followed["end"].to_numpy()[keys[followed["end"].to_numpy()] == per_key.idxmax()][0])
@@ -449,6 +456,7 @@ def build_findings(
     trainer = -1 if trainer_tid is None else int(trainer_tid)
     rows = []
     per_cat = attributed.groupby("category", observed=True)["ns"].sum()
+    keys = chain_keys(links, ends)
     for category in CATEGORIES:
         ns = float(per_cat.get(category, 0.0))
         pieces = attributed[attributed["category"] == category]
@@ -460,7 +468,7 @@ def build_findings(
         roots = [int(t) for t in by_root.index]
         shown = roots + _contenders(ctx, category, roots)
         share = min(1.0, ns / total) if total > 0 else 0.0
-        chain = _dominant_chain(pieces, links, ends, ctx, trainer)
+        chain = _dominant_chain(pieces, links, ends, keys, ctx, trainer)
         evidence = {"starved_s": ns / NS_PER_S, **_evidence(category, ctx, pieces, roots)}
         rows.append(_finding(category, share, ns / NS_PER_S, window_s, shown[:MAX_THREADS], chain, evidence, ctx))
     if not rows:

@@ -43,7 +43,7 @@ def gpu_utilisation(gpu: pd.DataFrame, span: Span) -> pd.DataFrame:
     return pd.DataFrame(
         {"ts_ns": end, "start_ns": start, "util": sweeps["mean"].to_numpy(np.float64),
          "gpus": sweeps["size"].to_numpy(np.int64)}
-    )
+    )[list(UTIL_COLUMNS)]
 
 
 def idle_windows(util: pd.DataFrame, *, threshold: float, window: Span) -> pd.DataFrame:
@@ -52,7 +52,7 @@ def idle_windows(util: pd.DataFrame, *, threshold: float, window: Span) -> pd.Da
     start = np.clip(idle["start_ns"].to_numpy(np.int64), window.start_ns, window.end_ns)
     end = np.clip(idle["ts_ns"].to_numpy(np.int64), window.start_ns, window.end_ns)
     start, end = merge_intervals(start, end)
-    return pd.DataFrame({"start_ns": start, "end_ns": end})
+    return pd.DataFrame({"start_ns": start, "end_ns": end})[list(WINDOW_COLUMNS)]
 
 
 def covered_window_ns(util: pd.DataFrame, window: Span) -> int:

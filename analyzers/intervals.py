@@ -152,22 +152,6 @@ def intersect(
     return a_index[keep], b_index[keep], start[keep], end[keep]
 
 
-def covered_ns(
-    start: np.ndarray, end: np.ndarray, union_start: np.ndarray, union_end: np.ndarray
-) -> np.ndarray:
-    """Per interval, how many ns of it lie inside the union (sorted, disjoint) intervals."""
-    if not len(union_start):
-        return np.zeros(len(start), dtype=np.int64)
-    cum = np.concatenate([[0], np.cumsum(union_end - union_start)])
-
-    def upto(x: np.ndarray) -> np.ndarray:
-        i = np.searchsorted(union_start, x, side="right") - 1
-        inside = np.clip(x - union_start[np.maximum(i, 0)], 0, (union_end - union_start)[np.maximum(i, 0)])
-        return np.where(i >= 0, cum[np.maximum(i, 0)] + inside, 0)
-
-    return upto(np.asarray(end, dtype=np.int64)) - upto(np.asarray(start, dtype=np.int64))
-
-
 class ClassTime:
     """Time per class inside any [a, b), for one thread whose intervals tile its life.
 

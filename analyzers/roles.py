@@ -59,26 +59,6 @@ def pick_trainer(threads: pd.DataFrame, *, target_pid: int | None, trainer_tid: 
     return int(mains.min()) if len(mains) else int(tids.min())
 
 
-def thread_table(
-    thread_rows: pd.DataFrame,
-    exit_rows: pd.DataFrame,
-    seen: pd.DataFrame,
-    *,
-    span: Span,
-    target_pid: int | None,
-    trainer_tid: int | None = None,
-    trainer_wakers: pd.Series | None = None,
-    writer_tids: np.ndarray | None = None,
-) -> pd.DataFrame:
-    """One row per traced thread with its role (observed_threads, then assign_roles)."""
-    threads = observed_threads(thread_rows, exit_rows, seen, span=span)
-    trainer = pick_trainer(threads, target_pid=target_pid, trainer_tid=trainer_tid)
-    return assign_roles(
-        threads, trainer=trainer, named_by_user=trainer_tid is not None,
-        trainer_wakers=trainer_wakers, writer_tids=writer_tids,
-    )
-
-
 def observed_threads(thread_rows: pd.DataFrame, exit_rows: pd.DataFrame, seen: pd.DataFrame, *, span: Span) -> pd.DataFrame:
     """One row per tid (tid, pid, comm, first_ns, last_ns), roles not yet assigned.
 
@@ -173,8 +153,3 @@ def assign_roles(
     out["role"] = pd.Categorical(role.to_numpy(), dtype=ROLE_DTYPE)
     out["role_source"] = source.astype(str).to_numpy()
     return out[list(THREAD_COLUMNS)].reset_index(drop=True)
-
-
-def trainer_of(threads: pd.DataFrame) -> int | None:
-    hit = threads.loc[threads["role"] == "trainer", "tid"]
-    return int(hit.iloc[0]) if len(hit) else None

@@ -225,7 +225,7 @@ def state_totals(states: pd.DataFrame, span: Span | None = None) -> pd.DataFrame
         "tid": tids[hit // n_states].astype(np.int64),
         "state": pd.Categorical.from_codes(hit % n_states, dtype=STATE_DTYPE),
         "ns": sums[hit],
-    })
+    })[list(TOTAL_COLUMNS)]
 
 
 def state_seconds(totals: pd.DataFrame) -> dict[int, dict[str, float]]:
