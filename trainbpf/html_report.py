@@ -99,7 +99,7 @@ def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
     gpu_h, state_h, mark_h, gap = 110, 54, 14, 18
     top = 10
     height = top + gpu_h + gap + state_h + gap + mark_h * max(1, len(cats)) + 34
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="GPU-starvation timeline">']
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="GPU-starvation timeline" shape-rendering="crispEdges">']
     out.append(f'<rect x="0" y="0" width="{WIDTH}" height="{height}" fill="#fff"/>')
     x0, x1 = LEFT, WIDTH - RIGHT
     # GPU lane: idle windows, utilisation line, threshold.
@@ -144,7 +144,7 @@ def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
         per_bin = per_bin_all.get(cat, np.zeros(len(edges) - 1))
         for b in np.flatnonzero(per_bin > 0):
             alpha = 0.25 + 0.75 * min(1.0, per_bin[b] / max(width_ns[b], 1.0))
-            out.append(f'<rect x="{xs[b]:.1f}" y="{yy + 1}" width="{max(1.0, bw[b]):.1f}" height="{mark_h - 3}" fill="{CATEGORY_COLORS[cat]}" fill-opacity="{alpha:.2f}"/>')
+            out.append(f'<rect x="{xs[b]:.1f}" y="{yy + 1}" width="{max(1.0, bw[b] + 0.5):.1f}" height="{mark_h - 3}" fill="{CATEGORY_COLORS[cat]}" fill-opacity="{alpha:.2f}"/>')
     if not cats:
         out.append(f'<text x="8" y="{y + 10}" fill="#666">no findings to mark</text>')
     # Time axis.
@@ -172,7 +172,7 @@ def _thread_bars(analysis: Analysis, report: dict[str, Any]) -> str:
     height = row_h * len(threads) + 10
     observed = observed_ns(analysis)
     longest = max([observed.get(t["tid"], 0) for t in threads] + [1])
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="per-thread states">']
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="per-thread states" shape-rendering="crispEdges">']
     for i, t in enumerate(threads):
         y = 4 + i * row_h
         out.append(f'<text x="4" y="{y + 12}">{_e((t["comm"] or "?")[:16])} {t["tid"]}</text>')

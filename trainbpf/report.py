@@ -24,7 +24,8 @@ _ROLE_ORDER = {"trainer": 0, "dataloader": 1, "pin_memory": 2, "checkpoint": 3, 
 
 
 def plain(obj: Any) -> Any:
-    """JSON-safe plain Python values: numpy scalars unwrapped, NaN/inf as null."""
+    """JSON-safe plain Python values: numpy scalars unwrapped, floats to 6 decimals,
+    NaN/inf as null."""
     if isinstance(obj, dict):
         return {str(k): plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, np.ndarray)):
@@ -35,7 +36,7 @@ def plain(obj: Any) -> Any:
         return int(obj)
     if isinstance(obj, (float, np.floating)):
         value = float(obj)
-        return value if math.isfinite(value) else None
+        return round(value, 6) if math.isfinite(value) else None
     if obj is None or isinstance(obj, str):
         return obj
     return str(obj)
