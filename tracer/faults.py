@@ -9,6 +9,9 @@ from trainbpf.tracefile import make_batch
 from trainbpf.tracer.collector import Collector, drain_hash
 
 
+RAW_TRACEPOINT = "page_fault_user"  # attached raw (faults.bpf.c), checked in tracefs by its full name
+
+
 class FaultsCollector(Collector):
     name = "faults"
     source = "faults.bpf.c"
@@ -20,7 +23,7 @@ class FaultsCollector(Collector):
 
     def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
         if final:  # stop counting first, so the runs still open in the per-CPU slots are exact
-            bpf.detach_tracepoint(tp=self.tracepoints[0])
+            bpf.detach_raw_tracepoint(tp=RAW_TRACEPOINT)
         counts = [(k.bucket, k.tid, k.pid, getattr(v, "value", v)) for k, v in drain_hash(bpf["fault_counts"])]
         if final:
             counts += [(r.bucket, r.tid, r.pid, r.count) for r in bpf["fault_runs"][0] if r.traced and r.count]
