@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 import pandas as pd
@@ -36,6 +36,7 @@ from trainbpf.schema import (
 )
 
 SPOOL_SUFFIX = ".spool"
+ROW_GROUP_ROWS = 1 << 20  # pyarrow's default for a whole-table write
 
 
 def spool_path_for(output: Path) -> Path:
@@ -150,22 +151,30 @@ class SpoolWriter:
             self.failed = self.failed or _output_error(self.spool, exc)
 
 
-def _read_spool(path: Path) -> tuple[pa.Table, dict[str, Any]]:
-    """Every complete batch of a spool, tolerating a torn tail."""
-    batches = []
+def _spool_batches(path: Path) -> tuple[Iterator[pa.RecordBatch], dict[str, Any]]:
+    """A spool's metadata, and its complete batches one at a time, tolerating a torn tail."""
     try:
         reader = ipc.open_stream(pa.OSFile(str(path), "rb"))
     except (pa.ArrowInvalid, OSError) as exc:
         raise TraceReadError(f"{path}: not a readable trainbpf spool ({exc})") from exc
     meta = _decode_meta(reader.schema.metadata, path)
-    while True:
-        try:
-            batches.append(reader.read_next_batch())
-        except StopIteration:
-            break
-        except (pa.ArrowInvalid, OSError):
-            break  # torn last batch after a crash: keep what came before
-    return pa.Table.from_batches(batches, schema=TRACE_SCHEMA), meta
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        while True:
+            try:
+                yield reader.read_next_batch()
+            except StopIteration:
+                return
+            except (pa.ArrowInvalid, OSError):
+                return  # torn last batch after a crash: keep what came before
+
+    return batches(), meta
+
+
+def _read_spool(path: Path) -> tuple[pa.Table, dict[str, Any]]:
+    """Every complete batch of a spool."""
+    batches, meta = _spool_batches(path)
+    return pa.Table.from_batches(list(batches), schema=TRACE_SCHEMA), meta
 
 
 def _decode_meta(raw: Mapping[bytes, bytes] | None, path: Path) -> dict[str, Any]:
@@ -186,34 +195,59 @@ def _decode_meta(raw: Mapping[bytes, bytes] | None, path: Path) -> dict[str, Any
     return meta
 
 
-def _derive_final_meta(table: pa.Table, meta: dict[str, Any]) -> dict[str, Any]:
-    """Fill what only the end of a recording knows from the rows, for recovered spools."""
+def _derive_final_meta(rows: pa.Table | Iterable[pa.RecordBatch], meta: dict[str, Any]) -> dict[str, Any]:
+    """Fill what only the end of a recording knows from the rows, for recovered spools.
+    `rows`: a table, or batches read one at a time."""
     meta = dict(meta)
-    lost = table.filter(pc.equal(table["kind"], "lost"))
     counts: dict[str, int] = dict(meta.get("lost") or {})
-    if lost.num_rows:
-        df = lost.select(["name", "count"]).to_pandas()
-        counts.update({k: int(v) for k, v in df.groupby("name")["count"].max().items()})
+    lost: dict[str, int] = {}  # newest (largest) cumulative count per probe
+    end: int | None = None
+    any_rows = False
+    for batch in rows.to_batches() if isinstance(rows, pa.Table) else rows:
+        if not batch.num_rows:
+            continue
+        any_rows = True
+        lost_rows = batch.filter(pc.equal(batch.column("kind"), "lost"))
+        for name, count in zip(lost_rows.column("name").to_pylist(), lost_rows.column("count").to_pylist()):
+            if count is not None:
+                lost[name] = max(lost.get(name, count), count)
+        ends = pc.max(pc.add(batch.column("ts_ns"), pc.fill_null(batch.column("dur_ns"), 0))).as_py()
+        if ends is not None:
+            end = ends if end is None else max(end, ends)
+    counts.update(lost)
     meta["lost"] = counts
     clock = dict(meta.get("clock") or {})
-    if not clock.get("end_mono_ns") and table.num_rows:
-        ends = pc.add(table["ts_ns"], pc.fill_null(table["dur_ns"], 0))
-        clock["end_mono_ns"] = int(pc.max(ends).as_py() or clock.get("start_mono_ns", 0))
+    if not clock.get("end_mono_ns") and any_rows:
+        clock["end_mono_ns"] = int(end or clock.get("start_mono_ns", 0))
     meta["clock"] = clock
     return meta
 
 
 def finalize(spool: Path, output: Path, final_meta: Mapping[str, Any] | None = None) -> Path:
-    """Write the Parquet file from a spool (atomically) and remove the spool."""
-    table, meta = _read_spool(spool)
+    """Write the Parquet file from a spool (atomically) and remove the spool.
+
+    Two passes over the spool, a row group at a time, so memory stays bounded however
+    long the recording: the first finds what the metadata needs from the rows (which the
+    Parquet file states before its first row), the second writes."""
+    batches, meta = _spool_batches(spool)
     meta.update(final_meta or {})
-    meta = _derive_final_meta(table, meta)
+    meta = _derive_final_meta(batches, meta)
     tmp = output.with_name(output.name + ".tmp")
     try:
-        with _open_private(tmp) as fh:
-            pq.write_table(
-                table.replace_schema_metadata(_meta_bytes(meta)), fh, compression="zstd"
-            )
+        with _open_private(tmp) as fh, \
+                pq.ParquetWriter(fh, TRACE_SCHEMA.with_metadata(_meta_bytes(meta)), compression="zstd") as writer:
+            pending: list[pa.RecordBatch] = []
+            rows = 0
+            for batch in _spool_batches(spool)[0]:
+                pending.append(batch)
+                rows += batch.num_rows
+                while rows >= ROW_GROUP_ROWS:  # full row groups, as a whole-table write makes them
+                    table = pa.Table.from_batches(pending, schema=TRACE_SCHEMA)
+                    writer.write_table(table.slice(0, ROW_GROUP_ROWS), row_group_size=ROW_GROUP_ROWS)
+                    rest = table.slice(ROW_GROUP_ROWS)
+                    pending, rows = rest.to_batches(), rest.num_rows
+            if rows:
+                writer.write_table(pa.Table.from_batches(pending, schema=TRACE_SCHEMA), row_group_size=ROW_GROUP_ROWS)
         _chown_to_invoker(tmp)
         os.replace(tmp, output)
     except OSError as exc:
