@@ -8,10 +8,12 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${TRAINBPF_VENV:-$ROOT/.venv}"
 STAMP="$VENV/.trainbpf-setup"
 WITH_TEST=0
+WITH_BENCH=0
 for arg in "$@"; do
   case "$arg" in
     --test) WITH_TEST=1 ;;
-    *) echo "usage: scripts/setup.sh [--test]" >&2; exit 2 ;;
+    --bench) WITH_BENCH=1 ;;
+    *) echo "usage: scripts/setup.sh [--test] [--bench]" >&2; exit 2 ;;
   esac
 done
 
@@ -28,6 +30,10 @@ if [ "$WITH_TEST" -eq 1 ]; then
   # node_exporter for the health-check test, chromium for the HTML screenshot test,
   # sudo for the documented `sudo .venv/bin/trainbpf` invocation
   APT_PACKAGES+=(prometheus-node-exporter chromium sudo)
+fi
+if [ "$WITH_BENCH" -eq 1 ]; then
+  # scripts/bench_*.py: gcc builds the context-switch storm, perf is a comparator
+  APT_PACKAGES+=(gcc linux-perf)
 fi
 [ "$(uname -m)" = x86_64 ] || APT_PACKAGES=("${APT_PACKAGES[@]/linux-headers-amd64/linux-headers-$(dpkg --print-architecture)}")
 

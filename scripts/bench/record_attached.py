@@ -1,0 +1,38 @@
+"""`trainbpf record` for the benchmarks: the same library call the CLI makes, plus a line
+"attached" on stdout once the probes are live (so the benchmark releases its workload
+only then) and the result as one JSON line at the end.  Stops on SIGINT or when the
+target exits."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from trainbpf.tracer.collector import Settings
+from trainbpf.tracer.record import record
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--pid", type=int, required=True)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--settings", default="{}", help="Settings fields as JSON")
+    ap.add_argument("--probes", default="")
+    ap.add_argument("--duration", type=float)
+    args = ap.parse_args()
+
+    def attached() -> None:
+        print("attached", flush=True)
+
+    result = record(pid=args.pid, output=args.output, duration=args.duration,
+                    settings=Settings(**json.loads(args.settings)),
+                    probes=[p for p in args.probes.split(",") if p] or None,
+                    gpu="off", on_attached=attached)
+    print(json.dumps({"rows": result.rows, "lost": result.lost, "duration_s": result.duration_s,
+                      "bytes": result.bytes, "stop_reason": result.stop_reason,
+                      "threads": result.threads}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
