@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainbpf.tracefile import spool_path_for
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "scripts" / "workloads"
 FAKE_SMI = ROOT / "scripts" / "fake-nvidia-smi"
@@ -31,11 +33,10 @@ REPORT_SCHEMA = "trainbpf.report/1"
 RECORD_SECONDS = 6
 # The workload outlives any recording; it is stopped once the recorder is done.
 WORKLOAD_SECONDS = 300
-# Start recording once the pipeline is in its steady state (queues filled or drained).
-WARMUP_S = 1.0
 READY_TIMEOUT_S = 60
-# bcc compiles the probes when the recorder starts: on a busy 2-core machine that takes
-# a while, on top of the recording itself.
+# bcc compiles the probes when the recorder starts.  The workload holds its load until
+# the recorder's spool file appears (--hold-until), so the compile has the machine to
+# itself: with 8 busy threads beside it, it took a minute.
 RECORD_TIMEOUT_S = RECORD_SECONDS + 120
 ANALYZE_TIMEOUT_S = 120
 # Other work on the machine competes with the workload for the two cores and turns any
@@ -310,10 +311,11 @@ def run_scenario(scenario: Scenario, workdir: Path) -> ScenarioResult:
     env = fake_gpu_env(workdir)
     trace = workdir / f"{scenario.name}.parquet"
     record_args = []
-    workload_args: tuple[str, ...] = ()
+    # The spool appears once the probes are compiled and attaching: start the load then.
+    workload_args: tuple[str, ...] = ("--hold-until", str(spool_path_for(trace)))
     if scenario.declares_topology:
         topology = workdir / "topology.json"
-        workload_args = ("--topology-out", str(topology))
+        workload_args += ("--topology-out", str(topology))
         record_args = ["--topology", str(topology)]
     busy_before = wait_for_quiet()
     with contextlib.ExitStack() as bent:
@@ -324,7 +326,6 @@ def run_scenario(scenario: Scenario, workdir: Path) -> ScenarioResult:
             cgroup = bent.enter_context(memory_cgroup(scenario.memory_limit))
         workload = bent.enter_context(
             running_workload(scenario, env, workdir, cgroup, workload_args))
-        time.sleep(WARMUP_S)
         recorded = subprocess.run(
             [str(cli), "record", "--pid", str(workload.pid), "--duration", str(RECORD_SECONDS),
              "-o", str(trace), *record_args],

@@ -104,6 +104,32 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def test_hold_until_creates_the_threads_but_holds_the_load(tmp_path: Path):
+    go = tmp_path / "go"
+    proc = _start("decode_threads", tmp_path, 1.0, "--hold-until", str(go))
+    try:
+        assert proc.stdout.readline().strip() == f"ready pid={proc.pid}"
+        assert len(list(Path(f"/proc/{proc.pid}/task").iterdir())) >= 3  # trainer + workers
+        time.sleep(1.0)
+        sim = tmp_path / "decode_threads.sim"
+        assert not sim.exists() or sim.read_text() == ""  # no GPU step yet
+        cpu_before = _process_cpu_s(proc.pid)
+        time.sleep(0.5)
+        assert _process_cpu_s(proc.pid) - cpu_before < 0.1  # no decoding either
+        go.touch()
+        proc.wait(timeout=60)
+        assert proc.returncode == 0
+        assert sim.read_text().strip()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_numa_workload_writes_the_declared_topology(tmp_path: Path):
     topology = tmp_path / "topology.json"
     proc = _start("numa_wrong_node", tmp_path, 0.5, "--topology-out", str(topology))

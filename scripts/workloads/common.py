@@ -44,6 +44,10 @@ _SIM_FILE_MAX_BYTES = 1 << 20
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
+# --hold-until: the load starts once this file exists (see wait_for_go).
+_hold_path: str | None = None
+HOLD_TIMEOUT_S = 300
+
 
 def sim_gpu_path() -> str:
     return os.environ.get(SIM_GPU_ENV) or DEFAULT_SIM_GPU_PATH
@@ -82,12 +86,35 @@ def parse_args(description: str | None, add_arguments=None) -> argparse.Namespac
     """The workload's command line (--seconds and what `add_arguments` adds); from here
     on SIGTERM ends the workload cleanly."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--seconds", type=float, default=30.0, help="how long to run (30)")
+    parser.add_argument("--seconds", type=float, default=30.0,
+                        help="how long to train once started (30)")
+    parser.add_argument("--hold-until", metavar="FILE",
+                        help="create the threads at once but start the load only when FILE "
+                        "exists (the scenario tests pass the recorder's spool file, so the "
+                        "probes compile on an idle machine)")
     if add_arguments is not None:
         add_arguments(parser)
     args = parser.parse_args()
     exit_on_sigterm()
+    global _hold_path
+    _hold_path = args.hold_until
     return args
+
+
+def wait_for_go() -> None:
+    """Block until the --hold-until file exists (return at once without one).  Polls the
+    file rather than an event, so forked worker processes can wait too."""
+    deadline = time.monotonic() + HOLD_TIMEOUT_S
+    while _hold_path is not None and not os.path.exists(_hold_path):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+
+
+def release_hold() -> None:
+    """Let held threads go (on the way out, so that they can see their stop flag)."""
+    global _hold_path
+    _hold_path = None
 
 
 def run_main(main) -> None:
@@ -136,10 +163,12 @@ def die_with_parent() -> None:
 
 
 def start_thread(name: str, target, *args, comm: str | None = None) -> threading.Thread:
-    """A daemon thread named `name` in Python and `comm` (default: name) in the kernel."""
+    """A daemon thread named `name` in Python and `comm` (default: name) in the kernel,
+    running `target` once the workload may start (wait_for_go)."""
 
     def run():
         set_comm(comm or name)
+        wait_for_go()
         target(*args)
 
     thread = threading.Thread(target=run, name=name, daemon=True)
@@ -205,6 +234,7 @@ def file_rewriters(name: str, paths: list[str], file_bytes: int, write_bytes: in
         yield threads
     finally:
         stop.set()
+        release_hold()
         for thread in threads:
             thread.join()
 
@@ -232,9 +262,10 @@ def decode_batch(cpu_seconds: float, batch_bytes: int = 1 << 20) -> np.ndarray:
 
 
 def train(seconds: float, next_batch=None, *, step_s: float = STEP_S, before_step=None) -> None:
-    """Announce readiness, run the trainer loop for `seconds`, report on stderr.
-    Without `next_batch` batches are at hand at once."""
+    """Announce readiness, wait for the go (--hold-until), run the trainer loop for
+    `seconds`, report on stderr.  Without `next_batch` batches are at hand at once."""
     announce_ready()
+    wait_for_go()
     report(run_trainer(seconds, next_batch or (lambda: None), step_s=step_s,
                        before_step=before_step))
 

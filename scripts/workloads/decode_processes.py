@@ -16,6 +16,7 @@ from decode_threads import DECODE_CPU_S, N_WORKERS
 def worker_main(batches) -> None:
     common.set_comm(common.DATALOADER_COMM)
     common.die_with_parent()
+    common.wait_for_go()
     while True:
         batches.put(common.decode_batch(DECODE_CPU_S))
 

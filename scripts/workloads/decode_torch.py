@@ -27,10 +27,14 @@ class SlowDecodeDataset(Dataset):
         return torch.ones(SAMPLE_ELEMENTS)
 
 
+def hold_worker(worker_id: int) -> None:
+    common.wait_for_go()
+
+
 def main() -> None:
     args = common.parse_args(__doc__)
     loader = DataLoader(SlowDecodeDataset(), batch_size=BATCH_SIZE, num_workers=2,
-                        prefetch_factor=2)
+                        prefetch_factor=2, worker_init_fn=hold_worker)
     batches = iter(loader)  # starts the worker processes before we announce readiness
     common.train(args.seconds, batches.__next__)
 

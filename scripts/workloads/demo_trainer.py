@@ -48,6 +48,7 @@ def main() -> None:
             common.train(args.seconds, next_batch)
         finally:
             stop.set()
+            common.release_hold()
             writer.join()
 
 

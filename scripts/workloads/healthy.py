@@ -16,8 +16,6 @@ def main() -> None:
     args = common.parse_args(__doc__)
     batches: queue.Queue = queue.Queue(maxsize=PREFETCH)
     common.start_dataloader(0, batches, DECODE_CPU_S)
-    while not batches.full():  # a warm pipeline, as after the first few steps
-        common.time.sleep(0.01)
     common.train(args.seconds, batches.get)
 
 
