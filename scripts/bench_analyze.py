@@ -44,6 +44,36 @@ def analyze_command(trace: Path) -> tuple[float, float]:
     return wall, usage.ru_maxrss / 1024
 
 
+def rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def step_by_step() -> list[list[str]]:
+    """Wrap every analyzer function `analyze` calls, to note each one's seconds and the
+    RSS after it (and the peak so far).  Returns the rows, filled as they run."""
+    import resource
+
+    import trainbpf.analyzers as analyzers
+
+    rows: list[list[str]] = []
+    for name, fn in list(vars(analyzers).items()):
+        if not callable(fn) or not getattr(fn, "__module__", "").startswith("trainbpf.analyzers."):
+            continue
+
+        def timed(*a, _fn=fn, _name=name, **k):
+            t = time.perf_counter()
+            out = _fn(*a, **k)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            rows.append([_name, f"{time.perf_counter() - t:.2f}", f"{rss_mib():.0f}", f"{peak:.0f}"])
+            return out
+
+        setattr(analyzers, name, timed)
+    return rows
+
+
 def phases(trace: Path, profile: bool) -> tuple[list[list[str]], str]:
     """Seconds spent reading, analysing and rendering, in this process."""
     from trainbpf.analyzers import analyze
@@ -77,6 +107,8 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, help="keep the generated trace here")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs of the command")
     ap.add_argument("--profile", action="store_true", help="cProfile the in-process run")
+    ap.add_argument("--steps", action="store_true",
+                    help="seconds and RSS after each analyzer step (in-process run; nested steps count twice)")
     ap.add_argument("--quick", action="store_true", help="1M rows, one timed run")
     args = ap.parse_args()
     events, repeat = (1_000_000, 1) if args.quick else (args.events, args.repeat)
@@ -99,6 +131,7 @@ def main() -> None:
             bl.log(f"trainbpf analyze, run {i + 1}/{repeat}")
             runs.append(analyze_command(trace))
         bl.log("phases, in this process")
+        steps = step_by_step() if args.steps else None
         phase_rows, profile = phases(trace, args.profile)
 
     walls, rss = [w for w, _ in runs], [r for _, r in runs]
@@ -110,7 +143,12 @@ def main() -> None:
         ["rows per second", f"{rows / wall / 1e6:.2f} M/s"],
         ["peak RSS", f"{max(rss):.0f} MiB (max of runs)"],
     ])
-    bl.print_table("where the time goes (one more run in this process)", ["phase", "seconds"], phase_rows)
+    bl.print_table("where the time goes (one more run in this process"
+                   + (", under cProfile)" if args.profile else ")"), ["phase", "seconds"], phase_rows)
+    if steps:
+        bl.print_table("analyzer steps of 0.05 s or more, in call order (a step inside another counts in both)",
+                       ["step", "seconds", "RSS after MiB", "peak so far MiB"],
+                       [r for r in steps if float(r[1]) >= 0.05])
     if profile:
         print("\n== cProfile, by cumulative time (trainbpf code)\n" + profile)
     print("\nsummary")

@@ -40,6 +40,7 @@ class StormRun:
     events_per_s: float = 0.0
     intervals_per_s: float = 0.0  # off-CPU intervals accounted: streamed + summed in kernel
     lost: int = 0
+    streamed: int = 0  # records that reached the trace
     recorder_cpu: float = 0.0  # fraction of one CPU
     recorder_rss_mib: float = 0.0
     kernel_cost: list | None = None
@@ -88,6 +89,7 @@ def storm(exe: Path, seconds: float, pairs: int, *, label: str, settings: dict |
             result = rec.stop()
             run.lost = sum(result["lost"].values())
             streamed, intervals = trace_counts(out)
+            run.streamed = streamed
             run.events_per_s = streamed / elapsed
             run.intervals_per_s = intervals / elapsed
             out.unlink(missing_ok=True)
@@ -96,18 +98,22 @@ def storm(exe: Path, seconds: float, pairs: int, *, label: str, settings: dict |
         work.kill()
 
 
+def pages_of(r: StormRun) -> int:
+    return int(r.label.rsplit(" ", 1)[1].rstrip("p"))
+
+
 def row(r: StormRun) -> list[str]:
     traced = r.label != "untraced"
     return [r.label, str(r.pairs), f"{r.switches_per_s / 1e3:.0f}k",
             f"{r.events_per_s / 1e3:.1f}k" if traced else "-",
             f"{r.intervals_per_s / 1e3:.0f}k" if traced else "-",
-            str(r.lost) if traced else "-",
+            f"{r.lost} ({100 * r.lost / max(r.lost + r.streamed, 1):.1f}%)" if traced else "-",
             f"{100 * r.recorder_cpu:.0f}%" if traced else "-",
             f"{r.recorder_rss_mib:.0f}" if traced else "-"]
 
 
 HEADERS = ["run", "pairs", "target switches/s", "events/s delivered", "intervals/s accounted",
-           "lost", "recorder CPU", "recorder RSS MiB"]
+           "lost (share)", "recorder CPU", "recorder RSS MiB"]
 
 
 def main() -> None:
@@ -147,22 +153,19 @@ def main() -> None:
     if default.kernel_cost:
         bl.print_table("in-kernel cost per program, traced defaults run (kernel.bpf_stats_enabled)",
                        ["program", "runs", "total ms", "ns/run"], default.kernel_cost)
-    lossy = [r for r in runs[2:] if r.lost]
-    clean = [r for r in runs[2:] if not r.lost]
     print("\nsummary")
     print(f"  defaults: {default.switches_per_s / 1e3:.0f}k target switches/s traced "
           f"(untraced {runs[0].switches_per_s / 1e3:.0f}k), lost {default.lost}, "
           f"recorder CPU {100 * default.recorder_cpu:.0f}%  "
           f"[target: 0 lost at >= 200k/s: {'met' if not default.lost and default.switches_per_s >= 200e3 else 'NOT met'}]")
-    if clean:
-        best = max(clean, key=lambda r: r.events_per_s)
-        print(f"  streaming every interval: no loss up to {best.events_per_s / 1e3:.0f}k events/s ({best.label}, {best.pairs} pairs)")
-    if lossy:
-        worst = min(lossy, key=lambda r: r.events_per_s)
-        print(f"  loss starts: {worst.label}, {worst.pairs} pairs: {worst.lost} lost at "
-              f"{worst.events_per_s / 1e3:.0f}k events/s delivered")
-    else:
-        print("  no loss in any run of the sweep")
+    for n in sorted({r.pairs for r in runs[2:]}):
+        sweep = [r for r in runs[2:] if r.pairs == n]
+        offered = max((r.lost + r.streamed) / max(r.streamed, 1) * r.events_per_s for r in sweep)
+        clean = [pages_of(r) for r in sweep if not r.lost]
+        lossy = [pages_of(r) for r in sweep if r.lost]
+        print(f"  streaming every interval, {n} pair(s), ~{offered / 1e3:.0f}k events/s offered: "
+              f"no loss with ring buffers of {', '.join(map(str, clean)) or 'none'} pages; "
+              f"loss with {', '.join(map(str, lossy)) or 'none'}")
 
 
 if __name__ == "__main__":
