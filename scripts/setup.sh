@@ -19,6 +19,16 @@ done
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
+# pip, with its output shown only when it fails (some machines' pip configs warn on
+# every call about local package folders that do not exist)
+pip_quiet() {
+  local out
+  if ! out="$("$VENV/bin/pip" "$@" 2>&1)"; then
+    printf '%s\n' "$out" >&2
+    return 1
+  fi
+}
+
 if [ "$(id -u)" -ne 0 ]; then
   echo "setup: run as root (sudo scripts/setup.sh): it installs system packages" >&2
   exit 1
@@ -64,7 +74,7 @@ extra=""
 want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)$extra"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
   log "installing trainbpf$extra into the venv"
-  "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT$extra"
+  pip_quiet install --disable-pip-version-check -e "$ROOT$extra"
   echo "$want" > "$STAMP"
 fi
 
@@ -73,7 +83,7 @@ fi
 # scenario is skipped, saying why.
 if [ "$WITH_TEST" -eq 1 ] && ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   log "installing torch==2.13.0 (CPU) for the DataLoader scenario"
-  "$VENV/bin/pip" install -q --disable-pip-version-check torch==2.13.0 || log "torch unavailable: the DataLoader scenario will be skipped"
+  pip_quiet install --disable-pip-version-check torch==2.13.0 || log "torch unavailable: the DataLoader scenario will be skipped"
 fi
 
 # Build the kernel header tree bcc needs now, so the first record does not pay for it.
