@@ -263,15 +263,22 @@ def main() -> None:
         runs.append(run_once(None, argv, tmp, rounds))
         bl.log("one more trainbpf run for the in-kernel cost per program (not timed)")
         with bl.bpf_stats():
-            cost = kernel_cost_run(argv, tmp)
+            cost, bpf_s, bpf_run_cpu_s = kernel_cost_run(argv, tmp)
 
     rows, wall_ratio, cpu_ratio = [], {}, {}
+    untraced_only = [run for run in runs if run.tracer == "untraced"]
+    aa = paired_ratios(untraced_only, "untraced", lambda run: run.wall_s)
+    aa_cpu = paired_ratios(untraced_only, "untraced", lambda run: run.cpu_s)
     for name in names:
         mine = [run for run in runs if run.tracer == name]
         wall = paired_ratios(runs, name, lambda run: run.wall_s) if name != "untraced" else []
         cpu = paired_ratios(runs, name, lambda run: run.cpu_s + run.tracer_cpu_s) if name != "untraced" else []
         wall_ratio[name], cpu_ratio[name] = bl.median(wall), bl.median(cpu)
-        rows.append([name, len(mine), f"{bl.median([r.wall_s for r in mine]):.3f}",
+        if name == "untraced":  # untraced against untraced: the noise floor
+            wall, cpu = aa, aa_cpu
+            wall_ratio[name], cpu_ratio[name] = bl.median(wall), bl.median(cpu)
+        rows.append([name + (" (against its untraced neighbours)" if name == "untraced" else ""), len(mine),
+                     f"{bl.median([r.wall_s for r in mine]):.3f}",
                      f"{wall_ratio[name]:.3f}" if wall else "-", bl.spread(wall),
                      f"{cpu_ratio[name]:.3f}" if cpu else "-", bl.spread(cpu),
                      f"{bl.median([r.tracer_cpu_s for r in mine]):.2f}",
@@ -302,6 +309,11 @@ def main() -> None:
     ])
     bl.print_table("in-kernel cost per program, one extra trainbpf run (kernel.bpf_stats_enabled)",
                    ["program", "runs", "total ms", "ns/run"], cost)
+    recorder_share = bl.median([r.tracer_cpu_s / r.cpu_s for r in mine])
+    print(f"  in-kernel {bpf_s * 1e3:.0f} ms = {100 * bpf_s / bpf_run_cpu_s:.1f}% of that run's workload CPU "
+          f"({bpf_run_cpu_s:.2f} s; bpf_stats adds its own clock reads); recorder CPU "
+          f"{100 * recorder_share:.1f}% of the workload's (median of the timed runs): "
+          f"accounted cost {100 * (bpf_s / bpf_run_cpu_s + recorder_share):.1f}% of the workload's CPU")
     ours = wall_ratio[TRAINBPF]
     print("\nsummary")
     print(f"  trainbpf wall ratio {ours:.3f} (CPU ratio {cpu_ratio[TRAINBPF]:.3f})  "
@@ -314,17 +326,20 @@ def main() -> None:
         print(f"  {PERF_SCHED}: wall {wall_ratio[PERF_SCHED]:.3f}, CPU {cpu_ratio[PERF_SCHED]:.3f}")
 
 
-def kernel_cost_run(argv: list[str], tmp: Path) -> list[list[str]]:
+def kernel_cost_run(argv: list[str], tmp: Path) -> tuple[list[list[str]], float, float]:
+    """Per-program rows, the in-kernel seconds in all, and the workload's CPU seconds."""
     work = bl.Workload(argv)
     rec = None
     try:
         rec = bl.Recording(pid=work.pid, output=tmp / "cost.parquet").start(ATTACH_TIMEOUT_S)
+        cpu0 = bl.cpu_seconds(work.pid)
         work.go()
         work.result()
+        cpu = bl.cpu_seconds(work.pid) - cpu0
         rows = bl.kernel_cost_rows(rec.recorder_pid)  # while the programs are still loaded
         work.finish()
         rec.stop()
-        return rows
+        return rows, sum(float(r[2]) for r in rows) / 1e3, cpu
     finally:
         work.kill()
         if rec and rec.proc.poll() is None:
