@@ -92,6 +92,8 @@ class ScenarioResult:
     trace: Path
     workdir: Path
     busy_cores_before: float  # CPU use on the machine just before the workload started
+    # CPU use during the recording by everything but the workload and the recorder.
+    neighbour_cores: float
 
     @property
     def findings(self) -> list[dict]:
@@ -109,7 +111,8 @@ class ScenarioResult:
         return (f"{self.scenario.name}: GPU idle {gpu.get('idle_fraction')} over "
                 f"{gpu.get('samples')} samples, starved {self.report.get('starved_s')} s; "
                 f"findings: {'; '.join(parts) or 'none'} "
-                f"[machine busy {self.busy_cores_before:.1f} cores before the run]")
+                f"[machine busy {self.busy_cores_before:.1f} cores before the run; "
+                f"neighbours used {self.neighbour_cores:.1f} cores during it]")
 
 
 def trainbpf_cli() -> Path:
@@ -233,19 +236,66 @@ def memory_cgroup(limit_bytes: int):
 # --- one run ---------------------------------------------------------------------------
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """(all, idle) CPU ticks of the machine so far, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields[:8]), fields[3] + fields[4]  # idle + iowait
+
+
 def busy_cores(seconds: float = 1.0) -> float:
     """CPUs' worth of non-idle time on the machine over the next `seconds`."""
-
-    def sample() -> tuple[int, int]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(fields[:8]), fields[3] + fields[4]  # all, idle + iowait
-
-    total0, idle0 = sample()
+    total0, idle0 = _cpu_ticks()
     time.sleep(seconds)
-    total1, idle1 = sample()
+    total1, idle1 = _cpu_ticks()
     if total1 <= total0:
         return 0.0
     return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds used so far by process `pid`, its reaped children and its live
+    descendants."""
+    children: dict[int, list[int]] = {}
+    used: dict[int, float] = {}
+    ticks = os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        child = int(stat.parent.name)
+        children.setdefault(int(fields[1]), []).append(child)
+        used[child] = sum(int(x) for x in fields[11:15]) / ticks  # utime stime cutime cstime
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += used.get(p, 0.0)
+        todo.extend(children.get(p, ()))
+    return total
+
+
+class NeighbourMeter:
+    """CPU used on the machine between start() and stop() by everything except the
+    workload's process tree and this process's children (the recorder and its
+    nvidia-smi)."""
+
+    def __init__(self, workload_pid: int):
+        self.workload_pid = workload_pid
+
+    def _sample(self) -> tuple[float, float, float, float]:
+        total, idle = _cpu_ticks()
+        own = os.times()
+        return (time.monotonic(), (total - idle) / os.sysconf("SC_CLK_TCK"),
+                _tree_cpu_s(self.workload_pid), own.children_user + own.children_system)
+
+    def start(self) -> None:
+        self._start = self._sample()
+
+    def stop(self) -> float:
+        """Neighbours' CPUs' worth of time since start()."""
+        end = self._sample()
+        wall, busy, workload, recorder = (b - a for a, b in zip(self._start, end))
+        return max(0.0, busy - workload - recorder) / wall if wall > 0 else 0.0
 
 
 def wait_for_quiet(limit_cores: float = QUIET_BELOW_CORES, timeout: float = QUIET_WAIT_S) -> float:
@@ -326,11 +376,14 @@ def run_scenario(scenario: Scenario, workdir: Path) -> ScenarioResult:
             cgroup = bent.enter_context(memory_cgroup(scenario.memory_limit))
         workload = bent.enter_context(
             running_workload(scenario, env, workdir, cgroup, workload_args))
+        neighbours = NeighbourMeter(workload.pid)
+        neighbours.start()
         recorded = subprocess.run(
             [str(cli), "record", "--pid", str(workload.pid), "--duration", str(RECORD_SECONDS),
              "-o", str(trace), *record_args],
             env=env, capture_output=True, text=True, timeout=RECORD_TIMEOUT_S,
         )
+        neighbour_cores = neighbours.stop()
         (workdir / "record.log").write_text(recorded.stdout + recorded.stderr)
         if recorded.returncode != 0:
             raise ScenarioError(f"trainbpf record exited {recorded.returncode}: "
@@ -348,4 +401,4 @@ def run_scenario(scenario: Scenario, workdir: Path) -> ScenarioResult:
         report = json.loads(analyzed.stdout)
     except json.JSONDecodeError as exc:
         raise ScenarioError(f"trainbpf analyze --format json printed no JSON: {exc}") from exc
-    return ScenarioResult(scenario, report, trace, workdir, busy_before)
+    return ScenarioResult(scenario, report, trace, workdir, busy_before, neighbour_cores)

@@ -4,7 +4,9 @@ take for every tensor it allocates.
 The lock is a real pthread mutex (called through ctypes, which releases the GIL): it
 stands for a malloc arena lock held while the allocator carves and zeroes a chunk.  The
 trainer's waits are futex waits on the mutex's address, shared by many waiters, with
-the user stack in pthread_mutex_lock.
+the user stack in pthread_mutex_lock.  The hammering threads share CPU 1, leaving the
+trainer a core: unpinned, their GIL and wake-up traffic kept the trainer waiting for a
+CPU for about a third of its stalls.
 Expected top finding: lock_contention.
 """
 
@@ -46,7 +48,7 @@ def main() -> None:
     args = common.parse_args(__doc__)
     arena = ArenaLock()
     for i in range(N_HAMMERS):
-        common.start_thread(f"alloc_{i}", hammer, arena)
+        common.start_thread(f"alloc_{i}", hammer, arena, cpus=common.BACKGROUND_CPUS)
     trainer_chunk = ctypes.create_string_buffer(CHUNK_BYTES)
 
     def allocate_step_tensors(batch) -> None:

@@ -36,6 +36,9 @@ DATALOADER_COMM = "pt_data_worker"  # what torch names its DataLoader workers
 # idleness only where it spans most of a sample: each workload's injected stall is
 # about one step long or longer, not a few ms between steps.
 STEP_S = 0.15
+# Where the background threads of the lock and reclaim scenarios run: away from the
+# trainer, so that its stall is the injected one and not a wait for a core they hog.
+BACKGROUND_CPUS = {1}
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -162,12 +165,16 @@ def die_with_parent() -> None:
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
-def start_thread(name: str, target, *args, comm: str | None = None) -> threading.Thread:
+def start_thread(name: str, target, *args, comm: str | None = None,
+                 cpus: set[int] | None = None) -> threading.Thread:
     """A daemon thread named `name` in Python and `comm` (default: name) in the kernel,
-    running `target` once the workload may start (wait_for_go)."""
+    pinned to `cpus` when given, running `target` once the workload may start
+    (wait_for_go)."""
 
     def run():
         set_comm(comm or name)
+        if cpus is not None:
+            pin_current_thread(cpus)
         wait_for_go()
         target(*args)
 
@@ -222,15 +229,17 @@ def rewrite_file_forever(path: str, file_bytes: int, write_bytes: int,
 
 
 @contextlib.contextmanager
-def file_rewriters(name: str, paths: list[str], file_bytes: int, write_bytes: int):
-    """Threads named `name`, one per path, running rewrite_file_forever; stopped and
-    joined on exit (before anyone removes their folder, or they may recreate a file)."""
+def file_rewriters(name: str, paths: list[str], file_bytes: int, write_bytes: int, *,
+                   cpus: set[int] | None = None):
+    """Threads named `name`, one per path, running rewrite_file_forever (pinned to `cpus`
+    when given); stopped and joined on exit (before anyone removes their folder, or they
+    may recreate a file)."""
     stop = threading.Event()
     threads = []
     try:
         for path in paths:
             threads.append(start_thread(name, rewrite_file_forever, path, file_bytes,
-                                        write_bytes, stop))
+                                        write_bytes, stop, cpus=cpus))
         yield threads
     finally:
         stop.set()
@@ -276,12 +285,10 @@ def start_dataloader(index: int, batches, decode_cpu_s: float, *,
     queue `batches`, blocking while it is full; pinned to `cpus` when given."""
 
     def load() -> None:
-        if cpus is not None:
-            pin_current_thread(cpus)
         while True:
             batches.put(decode_batch(decode_cpu_s))
 
-    return start_thread(f"{DATALOADER_COMM}_{index}", load, comm=DATALOADER_COMM)
+    return start_thread(f"{DATALOADER_COMM}_{index}", load, comm=DATALOADER_COMM, cpus=cpus)
 
 
 def run_trainer(seconds: float, next_batch, *, step_s: float, before_step=None) -> SimGpu:

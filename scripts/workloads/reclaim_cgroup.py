@@ -8,7 +8,9 @@ cache is dirty or under writeback, reclaim waits for the disk (and is throttled)
 Clean page cache would not do: it is reclaimed so cheaply (well under a microsecond a
 page) that the page faults themselves would cost more.  The trainer's buffer uses
 transparent huge pages, so it takes 16 faults a step, not 8 k: the stall is reclaim,
-not fault handling.  Outside a limited cgroup this workload only writes and allocates.
+not fault handling.  The writers share CPU 1, leaving the trainer a core: unpinned,
+they kept it waiting for a CPU for about as long as it spent in reclaim.  Outside a
+limited cgroup this workload only writes and allocates.
 Expected top finding: memory_reclaim.
 """
 
@@ -30,7 +32,8 @@ def main() -> None:
     args = common.parse_args(__doc__, common.add_dir_argument)
     with common.scratch_folder("trainbpf-shards-", args.dir) as folder:
         shards = [os.path.join(folder, f"shard{i}.bin") for i in range(N_WRITERS)]
-        with common.file_rewriters("shard_writer", shards, SHARD_BYTES, SHARD_WRITE_BYTES):
+        with common.file_rewriters("shard_writer", shards, SHARD_BYTES, SHARD_WRITE_BYTES,
+                                   cpus=common.BACKGROUND_CPUS):
             common.train(args.seconds, before_step=fresh_buffer_per_step)
 
 
