@@ -1,4 +1,5 @@
-"""The command line as a user meets it: help, doctor, the live status line, sudo."""
+"""The command line as a user meets it: help, one-line usage errors, doctor, the live status
+line, sudo."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from kernel_env import require_root, which_or_fail
 from trainbpf.tracefile import read_trace
@@ -21,6 +24,34 @@ def test_help_lists_every_command_with_help_text():
     for cmd in ("record", "analyze", "export", "doctor", "recover"):
         line = next((ln for ln in res.stdout.splitlines() if f" {cmd} " in ln), "")
         assert len(line.split(cmd, 1)[1].strip(" │")) > 10, f"{cmd} has no help text: {line!r}"
+
+
+def test_help_exits_0_and_no_arguments_prints_help():
+    assert subprocess.run([TRAINBPF, "analyze", "--help"], capture_output=True, text=True).returncode == 0
+    res = subprocess.run([TRAINBPF], capture_output=True, text=True)
+    assert "Commands" in res.stdout and res.returncode == 2
+
+
+@pytest.mark.parametrize("args, words", [
+    (["analyze", "--bogus", "x"], ("No such option: --bogus", "'trainbpf analyze --help'")),
+    (["analyze"], ("Missing argument 'trace'", "'trainbpf analyze --help'")),
+    (["analyze", "--format"], ("'--format' requires an argument", "'trainbpf analyze --help'")),
+    (["record", "--pid", "abc"], ("'--pid'", "integer", "'trainbpf record --help'")),
+    (["analyze", "--trainer-tid", "x", "t.parquet"], ("'--trainer-tid'", "integer")),
+    (["bogus"], ("No such command 'bogus'", "'trainbpf --help'")),
+])
+def test_usage_errors_are_one_line(args, words):
+    res = subprocess.run([TRAINBPF, *args], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("trainbpf: error: ") and res.stdout == ""
+    for word in words:
+        assert word in lines[0]
+
+
+def test_health_usage_error_is_one_line_and_exits_3():
+    res = subprocess.run([TRAINBPF, "health", "--bogus"], capture_output=True, text=True)
+    assert res.returncode == 3 and res.stderr.count("\n") == 1 and "--bogus" in res.stderr
 
 
 def test_doctor_checks_everything_and_passes_here():

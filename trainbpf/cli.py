@@ -10,6 +10,11 @@ from typing import Callable, Optional
 
 import typer
 
+try:  # newer typer vendors click; older ones use click itself
+    from typer._click.exceptions import ClickException
+except ImportError:  # pragma: no cover
+    from click.exceptions import ClickException
+
 from trainbpf.errors import TrainbpfError
 
 app = typer.Typer(
@@ -39,7 +44,30 @@ def _status_printer() -> Callable[[str], None] | None:
     return show
 
 
-@app.command()
+class _Command(typer.core.TyperCommand):
+    """A command whose usage errors name it (click's parser leaves some without a context,
+    and main() points at the command's --help) and exit with `usage_exit`."""
+
+    usage_exit = 2
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except ClickException as exc:
+            if exc.exit_code == 2:  # click's UsageError and kin
+                exc.ctx = getattr(exc, "ctx", None) or ctx
+                exc.exit_code = self.usage_exit
+            raise
+
+
+class _HealthCommand(_Command):
+    """`trainbpf health` exits 0-3 by contract, where 2 means critical: a command-line
+    mistake must read "could not check" (3), not click's usage-error 2."""
+
+    usage_exit = 3
+
+
+@app.command(cls=_Command)
 def record(
     pid: Optional[int] = typer.Option(None, "--pid", "-p", help="Process to trace (its kernel tgid), with its threads and every descendant."),
     output: Path = typer.Option(Path("trace.parquet"), "--output", "-o", help="Trace file to write (created 0600)."),
@@ -98,7 +126,7 @@ def record(
                    "try a larger --ringbuf-pages or higher thresholds", err=True)
 
 
-@app.command()
+@app.command(cls=_Command)
 def doctor(
     no_load: bool = typer.Option(False, "--no-load", help="Skip compiling and loading the probes."),
 ) -> None:
@@ -111,7 +139,7 @@ def doctor(
         raise typer.Exit(12)
 
 
-@app.command()
+@app.command(cls=_Command)
 def analyze(
     trace: Path = typer.Argument(..., help="trace.parquet written by `trainbpf record`."),
     format: str = typer.Option("text", "--format", "-f", help="text, json or html."),
@@ -140,7 +168,7 @@ def analyze(
         typer.echo(f"wrote {output}", err=True)
 
 
-@app.command()
+@app.command(cls=_Command)
 def export(
     trace: Path = typer.Argument(..., help="trace.parquet to export."),
     perfetto: bool = typer.Option(True, "--perfetto/--no-perfetto", help="Chrome trace-event JSON for ui.perfetto.dev."),
@@ -156,7 +184,7 @@ def export(
     typer.echo(f"wrote {path}", err=True)
 
 
-@app.command()
+@app.command(cls=_Command)
 def recover(
     spool: Path = typer.Argument(..., help="The .spool file a recorder left behind."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Parquet file to write (default: the spool's name without .spool)."),
@@ -169,19 +197,6 @@ def recover(
     except TrainbpfError as exc:
         _fail(exc)
     typer.echo(f"wrote {path}", err=True)
-
-
-class _HealthCommand(typer.core.TyperCommand):
-    """`trainbpf health` exits 0-3 by contract, where 2 means critical: a command-line
-    mistake must read "could not check" (3), not click's usage-error 2."""
-
-    def parse_args(self, ctx, args):
-        try:
-            return super().parse_args(ctx, args)
-        except Exception as exc:
-            if getattr(exc, "exit_code", None) == 2:  # click's UsageError and kin
-                exc.exit_code = 3
-            raise
 
 
 @app.command(cls=_HealthCommand)
@@ -207,7 +222,7 @@ def health(
     raise typer.Exit(result.exit_code)
 
 
-@app.command()
+@app.command(cls=_Command)
 def fleet(
     source: str = typer.Argument(..., help="Folder of health JSON documents (searched recursively) or a glob."),
     format: str = typer.Option("text", "--format", "-f", help="text, json or csv."),
@@ -228,12 +243,32 @@ def fleet(
         typer.echo(f"wrote {output}", err=True)
 
 
+def _usage_line(exc: ClickException) -> str:
+    """click's usage error (usage line, hint, boxed message) as one line."""
+    text = " ".join(exc.format_message().split()).rstrip(".")
+    ctx = getattr(exc, "ctx", None)
+    return f"trainbpf: error: {text} (see '{ctx.command_path if ctx else 'trainbpf'} --help')"
+
+
 def main() -> None:
+    """Run the app without click's standalone mode, so that its usage errors become the
+    project's one line on stderr (exit 2; `health` makes it 3) instead of a box."""
     try:
-        app()
+        code = app(standalone_mode=False)  # an int from typer.Exit/--help, else None
+    except ClickException as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `trainbpf`: help, as before
+            if exc.message.strip():  # rich has printed it already; plain click has not
+                typer.echo(exc.message)
+        else:
+            typer.echo(_usage_line(exc), err=True)
+        code = exc.exit_code
+    except typer.Abort:
+        typer.echo("trainbpf: aborted", err=True)
+        code = 1
     except KeyboardInterrupt:
         typer.echo("trainbpf: interrupted", err=True)
-        sys.exit(130)
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
