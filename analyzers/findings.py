@@ -411,7 +411,7 @@ def _dominant_chain(
         if float(per_key.max()) > best[0]:
             at = int(followed["end"].to_numpy()[keys[followed["end"].to_numpy()] == per_key.idxmax()][0])
             e = ends.iloc[at]
-            path = links[(links["wait"] == e["wait"]).to_numpy() & (links["depth"] < e["depth"]).to_numpy()]
+            path = chain_path(links, int(e["link"]))
             chain = [{**_link(ctx, int(r.tid)), "state": str(r.state)} for r in path.itertuples()]
             best = (float(per_key.max()), chain + [{**_link(ctx, int(e["tid"])), "state": str(e["state"])}])
     return best[1]
@@ -420,8 +420,8 @@ def _dominant_chain(
 def chain_keys(links: pd.DataFrame, ends: pd.DataFrame) -> np.ndarray:
     """Per row of `ends`, a 64-bit key equal for ends reached along the same chain (the
     same thread and state at every depth, and the same end): each link's code times a
-    per-depth odd constant, summed with wrap-around.  Collisions are vanishingly unlikely
-    and would only merge two chains in the display."""
+    per-depth odd constant, summed with wrap-around down the parent links.  Collisions
+    are vanishingly unlikely and would only merge two chains in the display."""
     tid = np.concatenate([links["tid"].to_numpy(np.int64), ends["tid"].to_numpy(np.int64)])
     state = np.concatenate([links["state"].to_numpy(dtype=object), ends["state"].to_numpy(dtype=object)])
     code = pd.MultiIndex.from_arrays([tid, state]).factorize()[0].astype(np.uint64) + np.uint64(1)
@@ -429,16 +429,26 @@ def chain_keys(links: pd.DataFrame, ends: pd.DataFrame) -> np.ndarray:
     mixers = np.random.default_rng(0).integers(1, 2**63, size=int(depth.max(initial=0)) + 1, dtype=np.uint64) | np.uint64(1)
     with np.errstate(over="ignore"):
         term = code * mixers[depth]
-        link_term, end_term = term[: len(links)], term[len(links):]
-        # Prefix sums of the link terms along each wait's path (links sorted by wait, depth).
-        l_wait = links["wait"].to_numpy(np.int64)
-        prefix = np.cumsum(link_term)
-        first = np.searchsorted(l_wait, l_wait, side="left")
-        prefix = prefix - np.where(first > 0, prefix[np.maximum(first - 1, 0)], np.uint64(0))
-        e_wait = ends["wait"].to_numpy(np.int64)
-        last_link = np.searchsorted(l_wait, e_wait, side="left") + ends["depth"].to_numpy(np.int64) - 1
-        path = np.where(last_link >= 0, prefix[np.clip(last_link, 0, max(len(prefix) - 1, 0))] if len(prefix) else 0, 0)
-        return (path.astype(np.uint64) + end_term).astype(np.uint64)
+        path, end_term = term[: len(links)].copy(), term[len(links):]
+        # Links are in depth order and a parent is always one depth up: a pass per depth.
+        parent = links["parent"].to_numpy(np.int64)
+        l_depth = links["depth"].to_numpy(np.int64)
+        for d in range(1, int(l_depth.max(initial=0)) + 1):
+            rows = np.flatnonzero(l_depth == d)
+            path[rows] += path[parent[rows]]
+        last = ends["link"].to_numpy(np.int64)
+        return (np.where(last >= 0, path[np.maximum(last, 0)] if len(path) else 0, 0).astype(np.uint64)
+                + end_term).astype(np.uint64)
+
+
+def chain_path(links: pd.DataFrame, link: int) -> pd.DataFrame:
+    """The links from the waiter down to row `link`, waiter first."""
+    parent = links["parent"].to_numpy(np.int64)
+    rows = []
+    while link >= 0:
+        rows.append(link)
+        link = int(parent[link])
+    return links.iloc[rows[::-1]]
 
 
 def _link(ctx: EvidenceContext, tid: int) -> dict[str, Any]:

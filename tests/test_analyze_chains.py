@@ -169,3 +169,39 @@ def test_worker_queued_behind_another_worker_is_still_producing(tmp_path):
     f = a.findings.iloc[0]
     assert f.category == "input_pipeline"
     assert f.share == pytest.approx(1.0, abs=0.02)
+
+
+def test_waker_blocked_mostly_waiting_for_the_producer_follows_that_wait(tmp_path):
+    """A worker's feeder thread (300) waits ~230 ms for the decoder (200) to hand it a
+    batch, then ~10 ms for a contended lock, then writes the batch and wakes the trainer.
+    Its long wait leads to the decoder's running (input_pipeline); only the lock wait's
+    overlap is lock contention, not the whole blocked share."""
+    lock = 0x7F00_0000_2000
+    s = Synth(duration_s=9.0)
+    s.thread(TRAINER, "python")
+    s.thread(200, "pt_data_worker", pid=200)
+    s.thread(300, "pt_data_worker", pid=200)
+    s.thread(400, "pt_data_worker", pid=200)
+    for x in periodic(0.0, 9.0, PERIOD):
+        s.offcpu(TRAINER, x + 0.05, 0.25, waker=300, kstack=FUTEX_STACK)
+        s.futex(TRAINER, x + 0.05, 0.25, addr=0x7F00_0000_1000)
+        s.offcpu(300, x + 0.02, 0.26, waker=200, kstack=FUTEX_STACK)
+        s.futex(300, x + 0.02, 0.26, addr=0x7F00_0000_3000)
+        s.offcpu(300, x + 0.28, 0.01, waker=400, kstack=FUTEX_STACK)
+        s.futex(300, x + 0.28, 0.01, addr=lock, ustack=("__lll_lock_wait", "pthread_mutex_lock"))
+        s.offcpu(400, x + 0.27, 0.005, waker=300, kstack=FUTEX_STACK)  # 400 contends for the lock too
+        s.futex(400, x + 0.27, 0.005, addr=lock, ustack=("__lll_lock_wait", "pthread_mutex_lock"))
+    s.gpu_from_running(TRAINER)
+    a = analyze(s.read(tmp_path))
+    shares = dict(zip(a.findings["category"], a.findings["share"]))
+    assert a.findings.iloc[0].category == "input_pipeline"
+    # The trainer's 250 ms wait: 10 ms of it overlap the feeder's lock wait.
+    assert shares.get("lock_contention", 0.0) == pytest.approx(0.04, abs=0.015)
+    assert shares["input_pipeline"] >= 0.9
+    assert chain_of(a.findings.iloc[0]) == [(TRAINER, "futex"), (300, "futex"), (200, "running")]
+    assert np.allclose(a.chain_ends.groupby("wait")["weight"].sum(), 1.0)
+    # Each link's parent is the link one depth up on the same wait.
+    linked = a.chains[a.chains["parent"] >= 0]
+    parents = a.chains.iloc[linked["parent"].to_numpy()]
+    assert (parents["depth"].to_numpy() == linked["depth"].to_numpy() - 1).all()
+    assert (parents["wait"].to_numpy() == linked["wait"].to_numpy()).all()
