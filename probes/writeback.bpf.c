@@ -1,9 +1,10 @@
 /* Dirty-page throttling: writeback:balance_dirty_pages fires in the writer's context
- * just before it sleeps for `pause` jiffies.  Jiffies go out raw; the collector converts
- * them with the HZ it measured (CONFIG_HZ varies between kernels). */
+ * just before it sleeps.  The event's `pause` field is already in milliseconds (the
+ * tracepoint stores pause * 1000 / HZ), so a pause is a whole number of ticks rounded
+ * down to the millisecond. */
 struct dirty_event {
     u64 ts_ns;
-    s64 pause_jiffies;
+    s64 pause_ms;
     u64 dirty_pages;
     u64 limit_pages;
     u32 tid;
@@ -24,7 +25,7 @@ TRACEPOINT_PROBE(writeback, balance_dirty_pages)
         return 0;
     }
     e->ts_ns = bpf_ktime_get_ns();
-    e->pause_jiffies = args->pause;
+    e->pause_ms = args->pause;
     e->dirty_pages = args->dirty;
     e->limit_pages = args->limit;
     e->tid = tid;

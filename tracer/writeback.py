@@ -17,8 +17,7 @@ class WritebackCollector(Collector):
     lost_names = ("writeback",)
 
     def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
-        # pause is in jiffies; HZ was measured at start (it differs between kernels)
-        pause_ns = r["pause_jiffies"].astype(np.int64) * (1_000_000_000 // self.settings.hz)
+        pause_ns = r["pause_ms"].astype(np.int64) * 1_000_000
         return [
             make_batch(
                 "dirty_pause",

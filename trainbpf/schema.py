@@ -104,7 +104,7 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # op = reason.
     "numa_migrate": ("ts_ns", "tid", "pid", "count", "size", "op"),
     # writeback:balance_dirty_pages throttling pause of a writer: dur_ns = pause
-    # (converted from jiffies with the measured HZ), count = dirty pages,
+    # (the tracepoint's milliseconds), count = dirty pages,
     # size = dirty limit in pages, name = backing device.
     "dirty_pause": ("ts_ns", "dur_ns", "tid", "pid", "count", "size", "name"),
     # A block request issued for a traced thread: dur_ns = issue -> completion,
