@@ -69,10 +69,14 @@ if [ ! -x "$VENV/bin/python" ]; then
   /usr/bin/python3 -m venv --system-site-packages "$VENV"
 fi
 
+# The stamp records pyproject.toml's hash and the extras installed.  Extras accumulate:
+# a run keeps what an earlier one asked for (`--bench` after `--test` keeps [test]), so
+# alternating flags neither reinstalls nor drops anything.
+had="$(cat "$STAMP" 2>/dev/null || true)"
 extra=""
-[ "$WITH_TEST" -eq 1 ] && extra="[test]"
-want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)$extra"
-if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
+if [ "$WITH_TEST" -eq 1 ] || [ "${had%"[test]"}" != "$had" ]; then extra="[test]"; fi
+want="$(sha256sum < "$ROOT/pyproject.toml" | cut -c1-16)$extra"
+if [ "$had" != "$want" ]; then
   log "installing trainbpf$extra into the venv"
   pip_quiet install --disable-pip-version-check -e "$ROOT$extra"
   echo "$want" > "$STAMP"
