@@ -29,8 +29,21 @@ def spin(seconds: float) -> None:
 
 def basic() -> dict:
     """A 50 ms futex wait; a producer waking a consumer; 200 MB of faults; 64 MB
-    mmap/munmap; a child process forked after start and named."""
+    mmap/munmap; a child process forked after start and named; two threads contending
+    for the GIL."""
     out: dict = {"main": threading.get_native_id()}
+
+    def gil_spinner(i: int) -> None:
+        set_thread_name(f"tb_gil{i}")
+        out[f"gil{i}"] = threading.get_native_id()
+        spin(0.3)  # pure Python: the two take turns holding the GIL
+
+    spinners = [threading.Thread(target=gil_spinner, args=(i,)) for i in range(2)]
+    for t in spinners:
+        t.start()
+    for t in spinners:
+        t.join()
+    time.sleep(1.2)  # a recorder flush while the process is alive describes the addresses
 
     def waiter() -> None:
         set_thread_name("tb_waiter")

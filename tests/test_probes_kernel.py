@@ -52,6 +52,22 @@ def test_futex_wait_of_50ms(basic):
     assert (mine.pid == basic.pid).all()
 
 
+def test_futex_addresses_are_described(basic):
+    """Every futex address waited on is described; the GIL's lies in _PyRuntime."""
+    f = basic.trace.frame("futex")
+    described = basic.trace.frame("futex_addr")
+    waited = set(zip(f.pid.astype(int), f.addr.astype("uint64")))
+    known = set(zip(described.pid.astype(int), described.addr.astype("uint64")))
+    assert waited <= known, f"{len(waited - known)} futex addresses not described"
+    assert not described.duplicated(["pid", "addr"]).any()
+    spinners = f[f.tid.isin([basic.tids["gil0"], basic.tids["gil1"]])]
+    assert len(spinners) >= 2, "no futex waits while two threads contended for the GIL"
+    names = described.set_index(described.addr.astype("uint64"))["name"]
+    gil = [str(names.get(a, "")) for a in spinners.addr.astype("uint64")]
+    assert sum(n.startswith("_PyRuntime+") for n in gil) >= 0.9 * len(gil), gil[:10]
+    assert (described.loc[described.name.str.startswith("_PyRuntime+", na=False), "state"] == "image").all()
+
+
 def test_producer_appears_as_waker(basic):
     off = basic.trace.frame("offcpu")
     consumer = off[(off.tid == basic.tids["main"]) & (off.state == "S")]

@@ -25,6 +25,7 @@ from trainbpf.tracer.collector import Settings
 from trainbpf.tracer.gpu import GpuSampler
 from trainbpf.tracer.ringbuf import open_rings
 from trainbpf.tracer.sched import TASK_EXEC, TASK_EXIT, SchedCollector
+from trainbpf.tracer.addrs import AddressDescriber, futex_pairs
 from trainbpf.tracer.stacks import StackSymbolizer, drop_irq_wakers, stack_refs
 
 FLUSH_INTERVAL_S = 1.0
@@ -84,6 +85,7 @@ class Recorder:
         self._rings = None  # the ring-buffer readers, once open
         self.threads: dict[int, int] = {}  # tid -> tgid, every thread seen
         self.exited: set[int] = set()
+        self.futex_addrs = AddressDescriber()
 
     # -- lifecycle -------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -267,6 +269,7 @@ class Recorder:
                     self._track_tasks(bpf, records)
                     if (records["what"] == TASK_EXEC).any():
                         symbolizer.exec_seen()
+                        self.futex_addrs.exec_seen()
         for c in collectors:
             batches += c.drain(bpf, now_ns, final=final)
         # Kernel stacks first: they tell which wake-ups came from interrupt context, whose
@@ -277,7 +280,8 @@ class Recorder:
         batches = [drop_irq_wakers(b, symbolizer.irq_ids) for b in batches]
         user = [stack_refs(b)[1] for b in batches]
         sym_user = symbolizer.symbolize([], np.concatenate(user) if user else [])
-        batches += [s for s in (sym_kernel, sym_user) if s is not None]
+        described = self.futex_addrs.describe(futex_pairs(batches))
+        batches += [s for s in (sym_kernel, sym_user, described) if s is not None]
         gpu_batch = gpu.take()
         if gpu_batch is not None:
             batches.append(gpu_batch)

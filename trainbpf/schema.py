@@ -84,6 +84,11 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # A futex wait >= min_futex_ns: addr = uaddr, op = futex command (op & 0x7f; 256+ for
     # futex_wait / futex_waitv syscalls), ustack_id at entry.
     "futex": ("ts_ns", "dur_ns", "tid", "pid", "addr", "op", "ustack_id"),
+    # What a futex address of a process is, described once while it was alive:
+    # state = region (image: a program's or library's data, heap, stack, shared: a
+    # MAP_SHARED or /dev/shm mapping, file, anon, unknown), name = the data symbol and
+    # offset in an image ("_PyRuntime+0x1b0 [python3.11]"), else the mapping's path.
+    "futex_addr": ("ts_ns", "pid", "addr", "state", "name"),
     # User page faults counted in the kernel per (tid, time bucket of dur_ns).
     "faults": ("ts_ns", "dur_ns", "tid", "pid", "count"),
     # mmap_lock wait start_locking -> acquire_returned; state "read"/"write";

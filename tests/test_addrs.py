@@ -1,0 +1,65 @@
+"""Describing futex addresses from a live process's maps and ELF symbols (no BPF: the
+describer reads /proc, so this process describes its own addresses)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+import numpy as np
+
+from trainbpf.tracer.addrs import AddressDescriber, parse_maps
+
+
+def describe(*addrs: int) -> list[tuple[str, str]]:
+    batch = AddressDescriber().describe(np.array([(os.getpid(), a) for a in addrs], dtype=np.uint64).view(np.int64))
+    rows = batch.to_pydict()
+    assert rows["addr"] == list(addrs)
+    return list(zip(rows["state"], [n or "" for n in rows["name"]]))
+
+
+def test_the_interpreters_runtime_state_is_named():
+    runtime = ctypes.addressof(ctypes.c_char.in_dll(ctypes.pythonapi, "_PyRuntime"))
+    assert describe(runtime + 0x1B0) == [("image", f"_PyRuntime+0x1b0 [{os.path.basename(os.path.realpath('/proc/self/exe'))}]")]
+
+
+def test_a_librarys_data_symbol_is_named():
+    libc = ctypes.CDLL("libc.so.6")
+    stdout = ctypes.addressof(ctypes.c_void_p.in_dll(libc, "stdout"))
+    ((state, name),) = describe(stdout)
+    assert state == "image" and name.startswith("stdout+0x0 [libc.so")
+
+
+def test_regions_outside_images():
+    shared = mmap.mmap(-1, 4096, flags=mmap.MAP_SHARED)
+    private = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    described = describe(ctypes.addressof(ctypes.c_char.from_buffer(shared)),
+                         ctypes.addressof(ctypes.c_char.from_buffer(private)), 12)
+    assert [s for s, _ in described] == ["shared", "anon", "unknown"]
+
+
+def test_each_address_is_described_once():
+    d = AddressDescriber()
+    pairs = np.array([(os.getpid(), 12), (os.getpid(), 16)], dtype=np.int64)
+    assert d.describe(pairs).num_rows == 2
+    assert d.describe(pairs) is None
+    d.exec_seen()  # the process's addresses now mean other things
+    assert d.describe(pairs).num_rows == 2
+
+
+def test_a_gone_process_is_unknown():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    batch = AddressDescriber().describe(np.array([(pid, 0x1000)], dtype=np.int64))
+    assert batch.to_pydict()["state"] == ["unknown"]
+
+
+def test_parse_maps():
+    maps = parse_maps("00400000-00452000 r-xp 00000000 08:02 173521      /usr/bin/dbus-daemon\n"
+                      "7f0000000000-7f0000001000 rw-s 00000000 00:05 1 /dev/shm/sem.mp-x\n"
+                      "7ffd0000-7ffe0000 rw-p 00000000 00:00 0                  [stack]\n")
+    assert [(m.start, m.shared, m.path) for m in maps] == [
+        (0x400000, False, "/usr/bin/dbus-daemon"), (0x7F0000000000, True, "/dev/shm/sem.mp-x"), (0x7FFD0000, False, "[stack]")]

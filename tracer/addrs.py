@@ -1,0 +1,240 @@
+"""What a futex address is: the region of the process it lies in and, inside a program or
+library image, the data symbol that holds it.
+
+User stacks rarely say which lock a thread waited on (libc and the Python interpreter
+are built without frame pointers, so the walk stops at the futex call), but the address
+does: one inside the interpreter's `_PyRuntime` is the GIL, one inside libc's
+`main_arena` is the allocator's lock, one in a /dev/shm file is a lock shared between
+processes (a multiprocessing queue).  Addresses are described while the processes are
+alive, once per (process, address), and travel in the trace as `futex_addr` rows.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from trainbpf.tracefile import make_batch
+
+MAX_DESCRIBED = 65536  # (pid, addr) pairs remembered; cleared beyond, like the stack caches
+MAX_IMAGES = 64  # ELF symbol tables kept
+
+_ELF64_SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
+                       ("value", "<u8"), ("size", "<u8")])
+_SHT_SYMTAB, _SHT_DYNSYM = 2, 11
+_STT_OBJECT, _STT_TLS = 1, 6
+_PT_LOAD = 1
+_ET_EXEC = 2
+
+
+@dataclass(frozen=True)
+class Mapping:
+    start: int
+    end: int
+    shared: bool
+    offset: int
+    path: str  # "" for an anonymous mapping
+
+
+def parse_maps(text: str) -> list[Mapping]:
+    """/proc/PID/maps lines, in address order."""
+    out = []
+    for line in text.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) < 5:
+            continue
+        lo, hi = parts[0].split("-")
+        out.append(Mapping(int(lo, 16), int(hi, 16), parts[1][3:4] == "s", int(parts[2], 16),
+                           parts[5].strip() if len(parts) > 5 else ""))
+    return out
+
+
+class ElfObjects:
+    """The data symbols (objects) of one ELF file, for address lookups."""
+
+    def __init__(self, path: str):
+        self.is_exec = False
+        self.first_vaddr = 0
+        self.end_vaddr = 0
+        self.value = np.zeros(0, np.uint64)
+        self.size = np.zeros(0, np.uint64)
+        self._names: list[bytes] = []
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            self._parse(data)
+
+    def _parse(self, data) -> None:
+        if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:  # 64-bit little-endian only
+            return
+        e_type = int.from_bytes(data[16:18], "little")
+        self.is_exec = e_type == _ET_EXEC
+        phoff, shoff = int.from_bytes(data[32:40], "little"), int.from_bytes(data[40:48], "little")
+        phentsize, phnum = int.from_bytes(data[54:56], "little"), int.from_bytes(data[56:58], "little")
+        shentsize, shnum = int.from_bytes(data[58:60], "little"), int.from_bytes(data[60:62], "little")
+        loads = []
+        for i in range(phnum):
+            ph = phoff + i * phentsize
+            if int.from_bytes(data[ph:ph + 4], "little") == _PT_LOAD:
+                vaddr = int.from_bytes(data[ph + 16:ph + 24], "little")
+                memsz = int.from_bytes(data[ph + 40:ph + 48], "little")
+                loads.append((vaddr, vaddr + memsz))
+        if loads:
+            self.first_vaddr = min(v for v, _ in loads) & ~0xFFF
+            self.end_vaddr = max(e for _, e in loads)
+        sections = []
+        for i in range(shnum):
+            sh = shoff + i * shentsize
+            sections.append((int.from_bytes(data[sh + 4:sh + 8], "little"),  # type
+                             int.from_bytes(data[sh + 24:sh + 32], "little"),  # offset
+                             int.from_bytes(data[sh + 32:sh + 40], "little"),  # size
+                             int.from_bytes(data[sh + 40:sh + 44], "little")))  # link
+        values, sizes, names = [], [], []
+        # .symtab when the file has one (unstripped), else the exported .dynsym.
+        for wanted in (_SHT_SYMTAB, _SHT_DYNSYM):
+            for typ, off, size, link in sections:
+                if typ != wanted or link >= len(sections):
+                    continue
+                syms = np.frombuffer(data, dtype=_ELF64_SYM, count=size // _ELF64_SYM.itemsize, offset=off)
+                kind = syms["info"] & 0xF
+                keep = np.flatnonzero(((kind == _STT_OBJECT) | (kind == _STT_TLS)) & (syms["size"] > 0)
+                                      & (syms["shndx"] != 0))
+                str_off = sections[link][1]
+                values.append(syms["value"][keep])
+                sizes.append(syms["size"][keep])
+                names += [_cstring(data, str_off + int(n)) for n in syms["name"][keep]]
+            if values:
+                break
+        if values:
+            value, size = np.concatenate(values), np.concatenate(sizes)
+            order = np.argsort(value, kind="stable")
+            self.value, self.size = value[order], size[order]
+            self._names = [names[i] for i in order]
+
+    def symbol(self, vaddr: int) -> tuple[str, int] | None:
+        """(name, offset) of the object holding `vaddr`, an address as linked."""
+        i = int(np.searchsorted(self.value, np.uint64(vaddr), side="right")) - 1
+        if i >= 0 and vaddr < int(self.value[i]) + int(self.size[i]):
+            return self._names[i].decode(errors="replace"), vaddr - int(self.value[i])
+        return None
+
+
+def futex_pairs(batches: list[pa.RecordBatch]) -> np.ndarray:
+    """The distinct (pid, addr) pairs of the futex rows among `batches`, as int64."""
+    pairs = []
+    for b in batches:
+        if b.num_rows and b.column(b.schema.get_field_index("kind"))[0].as_py() == "futex":
+            pid = b.column(b.schema.get_field_index("pid")).to_numpy(zero_copy_only=False).astype(np.int64)
+            addr = b.column(b.schema.get_field_index("addr")).to_numpy(zero_copy_only=False).astype(np.uint64)
+            pairs.append(np.stack([pid, addr.view(np.int64)], axis=1))
+    if not pairs:
+        return np.zeros((0, 2), np.int64)
+    return np.unique(np.concatenate(pairs), axis=0)
+
+
+def _cstring(data, start: int) -> bytes:
+    end = data.find(b"\0", start)
+    return data[start:end if end >= 0 else start]
+
+
+class AddressDescriber:
+    """Describes each new (pid, futex address) once, while the process is alive."""
+
+    def __init__(self, proc: str = "/proc"):
+        self.proc = proc
+        self.done: set[tuple[int, int]] = set()
+        self._images: dict[tuple[str, int], ElfObjects | None] = {}  # (path, mtime_ns)
+
+    def describe(self, pairs: np.ndarray) -> pa.RecordBatch | None:
+        """Rows for the (pid, addr) pairs not described before."""
+        rows = []
+        by_pid: dict[int, list[int]] = {}
+        for pid, addr in pairs.tolist() if len(pairs) else []:
+            addr &= (1 << 64) - 1  # int64 pairs carry the address's bits
+            if (pid, addr) not in self.done:
+                by_pid.setdefault(pid, []).append(addr)
+        for pid, addrs in by_pid.items():
+            try:
+                with open(f"{self.proc}/{pid}/maps") as fh:
+                    maps = parse_maps(fh.read())
+            except OSError:  # gone already: described as unknown, not retried
+                maps = []
+            starts = np.array([m.start for m in maps], dtype=np.uint64)
+            if len(self.done) + len(addrs) > MAX_DESCRIBED:
+                self.done.clear()
+            for addr in addrs:
+                self.done.add((pid, addr))
+                region, name = self._region(pid, maps, starts, addr)
+                rows.append((pid, addr, region, name))
+        if not rows:
+            return None
+        return make_batch("futex_addr", {
+            "ts_ns": np.full(len(rows), time.monotonic_ns(), dtype=np.int64),
+            "pid": np.array([r[0] for r in rows], dtype=np.int32),
+            "addr": np.array([r[1] for r in rows], dtype=np.uint64),
+            "state": [r[2] for r in rows],
+            "name": [r[3] for r in rows],
+        })
+
+    def exec_seen(self) -> None:
+        """A traced process exec'd: its addresses now mean other things."""
+        self.done.clear()
+
+    def _region(self, pid: int, maps: list[Mapping], starts: np.ndarray, addr: int) -> tuple[str, str]:
+        """(region, name): region is image, heap, stack, shared, file, anon or unknown."""
+        i = int(np.searchsorted(starts, np.uint64(addr), side="right")) - 1
+        if i < 0 or addr >= maps[i].end:
+            return "unknown", ""
+        m = maps[i]
+        if m.path == "[heap]":
+            return "heap", "[heap]"
+        if m.path.startswith("[stack"):
+            return "stack", m.path
+        if m.shared or m.path.startswith(("/dev/shm/", "/memfd:")):
+            return "shared", m.path or "[shared]"
+        # A program's or library's data; its .bss may go on in an anonymous mapping
+        # right after the file's last one.
+        image = m.path if m.path.startswith("/") else ""
+        if not m.path and i > 0 and maps[i - 1].path.startswith("/") and maps[i - 1].end == m.start:
+            image = maps[i - 1].path
+        if image:
+            found = self._symbol(pid, maps, image, addr)
+            if found is not None:
+                return "image", found
+        if m.path.startswith("/"):
+            return "file", m.path
+        return "anon", m.path or "[anon]"
+
+    def _symbol(self, pid: int, maps: list[Mapping], path: str, addr: int) -> str | None:
+        elf = self._elf(pid, path)
+        if elf is None:
+            return None
+        base = min((m.start - m.offset for m in maps if m.path == path), default=0)
+        vaddr = addr if elf.is_exec else addr - base + elf.first_vaddr
+        if not elf.first_vaddr <= vaddr < elf.end_vaddr:
+            return None
+        short = os.path.basename(path)
+        sym = elf.symbol(vaddr)
+        if sym is None:
+            return f"{short}+0x{vaddr:x}"
+        name, off = sym
+        return f"{name}+0x{off:x} [{short}]"
+
+    def _elf(self, pid: int, path: str) -> ElfObjects | None:
+        # Through the process's root, so a containerised process's files are the ones read.
+        real = f"{self.proc}/{pid}/root{path}"
+        try:
+            key = (path, os.stat(real).st_mtime_ns)
+        except OSError:
+            return None
+        if key not in self._images:
+            if len(self._images) >= MAX_IMAGES:
+                self._images.clear()
+            try:
+                self._images[key] = ElfObjects(real)
+            except (OSError, ValueError):
+                self._images[key] = None
+        return self._images[key]
