@@ -120,7 +120,7 @@ class Recorder:
         finally:
             if self._rings is not None:
                 self._rings.close()
-            bpf.cleanup()  # detaches every program and perf event we attached
+            loader.detach(bpf)  # every program and perf event we attached
 
     def _meta(self, collectors, wall_minus_mono: int, gpu: GpuSampler) -> dict:
         return {
