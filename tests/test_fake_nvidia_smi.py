@@ -147,3 +147,21 @@ def test_runs_with_a_plain_python(tmp_path):
     result = subprocess.run([sys.executable, "-I", "-S", str(FAKE_SMI), "-L"],
                             capture_output=True, text=True, timeout=20)
     assert result.returncode == 0, result.stderr
+
+
+def test_compute_apps_lists_the_live_processes_that_drove_each_gpu(tmp_path):
+    sim = tmp_path / "gpu"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    (tmp_path / "gpu.pids").write_text(f"{os.getpid()}\n{gone}\n")
+    (tmp_path / "gpu.1.pids").write_text(f"{os.getppid()}\n")
+    env = {"TRAINBPF_SIM_GPU": str(sim), "TRAINBPF_SIM_GPU_COUNT": "2"}
+    result = run_smi(["--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader,nounits"], env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"{os.getpid()}, {smi.gpu_uuid(0)}", f"{os.getppid()}, {smi.gpu_uuid(1)}"]
+
+
+def test_compute_apps_without_processes_prints_nothing(tmp_path):
+    result = run_smi(["--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+                     {"TRAINBPF_SIM_GPU": str(tmp_path / "none")})
+    assert result.returncode == 0 and result.stdout == ""

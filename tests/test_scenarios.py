@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from trainbpf.tracefile import read_trace
+
 from scenario_harness import (
     REPORT_SCHEMA,
     SCENARIOS,
@@ -64,6 +66,9 @@ def test_injected_bottleneck_is_the_top_finding(scenario: Scenario, can_record, 
     assert report["schema"] == REPORT_SCHEMA
     assert report["gpu"]["source"] == "nvidia-smi", result.describe()
     assert report["gpu"]["samples"] >= MIN_GPU_SAMPLES, result.describe()
+    # The trainer process drives the (simulated) GPU: nvidia-smi lists it as a compute app.
+    meta = read_trace(result.trace).meta
+    assert [p["pid"] for p in meta["gpu"]["processes"]] == [meta["target_pid"]], meta["gpu"]
     assert report["gpu"]["idle_fraction"] >= MIN_INJECTED_IDLE_FRACTION, (
         f"the workload did not starve the GPU: {result.describe()}")
     shares = [f["share"] for f in result.findings]

@@ -17,6 +17,8 @@ import pyarrow as pa
 from trainbpf.tracefile import make_batch
 
 QUERY = "timestamp,index,uuid,pci.bus_id,utilization.gpu,utilization.memory,memory.used"
+APPS_QUERY = "pid,gpu_uuid"
+APPS_TIMEOUT_S = 10
 
 
 def parse_smi_line(line: str, wall_minus_mono_ns: int) -> tuple | None:
@@ -139,6 +141,35 @@ class GpuSampler:
         self._thread = threading.Thread(target=reader, name="trainbpf-gpu", daemon=True)
         self._thread.start()
         self._first.wait(timeout=1.5)  # the first lines name the GPUs for the topology
+
+    def processes(self, pids: set[int]) -> list[dict]:
+        """Which GPUs the processes `pids` hold a context on: [{pid, uuid}] (the compute
+        processes NVML or nvidia-smi list, as the driver sees their pids).  Empty when
+        nothing is known; never raises."""
+        found: set[tuple[int, str]] = set()
+        if self.source == "nvml":
+            try:
+                import pynvml  # type: ignore[import-not-found]
+
+                for i in range(pynvml.nvmlDeviceGetCount()):
+                    h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                    uuid = _text(pynvml.nvmlDeviceGetUUID(h))
+                    found |= {(int(p.pid), uuid) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
+            except Exception:
+                pass
+        elif self.source == "nvidia-smi":
+            exe = shutil.which(self.smi)
+            try:
+                out = subprocess.run([exe, f"--query-compute-apps={APPS_QUERY}", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=APPS_TIMEOUT_S, stdin=subprocess.DEVNULL)
+                lines = out.stdout.splitlines() if out.returncode == 0 else []
+            except (OSError, subprocess.SubprocessError, TypeError):
+                lines = []
+            for line in lines:
+                parts = [p.strip() for p in line.split(",")]
+                if len(parts) == 2 and parts[0].isdigit():
+                    found.add((int(parts[0]), parts[1]))
+        return [{"pid": pid, "uuid": uuid} for pid, uuid in sorted(found) if pid in pids]
 
     def _add(self, sample: tuple) -> None:
         with self._lock:

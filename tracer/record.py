@@ -85,6 +85,7 @@ class Recorder:
         self._rings = None  # the ring-buffer readers, once open
         self.threads: dict[int, int] = {}  # tid -> tgid, every thread seen
         self.exited: set[int] = set()
+        self.gpu_processes: list[dict] = []  # [{pid, uuid}] at the start
         self.futex_addrs = AddressDescriber()
 
     # -- lifecycle -------------------------------------------------------------------
@@ -111,6 +112,7 @@ class Recorder:
             if self.pid is not None and not procs.is_alive(self.pid):
                 raise TargetError(f"process {self.pid} exited before the probes attached")
             gpu.start()
+            self.gpu_processes = gpu.processes({t.pid for t in seed} | ({self.pid} if self.pid else set()))
             self.meta = self._meta(collectors, wall_minus_mono, gpu)
             writer = SpoolWriter(self.output, self.meta)
             try:
@@ -139,11 +141,17 @@ class Recorder:
             "topology": procfs.topology(gpu.gpus, self.topology_file),
             "probes": [c.name for c in collectors],
             "thresholds": self.settings.thresholds(),
-            "gpu": {"source": gpu.source},
+            "gpu": {"source": gpu.source, "processes": self.gpu_processes},
             "delayacct": taskstats.delayacct_enabled(),
             "system_wide": self.settings.trace_all,
             "complete": False,
         }
+
+    def _gpu_processes(self, gpu: GpuSampler, tgids: list[int]) -> list[dict]:
+        """The traced processes' GPUs seen at the start or now (at the stop)."""
+        now = gpu.processes(set(tgids)) if gpu.source else []
+        merged = {(p["pid"], p["uuid"]): p for p in self.gpu_processes + now}
+        return [merged[k] for k in sorted(merged)]
 
     def _walk(self) -> list[procs.ThreadInfo]:
         if self.pid is not None:
@@ -249,7 +257,7 @@ class Recorder:
             "stop_reason": self.stop_reason,
             "lost": lost,
             "clock": {**self.meta["clock"], "start_mono_ns": self.start_ns, "end_mono_ns": end_ns},
-            "gpu": {"source": gpu.source, "samples": gpu.count},
+            "gpu": {"source": gpu.source, "samples": gpu.count, "processes": self._gpu_processes(gpu, tgids)},
         }
         try:
             finalize(writer.spool, self.output, final)

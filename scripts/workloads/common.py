@@ -65,6 +65,11 @@ class SimGpu:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if os.fstat(self._fd).st_size > _SIM_FILE_MAX_BYTES:
             os.ftruncate(self._fd, 0)
+        # Like a CUDA context: nvidia-smi --query-compute-apps now lists this process.
+        with open(self.path + ".pids", "a") as fh:
+            if fh.tell() > 4096:  # earlier runs' pids: the stand-in skips dead ones anyway
+                fh.truncate(0)
+            fh.write(f"{os.getpid()}\n")
         self.created_ns = time.monotonic_ns()
         self.busy_ns = 0
         self.steps = 0
