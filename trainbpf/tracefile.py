@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -28,6 +27,7 @@ from trainbpf.errors import OutputError, TraceReadError, TraceSchemaError
 from trainbpf.schema import (
     COLUMNS,
     KIND_COLUMNS,
+    KINDS,
     METADATA_KEY,
     SCHEMA_ID,
     SCHEMA_NAME,
@@ -37,6 +37,15 @@ from trainbpf.schema import (
 
 SPOOL_SUFFIX = ".spool"
 ROW_GROUP_ROWS = 1 << 20  # pyarrow's default for a whole-table write
+# Dictionaries for the few-valued columns (ids, names, states), deltas for nanoseconds and
+# counts (timestamps arrive nearly sorted), zstd over all: smaller than the defaults and
+# faster to read.
+DICTIONARY_COLUMNS = ("kind", "tid", "pid", "cpu", "comm", "state", "peer_tid", "peer_pid", "kstack_id", "ustack_id",
+                      "peer_kstack_id", "peer_ustack_id", "addr", "op", "name", "node")
+DELTA_COLUMNS = ("ts_ns", "dur_ns", "runq_ns", "size", "count")
+# Rows finalize holds back, all kinds together, before it writes the largest kind's
+# rows as a shorter row group: its memory stays bounded whatever the mix of kinds.
+PENDING_ROWS = 2 * ROW_GROUP_ROWS
 
 
 def spool_path_for(output: Path) -> Path:
@@ -226,28 +235,24 @@ def _derive_final_meta(rows: pa.Table | Iterable[pa.RecordBatch], meta: dict[str
 def finalize(spool: Path, output: Path, final_meta: Mapping[str, Any] | None = None) -> Path:
     """Write the Parquet file from a spool (atomically) and remove the spool.
 
-    Two passes over the spool, a row group at a time, so memory stays bounded however
-    long the recording: the first finds what the metadata needs from the rows (which the
-    Parquet file states before its first row), the second writes."""
+    Two passes over the spool, a batch at a time, so memory stays bounded however long
+    the recording: the first finds what the metadata needs from the rows (which the
+    Parquet file states before its first row), the second writes.  Each row group holds
+    one kind (each kind's rows in recording order), so a reader picks a kind's row groups
+    by the statistics of `kind` and skips the rest; the long table is the same rows."""
     batches, meta = _spool_batches(spool)
     meta.update(final_meta or {})
     meta = _derive_final_meta(batches, meta)
     tmp = output.with_name(output.name + ".tmp")
     try:
         with _open_private(tmp) as fh, \
-                pq.ParquetWriter(fh, TRACE_SCHEMA.with_metadata(_meta_bytes(meta)), compression="zstd") as writer:
-            pending: list[pa.RecordBatch] = []
-            rows = 0
+                pq.ParquetWriter(fh, TRACE_SCHEMA.with_metadata(_meta_bytes(meta)), compression="zstd",
+                                 use_dictionary=list(DICTIONARY_COLUMNS),
+                                 column_encoding=dict.fromkeys(DELTA_COLUMNS, "DELTA_BINARY_PACKED")) as writer:
+            groups = _KindRowGroups(writer)
             for batch in _spool_batches(spool)[0]:
-                pending.append(batch)
-                rows += batch.num_rows
-                while rows >= ROW_GROUP_ROWS:  # full row groups, as a whole-table write makes them
-                    table = pa.Table.from_batches(pending, schema=TRACE_SCHEMA)
-                    writer.write_table(table.slice(0, ROW_GROUP_ROWS), row_group_size=ROW_GROUP_ROWS)
-                    rest = table.slice(ROW_GROUP_ROWS)
-                    pending, rows = rest.to_batches(), rest.num_rows
-            if rows:
-                writer.write_table(pa.Table.from_batches(pending, schema=TRACE_SCHEMA), row_group_size=ROW_GROUP_ROWS)
+                groups.add(batch)
+            groups.close()
         _chown_to_invoker(tmp)
         os.replace(tmp, output)
     except OSError as exc:
@@ -255,6 +260,53 @@ def finalize(spool: Path, output: Path, final_meta: Mapping[str, Any] | None = N
         raise _output_error(output, exc) from exc
     spool.unlink(missing_ok=True)
     return output
+
+
+class _KindRowGroups:
+    """Collects rows per kind (only the kind's own columns) and writes each kind as full
+    row groups; past PENDING_ROWS held back in all, the largest kind goes out as a
+    shorter row group.  Kinds left at the end go out in KINDS order."""
+
+    def __init__(self, writer: pq.ParquetWriter):
+        self.writer = writer
+        self.pending: dict[str | None, list[pa.Table]] = {}
+        self.rows: dict[str | None, int] = {}
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        for kind, part in _split_by_kind(batch):
+            self.pending.setdefault(kind, []).append(part)
+            self.rows[kind] = self.rows.get(kind, 0) + part.num_rows
+            while self.rows.get(kind, 0) >= ROW_GROUP_ROWS:
+                self._write(kind, ROW_GROUP_ROWS)
+        while sum(self.rows.values()) > PENDING_ROWS:
+            self._write(max(self.rows, key=self.rows.__getitem__))
+
+    def close(self) -> None:
+        order = {kind: i for i, kind in enumerate(KINDS)}
+        for kind in sorted(self.pending, key=lambda k: (k is None, order.get(k, len(order)), k or "")):
+            self._write(kind)
+
+    def _write(self, kind: str | None, rows: int | None = None) -> None:
+        table = pa.concat_tables(self.pending.pop(kind))
+        self.rows.pop(kind)
+        if rows is not None and rows < table.num_rows:
+            rest = table.slice(rows)
+            self.pending[kind], self.rows[kind] = [rest], rest.num_rows
+            table = table.slice(0, rows)
+        columns = [table[name] if name in table.column_names else pa.nulls(table.num_rows, TRACE_SCHEMA.field(name).type)
+                   for name in COLUMNS]
+        self.writer.write_table(pa.Table.from_arrays(columns, schema=TRACE_SCHEMA), row_group_size=ROW_GROUP_ROWS)
+
+
+def _split_by_kind(batch: pa.RecordBatch) -> Iterator[tuple[str | None, pa.Table]]:
+    """The rows of each kind in `batch` with the kind's columns (all columns for a kind
+    the schema does not know, or a null kind)."""
+    encoded = pc.dictionary_encode(batch.column("kind"))
+    for i, kind in enumerate(encoded.dictionary.to_pylist()):
+        names = ["kind", *KIND_COLUMNS[kind]] if kind in KIND_COLUMNS else list(COLUMNS)
+        yield kind, pa.Table.from_batches([batch.select(names).filter(pc.equal(encoded.indices, i))])
+    if encoded.null_count:
+        yield None, pa.Table.from_batches([batch.filter(pc.is_null(encoded.indices))])
 
 
 def recover(spool: Path, output: Path | None = None) -> Path:
@@ -268,43 +320,119 @@ def recover(spool: Path, output: Path | None = None) -> Path:
     return finalize(spool, Path(output), {"recovered": True, "complete": False})
 
 
-@dataclass
 class Trace:
-    """A loaded trace: its metadata and the long table of rows."""
+    """A loaded trace: its metadata and its rows, read a kind at a time.
 
-    path: Path
-    meta: dict[str, Any]
-    table: pa.Table
-    _frames: dict[str, pd.DataFrame] = field(default_factory=dict, repr=False)
-    _kind_chunks: list[pa.DictionaryArray] | None = field(default=None, repr=False)
+    A Parquet trace is read lazily, each kind's columns from the row groups that can hold
+    it (row-group statistics of `kind`); the long table is only materialised when `table`
+    is asked for.  A spool, or a table given directly, is held in memory."""
 
-    def frame(self, kind: str) -> pd.DataFrame:
-        """Rows of one kind with exactly that kind's columns (empty frame if none).
+    def __init__(self, path: Path, meta: dict[str, Any], table: pa.Table | None = None, *,
+                 parquet: pq.ParquetFile | None = None):
+        if table is None and parquet is None:
+            raise ValueError("a Trace needs a table or a Parquet file")
+        self.path = Path(path)
+        self.meta = meta
+        self._table = table
+        self._parquet = parquet
+        self._frames: dict[str, pd.DataFrame] = {}
+        self._kind_chunks: list[pa.DictionaryArray] | None = None
+        self._row_groups: tuple[dict[str, list[int]], list[int]] | None = None
+
+    def __repr__(self) -> str:
+        return f"Trace(path={str(self.path)!r}, rows={self.num_rows})"
+
+    @property
+    def table(self) -> pa.Table:
+        """The whole long table (every kind, every column)."""
+        if self._table is None:
+            self._table = self._read(lambda pf: pf.read(columns=list(COLUMNS))).cast(TRACE_SCHEMA)
+        return self._table
+
+    @property
+    def num_rows(self) -> int:
+        return self._parquet.metadata.num_rows if self._table is None else self._table.num_rows
+
+    def chunks(self, columns: Iterable[str]) -> Iterator[pa.Table]:
+        """`columns` of every row, every kind, a row group at a time."""
+        names = list(columns)
+        if self._table is not None:
+            yield self._table.select(names)
+            return
+        for i in range(self._parquet.metadata.num_row_groups):
+            yield self._read(lambda pf: pf.read_row_group(i, columns=names))
+
+    def frame(self, kind: str, columns: Iterable[str] | None = None) -> pd.DataFrame:
+        """Rows of one kind with exactly that kind's columns (empty frame if none), or
+        only `columns` of them.  Whole frames are kept for the next call; a projection
+        is read afresh (the analyzers read large kinds once, then let them go).
 
         Integer columns without nulls are numpy int64/int32; with nulls, pandas Int64."""
-        if kind not in self._frames:
-            if self._kind_chunks is None:
-                # Encode the kind column once: one pass over its strings, not one per kind.
-                self._kind_chunks = [pc.dictionary_encode(c) for c in self.table["kind"].chunks]
-            mask = pa.chunked_array(
-                [pc.equal(c.indices, c.dictionary.index(kind)) for c in self._kind_chunks], type=pa.bool_()
-            )
-            self._frames[kind] = _kind_frame(self.table, kind, mask)
-        return self._frames[kind]
+        names = list(KIND_COLUMNS[kind] if columns is None else columns)
+        unknown = [c for c in names if c not in KIND_COLUMNS[kind]]
+        if unknown:
+            raise ValueError(f"{kind} rows have no columns {unknown}")
+        if kind in self._frames:
+            whole = self._frames[kind]
+            return whole if columns is None else whole[names]
+        out = _frame_of(self._rows_of(kind, names), names)
+        if columns is None:
+            self._frames[kind] = out
+        release_unused_memory()  # the reader's scratch
+        return out
 
     @property
     def duration_ns(self) -> int:
         clock = self.meta.get("clock", {})
         return max(0, int(clock.get("end_mono_ns") or 0) - int(clock.get("start_mono_ns") or 0))
 
+    def _rows_of(self, kind: str, names: list[str]) -> pa.Table:
+        by_kind, mixed = self._kind_row_groups() if self._table is None else ({}, [])
+        if self._table is None and not mixed:
+            groups = by_kind.get(kind, [])
+            schema = pa.schema([TRACE_SCHEMA.field(n) for n in names])
+            rows = self._read(lambda pf: pf.read_row_groups(groups, columns=names)) if groups else schema.empty_table()
+            return rows if rows.schema.equals(schema) else rows.cast(schema)
+        # A spool, a table given, or a file written before row groups held one kind each.
+        if self._kind_chunks is None:
+            # Encode the kind column once: one pass over its strings, not one per kind.
+            self._kind_chunks = [pc.dictionary_encode(c) for c in self.table["kind"].chunks]
+        return self.table.select(names).filter(
+            pa.chunked_array([pc.equal(c.indices, c.dictionary.index(kind)) for c in self._kind_chunks], type=pa.bool_())
+        )
 
-def _kind_frame(table: pa.Table, kind: str, mask: pa.ChunkedArray | None = None) -> pd.DataFrame:
-    cols = list(KIND_COLUMNS[kind])
-    if mask is None:
-        mask = pc.equal(table["kind"], kind)
-    sub = table.select(cols).filter(mask)
+    def _kind_row_groups(self) -> tuple[dict[str, list[int]], list[int]]:
+        """Row groups of one kind, by kind (from the statistics of `kind`), and the rest."""
+        if self._row_groups is None:
+            meta = self._parquet.metadata
+            at = meta.schema.to_arrow_schema().get_field_index("kind")
+            by_kind: dict[str, list[int]] = {}
+            mixed: list[int] = []
+            for i in range(meta.num_row_groups):
+                stats = meta.row_group(i).column(at).statistics
+                if stats is not None and stats.has_min_max and stats.min == stats.max and not stats.null_count:
+                    by_kind.setdefault(stats.min, []).append(i)
+                else:
+                    mixed.append(i)
+            self._row_groups = by_kind, mixed
+        return self._row_groups
+
+    def _read(self, read):
+        try:
+            return read(self._parquet)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise TraceReadError(f"{self.path}: truncated or corrupt Parquet file ({exc})") from exc
+
+
+def release_unused_memory() -> None:
+    """Hand memory Arrow freed back to the system: its allocator keeps freed memory for
+    reuse, which after reading tens of millions of rows is hundreds of MB."""
+    pa.default_memory_pool().release_unused()
+
+
+def _frame_of(sub: pa.Table, names: list[str]) -> pd.DataFrame:
     out = {}
-    for name in cols:
+    for name in names:
         col = sub[name]
         typ = TRACE_SCHEMA.field(name).type
         # Converted column-wise by Arrow, never through Python objects (traces run to
@@ -320,11 +448,12 @@ def _kind_frame(table: pa.Table, kind: str, mask: pa.ChunkedArray | None = None)
             out[name] = col.to_pandas().array
         else:  # empty or all null: object, as pandas infers for a list of Nones
             out[name] = np.full(len(col), None, dtype=object)
-    return pd.DataFrame(out, columns=cols)
+    return pd.DataFrame(out, columns=names, copy=False)
 
 
 def read_trace(path: str | os.PathLike) -> Trace:
-    """Load a finished trace or, if given (or if only it exists), a recording's spool."""
+    """Open a finished trace or, if given (or if only it exists), a recording's spool.
+    A Parquet trace's rows are read as they are asked for (Trace.frame)."""
     path = Path(path)
     if not path.exists():
         spool = spool_path_for(path)
@@ -338,21 +467,19 @@ def read_trace(path: str | os.PathLike) -> Trace:
         magic = fh.read(4)
     if magic == b"PAR1":
         try:
-            pf = pq.ParquetFile(path)
+            pf = pq.ParquetFile(path, pre_buffer=True)  # coalesced reads: far fewer, larger allocations
             meta = _decode_meta(pf.schema_arrow.metadata, path)
-            table = pf.read()
         except (pa.ArrowInvalid, OSError) as exc:
             raise TraceReadError(f"{path}: truncated or corrupt Parquet file ({exc})") from exc
-        missing = [c for c in COLUMNS if c not in table.column_names]
+        missing = [c for c in COLUMNS if c not in pf.schema_arrow.names]
         if missing:
             raise TraceReadError(f"{path}: not a trainbpf trace (missing columns {missing})")
-        table = table.select(list(COLUMNS)).cast(TRACE_SCHEMA)
-    elif magic == b"\xff\xff\xff\xff":  # Arrow IPC stream continuation marker
+        return Trace(path, meta, parquet=pf)
+    if magic == b"\xff\xff\xff\xff":  # Arrow IPC stream continuation marker
         table, meta = _read_spool(path)
         meta = _derive_final_meta(table, meta)
         meta.setdefault("complete", False)
-    elif not magic:
+        return Trace(path, meta, table)
+    if not magic:
         raise TraceReadError(f"{path}: empty file, not a trace")
-    else:
-        raise TraceReadError(f"{path}: not a Parquet trace file")
-    return Trace(path=path, meta=meta, table=table)
+    raise TraceReadError(f"{path}: not a Parquet trace file")
