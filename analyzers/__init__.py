@@ -4,11 +4,12 @@ pieces of the trainer's time -> wake-up chains -> findings."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from trainbpf.analyzers.attribution import RunSplit, attribute_states, churn_threads, sample_classes
@@ -16,11 +17,13 @@ from trainbpf.analyzers.categories import CATEGORIES, STATES, codes
 from trainbpf.analyzers.chains import followed_waits, is_followed, wait_chains
 from trainbpf.analyzers.findings import EvidenceContext, attribute_starved, build_findings
 from trainbpf.analyzers.gpu import covered_window_ns, gpu_utilisation, idle_windows, starved_pieces
-from trainbpf.analyzers.intervals import Span, as_int64, parse_window, resolve_window, trace_span
+from trainbpf.analyzers.intervals import Span, as_int64, dense_rank, parse_window, resolve_window, trace_span
 from trainbpf.analyzers.numa import gpu_node, memory_placement, thread_placement
 from trainbpf.analyzers.roles import assign_roles, observed_threads, pick_trainer
 from trainbpf.analyzers.stacks import classify_stacks
-from trainbpf.analyzers.states import state_totals, thread_states
+from trainbpf.analyzers.states import expand_slots, state_slots, state_totals
+from trainbpf.schema import KIND_COLUMNS
+from trainbpf.tracefile import release_unused_memory
 
 __all__ = ["Analysis", "analyze", "parse_window", "CATEGORIES", "STATES"]
 
@@ -42,7 +45,7 @@ class Analysis:
     gpu_idle_threshold: float
     basis: str
     threads: pd.DataFrame  # roles.THREAD_COLUMNS
-    states: pd.DataFrame  # every thread, whole trace, attributed (states.STATE_COLUMNS + futex_class)
+    slots: pd.DataFrame  # every thread's states, whole trace, attributed (states.SLOT_COLUMNS + futex_class)
     totals: pd.DataFrame  # ns per (tid, state) inside the window
     futex_waits: pd.DataFrame
     samples: pd.DataFrame  # on-CPU samples with their class
@@ -56,6 +59,15 @@ class Analysis:
     findings: pd.DataFrame  # findings.FINDING_COLUMNS
     lost: dict[str, int]
     idle_fraction: float | None
+    _states: pd.DataFrame | None = field(default=None, repr=False)
+
+    @property
+    def states(self) -> pd.DataFrame:
+        """Every thread's state intervals, whole trace, attributed (states.STATE_COLUMNS +
+        futex_class): the slots expanded on first use."""
+        if self._states is None:
+            self._states = expand_slots(self.slots)
+        return self._states
 
     @property
     def starved_ns(self) -> float:
@@ -77,13 +89,21 @@ class Analysis:
         return str(source) if source else ("gpu" if len(self.gpu) else None)
 
 
-def _seen(table) -> pd.DataFrame:
-    """(tid, pid, first_ns) of every tid with rows."""
-    if not table.num_rows:
+def _seen(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """(tid, pid, first_ns) of every tid with rows; `frames`: the rows (tid, pid, ts_ns)
+    of every kind that has a tid."""
+    parts = []
+    for rows in frames:
+        table = pa.table({name: pa.array(rows[name]) for name in ("tid", "pid", "ts_ns")})
+        if table["tid"].null_count:
+            table = table.filter(pc.is_valid(table["tid"]))
+        if table.num_rows:
+            parts.append(table.group_by("tid", use_threads=False).aggregate([("pid", "max"), ("ts_ns", "min")]))
+    if not parts:
         return pd.DataFrame({"tid": np.zeros(0, np.int64), "pid": np.zeros(0, np.int64), "first_ns": np.zeros(0, np.int64)})
-    rows = table.select(["tid", "pid", "ts_ns"]).filter(pc.is_valid(table["tid"]))
-    agg = rows.group_by("tid").aggregate([("pid", "max"), ("ts_ns", "min")]).to_pandas()
-    return pd.DataFrame({"tid": as_int64(agg["tid"]), "pid": as_int64(agg["pid_max"]), "first_ns": as_int64(agg["ts_ns_min"], 0)})
+    agg = pa.concat_tables(parts, promote_options="permissive").group_by("tid", use_threads=False).aggregate(
+        [("pid_max", "max"), ("ts_ns_min", "min")]).to_pandas()
+    return pd.DataFrame({"tid": as_int64(agg["tid"]), "pid": as_int64(agg["pid_max_max"]), "first_ns": as_int64(agg["ts_ns_min_min"], 0)})
 
 
 def _wake_counts(trainer_states: pd.DataFrame, followed: np.ndarray, trainer: int | None) -> pd.Series:
@@ -92,14 +112,18 @@ def _wake_counts(trainer_states: pd.DataFrame, followed: np.ndarray, trainer: in
     return pd.Series(wakers[wakers != trainer]).value_counts()
 
 
+# The offcpu columns the analyzers read.
+OFFCPU_COLUMNS = ("ts_ns", "dur_ns", "tid", "pid", "cpu", "state", "runq_ns", "peer_tid", "kstack_id", "ustack_id")
+# The kinds whose rows name a thread: every one of them shows when a thread was seen.
+THREAD_KINDS = tuple(kind for kind, columns in KIND_COLUMNS.items() if "tid" in columns)
 # Threads whose CPU use is the input pipeline's own.
 PIPELINE_ROLES = ("trainer", "dataloader", "pin_memory")
 
 
-def cpus_used(*, offcpu_cpu: pd.Series, samples: pd.DataFrame) -> int:
+def cpus_used(*, offcpu_cpu: np.ndarray, samples: pd.DataFrame) -> int:
     """How many CPUs the traced threads ran on (switch-in CPUs and sample CPUs)."""
     cpus = np.concatenate([as_int64(offcpu_cpu), samples["cpu"].to_numpy(np.int64)])
-    return max(1, len(np.unique(cpus[cpus >= 0])))
+    return max(1, len(dense_rank(cpus[cpus >= 0])[0]))
 
 
 def lost_counts(meta: dict[str, Any], lost_rows: pd.DataFrame) -> dict[str, int]:
@@ -120,22 +144,32 @@ def analyze(
 ) -> Analysis:
     """Run every analyzer over a loaded trace (trainbpf.tracefile.Trace)."""
     meta = dict(trace.meta or {})
-    span = trace_span(meta, trace.table)
+    span = trace_span(meta, trace.chunks(["ts_ns", "dur_ns"]))
     win = resolve_window(span, window)
     frame = trace.frame
 
-    base = observed_threads(frame("thread"), frame("exit"), _seen(trace.table), span=span)
+    # Off-CPU intervals are most of a trace: their columns the analysis uses, read once
+    # and let go (the frame is a view of Arrow's memory) once they are slots.
+    offcpu = frame("offcpu", OFFCPU_COLUMNS)
+    offcpu_cpu = as_int64(offcpu["cpu"]).astype(np.int32)  # a copy: the frame goes
+    seen = _seen([offcpu] + [frame(kind) for kind in THREAD_KINDS if kind != "offcpu"])
+    base = observed_threads(frame("thread"), frame("exit"), seen, span=span)
     recorded = meta.get("trainer_tid")  # the recorder was told which thread trains
     if trainer_tid is None and recorded is not None and int(recorded) in set(base["tid"].tolist()):
         trainer = int(recorded)
     else:
         trainer = pick_trainer(base, target_pid=meta.get("target_pid"), trainer_tid=trainer_tid)
+    slots = state_slots(offcpu, frame("offcpu_short"), base)
+    del offcpu
+    release_unused_memory()
     stacks = classify_stacks(frame("stack"))
     evidence_kinds = ("futex", "mmap_lock", "reclaim", "compaction", "dirty_pause", "block_rq")
     frames = {kind: frame(kind) for kind in evidence_kinds}
-    states, futex_waits = attribute_states(thread_states(frame("offcpu"), frame("offcpu_short"), base), frames, stacks)
-    # The trainer's intervals, positions of which identify its waits from here on.
-    trainer_states = states[states["tid"].to_numpy() == (-2 if trainer is None else trainer)].reset_index(drop=True)
+    slots, futex_waits = attribute_states(slots, frames, stacks)
+    # The trainer's intervals (its slots are a slice: slots are sorted by tid), positions
+    # of which identify its waits from here on.
+    at = np.searchsorted(slots["tid"].to_numpy(), [trainer, trainer + 1]) if trainer is not None else (0, 0)
+    trainer_states = expand_slots(slots.iloc[at[0]:at[1]])
     followed = is_followed(codes(trainer_states["state"]), codes(trainer_states["futex_class"]),
                            trainer_states["waker_tid"].to_numpy(np.int64))
     threads = assign_roles(
@@ -145,7 +179,7 @@ def analyze(
     )
     samples = sample_classes(frame("oncpu"), stacks)
     run_split = RunSplit(samples)
-    totals = state_totals(states, win)
+    totals = state_totals(slots, win)
 
     util = gpu_utilisation(frame("gpu"), span)
     if len(util):
@@ -165,8 +199,8 @@ def analyze(
     waits = followed_waits(trainer_states, stalled[followed[stalled]])
     pipeline = threads.loc[threads["role"].isin(PIPELINE_ROLES), "tid"].to_numpy(np.int64)
     chains, chain_ends = wait_chains(
-        waits, states, run_split, pipeline_tids=tuple(int(t) for t in pipeline),
-        n_cpus=cpus_used(offcpu_cpu=frame("offcpu")["cpu"], samples=samples),
+        waits, slots, run_split, pipeline_tids=tuple(int(t) for t in pipeline),
+        n_cpus=cpus_used(offcpu_cpu=offcpu_cpu, samples=samples),
     )
 
     churn = churn_threads(frame("mm_syscall"), frame("faults"), win)
@@ -175,7 +209,7 @@ def analyze(
                                  frame("numa_move"), topology)
     starved = attribute_starved(pieces, trainer_states, chain_ends, trainer_tid=trainer, churn=churn, placement=placement)
     ctx = EvidenceContext(
-        window=win, threads=threads, states=states, trainer_states=trainer_states,
+        window=win, threads=threads, slots=slots, trainer_states=trainer_states,
         futex_waits=futex_waits, stacks=stacks, frames={**frames, "faults": frame("faults"), "mm_syscall": frame("mm_syscall")},
         churn=churn, placement=placement, memory_nodes=memory_placement(frame("numa_maps"), topology),
         gpu_node=gpu_node(topology),
@@ -183,7 +217,7 @@ def analyze(
     findings = build_findings(starved, chains, chain_ends, ctx, trainer_tid=trainer)
     return Analysis(
         path=str(getattr(trace, "path", "")), meta=meta, span=span, window=win, trainer_tid=trainer,
-        gpu_idle_threshold=float(gpu_idle_threshold), basis=basis, threads=threads, states=states, totals=totals,
+        gpu_idle_threshold=float(gpu_idle_threshold), basis=basis, threads=threads, slots=slots, totals=totals,
         futex_waits=futex_waits, samples=samples, gpu=util, idle=idle, starved=starved, chains=chains, chain_ends=chain_ends,
         churn=churn, placement=placement, findings=findings, lost=lost_counts(meta, frame("lost")),
         idle_fraction=idle_fraction,

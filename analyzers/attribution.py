@@ -4,13 +4,15 @@ say about running time, and which threads churn memory mappings."""
 
 from __future__ import annotations
 
+import os
+from functools import partial
 from typing import Mapping
 
 import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.categories import FUTEX_CLASS_DTYPE, FUTEX_CODE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes
-from trainbpf.analyzers.intervals import Span, as_int64, best_overlap
+from trainbpf.analyzers.intervals import Span, as_int64, best_overlap, dense_rank, pair_ids, run_parallel, stable_order
 from trainbpf.analyzers.stacks import CLASS_CODE, stack_class_codes
 
 # Evidence rows of the same thread that name a blocked interval's cause, strongest last
@@ -39,7 +41,6 @@ GIL_MIN_TIMED_SHARE = 0.2
 CHURN_MIN_CALLS_PER_S = 20.0
 CHURN_MIN_BYTES_PER_S = 64 << 20
 
-_BLOCKED_FROM_SCHED = np.array([STATE_CODE["sleep"], STATE_CODE["uninterruptible"], STATE_CODE["other"]])
 # Stack class code -> RUN_CLASSES code for on-CPU samples (anything else is user work).
 _RUN_OF_STACK = np.array([RUN_CLASSES.index(c) if c in RUN_CLASSES else 0 for c in CLASS_CODE], dtype=np.int8)
 
@@ -61,50 +62,57 @@ def evidence_intervals(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def attribute_states(
-    states: pd.DataFrame,
+    slots: pd.DataFrame,
     frames: Mapping[str, pd.DataFrame],
     stacks: pd.DataFrame,
     *,
     lookback_ns: int = HANDOFF_LOOKBACK_NS,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Blocked intervals renamed by their cause, plus a `futex_class` column; and the
-    classified futex waits.  `frames` maps kinds to trace frames (missing = none)."""
-    state_codes = codes(states["state"]).copy()
-    blocked = np.flatnonzero(np.isin(state_codes, _BLOCKED_FROM_SCHED))
-    b = states.iloc[blocked][["tid", "start_ns", "end_ns", "waker_tid"]]
+    """State slots (states.SLOT_COLUMNS) with their blocked parts renamed by cause, plus
+    the blocked part's `futex_class`; and the classified futex waits.  `frames` maps kinds
+    to trace frames (missing = none)."""
+    state_codes = codes(slots["state"]).copy()
+    switch_out, wake = slots["switch_out_ns"].to_numpy(), slots["wake_ns"].to_numpy()
+    blocked = np.flatnonzero(wake > switch_out)  # the slots with a blocked part
+    b = pd.DataFrame({"tid": slots["tid"].to_numpy()[blocked], "start_ns": switch_out[blocked], "end_ns": wake[blocked],
+                      "waker_tid": slots["waker_tid"].to_numpy()[blocked]}, copy=False)
     code = state_codes[blocked]
     sched_d = code == STATE_CODE["uninterruptible"]
 
-    def empty(kind: str) -> pd.DataFrame:
-        return frames.get(kind, pd.DataFrame(columns=["ts_ns", "dur_ns", "tid"]))
+    def overlapping(kind: str) -> np.ndarray | None:
+        """Per blocked interval, the `kind` row overlapping it most (-1: none); None without rows."""
+        frame = frames.get(kind)
+        return best_overlap(b, evidence_intervals(frame)) if frame is not None and len(frame) else None
 
     # Weakest first: block requests explain D-state waits, futex rows futex waits.
-    block_rq = best_overlap(b, evidence_intervals(empty("block_rq")))
-    code[(block_rq >= 0) & sched_d] = STATE_CODE["block_io"]
-    futex = empty("futex")
+    block_rq = overlapping("block_rq")
+    if block_rq is not None:
+        code[(block_rq >= 0) & sched_d] = STATE_CODE["block_io"]
+    futex = frames.get("futex", pd.DataFrame(columns=["ts_ns", "dur_ns", "tid"]))
     futex_iv = evidence_intervals(futex)
     futex_row = best_overlap(b, futex_iv)
     code[futex_row >= 0] = STATE_CODE["futex"]
-    kcls = stack_class_codes(stacks, states["kstack_id"].to_numpy()[blocked])
+    kcls = stack_class_codes(stacks, slots["kstack_id"].to_numpy()[blocked])
     for name in reversed(STACK_STATES):
         code[kcls == CLASS_CODE[name]] = STATE_CODE[name]
     for kind, name in EVIDENCE_KINDS:
-        hit = best_overlap(b, evidence_intervals(empty(kind)))
-        code[hit >= 0] = STATE_CODE[name]
+        hit = overlapping(kind)
+        if hit is not None:
+            code[hit >= 0] = STATE_CODE[name]
     state_codes[blocked] = code
 
     waits = classify_futex(futex, futex_iv, futex_row, b["waker_tid"].to_numpy(), stacks, lookback_ns=lookback_ns)
-    fclass = np.zeros(len(states), dtype=np.int8)
+    fclass = np.zeros(len(slots), dtype=np.int8)
     is_futex = code == STATE_CODE["futex"]
     row_cls = np.where(futex_row >= 0, codes(waits["cls"])[np.maximum(futex_row, 0)] if len(waits) else 0, 0)
     # Without a futex row, the user stack at switch-out may still show the GIL or a lock.
-    ucls = stack_class_codes(stacks, states["ustack_id"].to_numpy()[blocked])
+    ucls = stack_class_codes(stacks, slots["ustack_id"].to_numpy()[blocked])
     row_cls = np.where((row_cls == 0) & (ucls == CLASS_CODE["gil"]), FUTEX_CODE["gil"], row_cls)
     row_cls = np.where((row_cls == 0) & (ucls == CLASS_CODE["lock"]), FUTEX_CODE["lock"], row_cls)
     row_cls = np.where(row_cls == 0, FUTEX_CODE["wait"], row_cls)
     fclass[blocked[is_futex]] = row_cls[is_futex]
 
-    out = states.copy(deep=False)  # the other columns are shared, not copied
+    out = slots.copy(deep=False)  # the other columns are shared, not copied
     out["state"] = pd.Categorical.from_codes(state_codes, dtype=STATE_DTYPE)
     out["futex_class"] = pd.Categorical.from_codes(fclass, dtype=FUTEX_CLASS_DTYPE)
     return out, waits
@@ -139,23 +147,19 @@ def classify_futex(
     start = futex_iv["start_ns"].to_numpy(np.int64)
     end = futex_iv["end_ns"].to_numpy(np.int64)
     # One integer per (process, address): futex addresses are per-process virtual ones.
-    addr_id = pd.MultiIndex.from_arrays([pid, addr.view(np.int64)]).factorize()[0].astype(np.int64)
+    addr_id = pair_ids(pid, addr.view(np.int64))
     n_addr = int(addr_id.max()) + 1
     distinct = pd.unique(addr_id * (int(tid.max()) + 1) + tid) if len(tid) else np.zeros(0, np.int64)
     n_waiters = np.bincount(distinct // (int(tid.max()) + 1), minlength=n_addr)
 
     # Handoff: the waker's latest wait on the same address ended shortly before this one.
-    stride = int(max(tid.max(), waker.max(), 0)) + 1
-    woken_rows = np.flatnonzero(waker >= 0)
-    left = pd.DataFrame({"key": addr_id[woken_rows] * stride + waker[woken_rows], "end_ns": end[woken_rows],
-                         "row": woken_rows}).sort_values("end_ns", kind="stable")
-    right = pd.DataFrame({"key": addr_id * stride + tid, "prior_end": end}).sort_values("prior_end", kind="stable")
-    m = pd.merge_asof(left, right, left_on="end_ns", right_on="prior_end", by="key", direction="backward")
-    rows = m["row"].to_numpy()
-    prior = m["prior_end"].to_numpy(dtype=np.float64, na_value=np.nan)
+    rows = np.flatnonzero(waker >= 0)
+    threads, thread_rank = dense_rank(np.concatenate([tid, waker[rows]]))
+    key = addr_id * len(threads) + thread_rank[:n]  # (address, waiter), small integers
+    found, prior = _latest_before(key, end, addr_id[rows] * len(threads) + thread_rank[n:], end[rows])
     reach = np.maximum(lookback_ns, end[rows] - start[rows])
     handoff = np.zeros(n, dtype=bool)
-    handoff[rows] = ~np.isnan(prior) & (end[rows] - np.nan_to_num(prior, nan=-1e30) <= reach)
+    handoff[rows] = found & (end[rows] - prior.astype(np.float64) <= reach)
 
     ustack = stack_class_codes(stacks, futex["ustack_id"] if "ustack_id" in futex else np.full(n, -1))
     gil_stack = ustack == CLASS_CODE["gil"]
@@ -180,6 +184,42 @@ def classify_futex(
         "n_waiters": n_waiters[addr_id].astype(np.int64), "handoff": handoff,
         "cls": pd.Categorical.from_codes(cls, dtype=FUTEX_CLASS_DTYPE),
     })[list(FUTEX_COLUMNS)]
+
+
+def _latest_before(key: np.ndarray, at: np.ndarray, q_key: np.ndarray, q_at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each query, whether a row with its key (small non-negative integers) is at or
+    before its time, and the latest such row's `at`.  Only keys that both rows and
+    queries have matter, split into one share per CPU (keys never cross shares)."""
+    found = np.zeros(len(q_at), bool)
+    prior = np.zeros(len(q_at), np.int64)
+    keys, rank = dense_rank(np.concatenate([key, q_key]))
+    r_rank, q_rank = rank[: len(key)], rank[len(key):]
+    both = (np.bincount(r_rank, minlength=len(keys)) > 0) & (np.bincount(q_rank, minlength=len(keys)) > 0)
+    shared = np.where(both, np.cumsum(both) - 1, -1)  # dense ids of the keys both have
+
+    def share(part: int, parts: int) -> None:
+        """Rows and queries sorted together by key, then time (rows first at equal times);
+        the last row seen carried forward within each key."""
+        rows = np.flatnonzero((shared[r_rank] >= 0) & (shared[r_rank] % parts == part))
+        queries = np.flatnonzero((shared[q_rank] >= 0) & (shared[q_rank] % parts == part))
+        n = len(rows)
+        every_at = np.concatenate([at[rows], q_at[queries]])
+        by_time = np.argsort(every_at, kind="stable")  # recorded times: nearly sorted already
+        ids = shared[np.concatenate([r_rank[rows], q_rank[queries]])][by_time] // parts
+        by_key = stable_order(ids)
+        order, ids = by_time[by_key], ids[by_key]
+        # A running maximum of row positions, each key offset above all before it: the
+        # last row at or before each position within its key, or negative for none.
+        offset = ids.astype(np.int64) * (len(order) + 1)
+        last_row = np.maximum.accumulate(np.where(order < n, np.arange(len(order)), -1) + offset) - offset
+        is_query = order >= n
+        query = queries[order[is_query] - n]
+        found[query] = last_row[is_query] >= 0
+        prior[query] = every_at[order[np.maximum(last_row[is_query], 0)]]
+
+    parts = os.cpu_count() or 1
+    run_parallel([partial(share, part, parts) for part in range(parts)])  # each writes its own queries
+    return found, prior
 
 
 def sample_classes(oncpu: pd.DataFrame, stacks: pd.DataFrame) -> pd.DataFrame:
@@ -232,12 +272,14 @@ def churn_threads(mm_syscall: pd.DataFrame, faults: pd.DataFrame, span: Span) ->
         return (ts >= lo) & (ts < hi)
 
     mm = mm_syscall[in_span(mm_syscall)] if len(mm_syscall) else mm_syscall
-    calls = pd.DataFrame(
-        {"tid": as_int64(mm["tid"]), "name": mm["name"].fillna("").astype(str).to_numpy(dtype=object),
-         "size": np.maximum(as_int64(mm["size"], 0), 0)}
-    )
-    maps = calls["name"].isin(["mmap", "brk", "mremap"])
-    unmaps = calls["name"].isin(["munmap", "madvise"])
+    calls = pd.DataFrame({"tid": as_int64(mm["tid"]), "size": np.maximum(as_int64(mm["size"], 0), 0)})
+    name, names = pd.factorize(mm["name"])  # a few syscall names, decoded once each (-1: null)
+
+    def named(*syscalls: str) -> np.ndarray:
+        return np.append(np.isin(np.asarray(names, dtype=object), syscalls), False)[name]
+
+    maps = named("mmap", "brk", "mremap")
+    unmaps = named("munmap", "madvise")
     per = pd.DataFrame(
         {"calls": calls.groupby("tid").size(),
          "map_bytes": calls[maps].groupby("tid")["size"].sum(),

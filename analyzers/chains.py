@@ -32,7 +32,8 @@ from trainbpf.analyzers.categories import (
     CATEGORIES, CATEGORY_DTYPE, FOLLOWED_STATES, FUTEX_CLASSES, FUTEX_CODE, RUN_CLASSES, STATE_CATEGORY, STATE_CODE,
     STATES, codes,
 )
-from trainbpf.analyzers.intervals import ClassTime
+from trainbpf.analyzers.intervals import ClassTime, thread_ranges
+from trainbpf.analyzers.states import BLOCKED_PART, PART_CODES, SLOT_EDGES, as_slots
 
 MAX_DEPTH = 16
 LINK_COLUMNS = ("wait", "depth", "tid", "state", "parent")
@@ -83,34 +84,48 @@ def followed_waits(states: pd.DataFrame, rows: np.ndarray) -> pd.DataFrame:
     })
 
 
+# The chain class of each part of a state slot; the short waits' blocked part and the
+# slot's blocked part are the blocked intervals, followed to their wakers.
+_PART_CLASSES = [_RUNNING if c == STATE_CODE["running"] else _RUNNABLE if c == STATE_CODE["runnable"] else _BLOCKED
+                 for c in PART_CODES]
+_SHORT_PART = PART_CODES.tolist().index(STATE_CODE["short_wait"])
+
+
 class _Thread:
-    """One thread's states, indexed for window queries."""
+    """One thread's state slots (views of the slots' columns, sorted by start and, as
+    they tile the thread's life, by end), indexed for window queries."""
 
-    def __init__(self, rows: pd.DataFrame, base: int):
-        state = codes(rows["state"])
-        code = np.full(len(rows), _BLOCKED)
-        code[state == STATE_CODE["running"]] = _RUNNING
-        code[state == STATE_CODE["runnable"]] = _RUNNABLE
-        self.time = ClassTime(rows["start_ns"].to_numpy(), rows["end_ns"].to_numpy(), code, 3)
-        blocked = np.flatnonzero(code == _BLOCKED)
-        # The intervals tile the thread's life: sorted by start, they are sorted by end too.
-        self.blocked_start = rows["start_ns"].to_numpy(np.int64)[blocked]
-        self.blocked_end = rows["end_ns"].to_numpy(np.int64)[blocked]
-        self.blocked_row = blocked + base  # positions in the whole states frame
+    def __init__(self, edges: list[np.ndarray], state: np.ndarray, futex_class: np.ndarray, waker: np.ndarray):
+        self.time = ClassTime.of_parts(edges, _PART_CLASSES, 3)
+        self.edges, self.state, self.futex_class, self.waker = edges, state, futex_class, waker
 
-    def blocked_within(self, a: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per window [a, t): the first of its overlapping blocked intervals (an index into
-        blocked_*) and how many there are."""
-        lo = np.searchsorted(self.blocked_end, a, side="right")
-        hi = np.searchsorted(self.blocked_start, t, side="left")
-        return lo, np.maximum(hi - lo, 0)
+    def blocked_within(self, a: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The blocked intervals overlapping each window [a, t), by window, then by time:
+        (window, start, end, state, futex class, waker), as arrays."""
+        lo = np.searchsorted(self.edges[-1], a, side="right")
+        count = np.maximum(np.searchsorted(self.edges[0], t, side="left") - lo, 0)
+        window = np.repeat(np.arange(len(a)), count)
+        slot = np.repeat(lo, count) + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+        # Per slot, its two blocked parts in time order: the short waits' and its own.
+        start = np.stack([self.edges[_SHORT_PART][slot], self.edges[BLOCKED_PART][slot]], axis=1)
+        end = np.stack([self.edges[_SHORT_PART + 1][slot], self.edges[BLOCKED_PART + 1][slot]], axis=1)
+        inside = (end > start) & (end > a[window, None]) & (start < t[window, None])
+        n = len(slot)
+        state = np.stack([np.full(n, STATE_CODE["short_wait"]), self.state[slot]], axis=1)
+        futex_class = np.stack([np.full(n, FUTEX_CODE["none"]), self.futex_class[slot]], axis=1)
+        waker = np.stack([np.full(n, -1), self.waker[slot]], axis=1)
+        window = np.broadcast_to(window[:, None], inside.shape)
+        return tuple(v[inside] for v in (window, start, end, state, futex_class, waker))
 
 
 def _table(columns: tuple[str, ...], parts: list[dict], *, sort: bool) -> pd.DataFrame:
-    """Concatenate row groups into a frame with the fixed columns and dtypes."""
-    out = pd.concat([pd.DataFrame(p) for p in parts], ignore_index=True) if parts else pd.DataFrame(
-        {c: np.zeros(0) for c in columns}
-    )
+    """Concatenate row groups (dicts of equal-length arrays, or scalars) into a frame with
+    the fixed columns and dtypes."""
+    sizes = [len(p["wait"]) for p in parts]
+    out = pd.DataFrame({
+        c: np.concatenate([np.broadcast_to(np.asarray(p[c]), (k,)) for p, k in zip(parts, sizes)]) if parts else np.zeros(0)
+        for c in columns
+    })
     for c in ("wait", "depth", "tid", "parent", "link"):
         if c in columns:
             out[c] = out[c].astype(np.int64)
@@ -135,7 +150,8 @@ def wait_chains(
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Follow the `waits` (columns wait, tid, start_ns, end_ns, waker_tid, state: the
     blocked part [start_ns, end_ns) ended by waker_tid) through `states` (every thread's
-    attributed states, sorted by (tid, start_ns)).  Returns (links, ends).
+    attributed states, sorted by (tid, start_ns): intervals or slots, with futex_class).
+    Returns (links, ends).
 
     A waker that sat runnable was still producing as far as the CPUs were busy with the
     pipeline itself (`pipeline_tids`: trainer, data loaders): that share of its runnable
@@ -151,34 +167,33 @@ def wait_chains(
         links.append({"wait": waits["wait"].to_numpy(np.int64), "depth": 0,
                       "tid": waits["tid"].to_numpy(np.int64), "state": np.asarray(waits["state"], dtype=object),
                       "parent": np.full(n_links, -1, dtype=np.int64)})
-    tids = states["tid"].to_numpy()
-    spans = pd.Series(np.arange(len(states))).groupby(tids).agg(["min", "max"])
+    slots = as_slots(states)
+    spans = thread_ranges(slots["tid"].to_numpy())
     cache: dict[int, _Thread] = {}
-    st_state = codes(states["state"])
-    st_fclass = codes(states["futex_class"])
-    st_waker = states["waker_tid"].to_numpy(np.int64)
-    st_start = states["start_ns"].to_numpy(np.int64)
-    st_end = states["end_ns"].to_numpy(np.int64)
+    edges = [slots[name].to_numpy() for name in SLOT_EDGES]
+    st_state, st_fclass = codes(slots["state"]), codes(slots["futex_class"])
+    st_waker = slots["waker_tid"].to_numpy()
     state_names = np.asarray(STATES, dtype=object)
     category_names = np.asarray(CATEGORIES, dtype=object)
     run_category = np.asarray([RUN_CATEGORY[c] for c in RUN_CLASSES], dtype=object)
 
     def thread(tid: int) -> _Thread | None:
+        """The thread's index; None for a thread with no time in its states (untraced)."""
         if tid not in cache:
-            if tid not in spans.index:
+            lo, hi = spans.get(tid, (0, 0))
+            if hi == lo or edges[0][lo] == edges[-1][hi - 1]:
                 return None
-            lo, hi = spans.loc[tid]
-            cache[tid] = _Thread(states.iloc[lo : hi + 1], int(lo))
+            cache[tid] = _Thread([e[lo:hi] for e in edges], st_state[lo:hi], st_fclass[lo:hi], st_waker[lo:hi])
         return cache[tid]
 
-    def pipeline_busy(a: np.ndarray, t: np.ndarray, waker: int) -> np.ndarray:
-        """ns the pipeline's other threads ran inside each [a, t)."""
-        busy = np.zeros(len(a))
+    def pipeline_running(a: np.ndarray, t: np.ndarray) -> dict[int, np.ndarray]:
+        """ns each traced pipeline thread ran inside each [a, t)."""
+        running = {}
         for p in pipeline_tids:  # a loop over threads
-            th = thread(int(p)) if p != waker else None
+            th = thread(int(p))
             if th is not None:
-                busy += th.time.between(a, t)[:, _RUNNING]
-        return busy
+                running[int(p)] = th.time.between(a, t)[:, _RUNNING]
+        return running
 
     def end(wait, depth, tid, state, category, weight, link, cycle=False) -> None:
         """Record where a share of some waits ended (scalars broadcast over the waits)."""
@@ -203,10 +218,10 @@ def wait_chains(
         if not len(wait):
             break
         n = len(wait)
-        # The waker's blocked intervals inside each window, as (branch, states row, overlap weight).
-        child_branch: list[np.ndarray] = []
-        child_row: list[np.ndarray] = []
-        child_weight: list[np.ndarray] = []
+        # The waker's blocked intervals inside each window: (branch, start, end, state,
+        # futex class, waker, overlap weight) per group of branches.
+        children: list[tuple[np.ndarray, ...]] = []
+        pipeline: tuple[dict[int, np.ndarray], np.ndarray] | None = None  # running ns, for every window here
         for w, idx in pd.Series(np.arange(n)).groupby(waker).indices.items():
             th = thread(int(w))
             if th is None:
@@ -222,38 +237,41 @@ def wait_chains(
                 end(wait[idx], depth, w, "running", run_category[k], run * split[:, k], link[idx])
             queued = scale * times[:, _RUNNABLE]
             if (queued > MIN_WEIGHT).any():
+                if pipeline is None:
+                    running = pipeline_running(a, t)
+                    pipeline = running, sum(running.values(), np.zeros(n, np.int64))
+                running, busy = pipeline
+                # The other pipeline threads' running time (integer ns: exact however summed).
+                others = busy[idx] - running[int(w)][idx] if int(w) in running else busy[idx]
                 queued_ns = np.maximum(times[:, _RUNNABLE], 1.0)
-                own = np.clip(pipeline_busy(a[idx], t[idx], int(w)) / (max(n_cpus, 1) * queued_ns), 0.0, 1.0)
+                own = np.clip(others / (max(n_cpus, 1) * queued_ns), 0.0, 1.0)
                 end(wait[idx], depth, w, "runnable", "input_pipeline", queued * own, link[idx])
                 end(wait[idx], depth, w, "runnable", "cpu_contention", queued * (1.0 - own), link[idx])
-            lo, count = th.blocked_within(a[idx], t[idx])
-            if not count.any():
+            window, *blocked = th.blocked_within(a[idx], t[idx])
+            if not len(window):
                 continue
-            branch = np.repeat(idx, count)
-            at = np.repeat(lo, count) + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
-            overlap = (np.minimum(th.blocked_end[at], t[branch]) - np.maximum(th.blocked_start[at], a[branch]))
-            child_branch.append(branch)
-            child_row.append(th.blocked_row[at])
-            child_weight.append(np.repeat(scale, count) * np.maximum(overlap, 0))
-        if not child_branch:
+            branch = idx[window]
+            overlap = np.minimum(blocked[1], t[branch]) - np.maximum(blocked[0], a[branch])
+            children.append((branch, *blocked, scale[window] * np.maximum(overlap, 0)))
+        if not children:
             break
-        parent = np.concatenate(child_branch)
-        r = np.concatenate(child_row)
-        cw = np.concatenate(child_weight)
+        parent, c_start, c_end, c_state, c_fclass, c_waker, cw = (np.concatenate(c) for c in zip(*children))
         keep = cw > MIN_WEIGHT
-        parent, r, cw = parent[keep], r[keep], cw[keep]
-        follow = is_followed(st_state[r], st_fclass[r], st_waker[r])
-        cycle = np.zeros(len(r), dtype=bool)
+        parent, c_start, c_end, c_state, c_fclass, c_waker, cw = (
+            v[keep] for v in (parent, c_start, c_end, c_state, c_fclass, c_waker, cw)
+        )
+        follow = is_followed(c_state, c_fclass, c_waker)
+        cycle = np.zeros(len(parent), dtype=bool)
         for prior in seen + [waker]:
-            cycle |= follow & (st_waker[r] == prior[parent])
+            cycle |= follow & (c_waker == prior[parent])
         go = follow & ~cycle & (depth < max_depth)
         stop = ~go
-        end(wait[parent[stop]], depth, waker[parent[stop]], state_names[st_state[r[stop]]],
-            category_names[interval_category_codes(st_state[r[stop]], st_fclass[r[stop]])],
+        end(wait[parent[stop]], depth, waker[parent[stop]], state_names[c_state[stop]],
+            category_names[interval_category_codes(c_state[stop], c_fclass[stop])],
             cw[stop], link[parent[stop]], cycle[stop])
         if go.any():
             g = parent[go]
-            links.append({"wait": wait[g], "depth": depth, "tid": waker[g], "state": state_names[st_state[r[go]]],
+            links.append({"wait": wait[g], "depth": depth, "tid": waker[g], "state": state_names[c_state[go]],
                           "parent": link[g]})
             new_link = n_links + np.arange(int(go.sum()), dtype=np.int64)
             n_links += int(go.sum())
@@ -261,6 +279,6 @@ def wait_chains(
             new_link = np.zeros(0, dtype=np.int64)
         seen = [v[parent[go]] for v in seen] + [waker[parent[go]]]
         # A branch goes on over the part of its window the waker spent in that interval.
-        wait, a, t = wait[parent[go]], np.maximum(st_start[r[go]], a[parent[go]]), np.minimum(st_end[r[go]], t[parent[go]])
-        waker, weight, link = st_waker[r[go]], cw[go], new_link
+        wait, a, t = wait[parent[go]], np.maximum(c_start[go], a[parent[go]]), np.minimum(c_end[go], t[parent[go]])
+        waker, weight, link = c_waker[go], cw[go], new_link
     return _table(LINK_COLUMNS, links, sort=False), _table(END_COLUMNS, ends, sort=True)

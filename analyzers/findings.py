@@ -10,17 +10,20 @@ mostly ran on a node other than the GPU's is (in that proportion) remote NUMA.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from functools import partial
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.categories import CATEGORIES, CATEGORY_CODE, CATEGORY_DTYPE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes
+from trainbpf.analyzers.categories import (
+    CATEGORIES, CATEGORY_CODE, CATEGORY_DTYPE, FUTEX_CODE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes,
+)
 from trainbpf.analyzers.chains import RUN_CATEGORY, interval_category_codes, is_followed
-from trainbpf.analyzers.intervals import NS_PER_S, Span, as_int64
+from trainbpf.analyzers.intervals import NS_PER_S, Span, as_int64, pair_ids, run_parallel, thread_ranges
 from trainbpf.analyzers.numa import REMOTE_MIN_FRACTION
 from trainbpf.analyzers.stacks import stack_excerpt
-from trainbpf.analyzers.states import clipped_lengths
+from trainbpf.analyzers.states import PART_CODES, SLOT_EDGES, clipped_lengths
 
 # Severity: share of starved time, and how much of the analysed window that time is
 # (a large share of a few stray milliseconds is not worth fixing first).
@@ -151,7 +154,7 @@ class EvidenceContext:
 
     window: Span
     threads: pd.DataFrame
-    states: pd.DataFrame
+    slots: pd.DataFrame  # every thread's attributed state slots
     trainer_states: pd.DataFrame
     futex_waits: pd.DataFrame
     stacks: pd.DataFrame
@@ -160,6 +163,7 @@ class EvidenceContext:
     placement: pd.DataFrame
     memory_nodes: dict[int, int] = field(default_factory=dict)
     gpu_node: int | None = None
+    _ranges: dict[int, tuple[int, int]] | None = field(default=None, repr=False)
 
     def rows(self, kind: str, tids: Any) -> pd.DataFrame:
         """Rows of `kind` by threads `tids` that start inside the window."""
@@ -170,16 +174,29 @@ class EvidenceContext:
         keep = (ts >= self.window.start_ns) & (ts < self.window.end_ns) & np.isin(as_int64(frame["tid"]), list(tids))
         return frame[keep]
 
-    def intervals(self, state: str, tids: Any = None) -> pd.DataFrame:
-        """State intervals in `state` (of threads `tids`, default all) with their ns inside
-        the window as `ns`; intervals wholly outside it left out."""
-        st = self.states
-        keep = codes(st["state"]) == STATE_CODE[state]
-        if tids is not None:
-            keep &= np.isin(st["tid"].to_numpy(), list(tids))
-        rows = st[keep]
-        ns = clipped_lengths(rows, self.window)
-        return rows.assign(ns=ns)[ns > 0]
+    def intervals(self, state: str, tids: Any = None) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """State intervals in `state` of threads `tids` (default all), a thread at a time
+        in tid order: (tid, the slot of each, its length, its ns inside the window);
+        intervals wholly outside it left out.  The slots are sorted by tid, so a thread
+        is a slice of them."""
+        if self._ranges is None:
+            self._ranges = thread_ranges(self.slots["tid"].to_numpy())
+        code = STATE_CODE[state]
+        slot_state = codes(self.slots["state"])
+        edges = [self.slots[name].to_numpy() for name in SLOT_EDGES]
+        parts = [p for p, c in enumerate(PART_CODES) if c in (code, -1)]  # -1: the slot's own state
+        wanted = self._ranges if tids is None else {int(t) for t in tids}
+        for tid in sorted(t for t in wanted if t in self._ranges):
+            lo, hi = self._ranges[tid]
+            # A thread's slots tile its life: inside the window, nothing needs clipping.
+            inside = self.window.start_ns <= edges[0][lo] and edges[-1][hi - 1] <= self.window.end_ns
+            found = []
+            for part in parts:
+                start, end = edges[part][lo:hi], edges[part + 1][lo:hi]
+                ns = end - start if inside else clipped_lengths(start, end, self.window)
+                hit = np.flatnonzero((ns > 0) & ((PART_CODES[part] == code) | (slot_state[lo:hi] == code)))
+                found.append((lo + hit, end[hit] - start[hit], ns[hit]))
+            yield (tid, *(np.concatenate(v) for v in zip(*found)))
 
     def thread(self, tid: int) -> dict[str, Any]:
         row = self.threads.loc[self.threads["tid"] == tid]
@@ -188,10 +205,11 @@ class EvidenceContext:
         return {"tid": int(tid), "comm": str(row["comm"].iloc[0]), "role": str(row["role"].iloc[0])}
 
 
-def _ms(values_ns: Any, prefix: str) -> dict[str, float]:
-    """p50/p99 of durations in ms, keyed `<prefix>_p50_ms`, `<prefix>_p99_ms`."""
-    v = np.asarray(values_ns, dtype=np.float64)
-    p50, p99 = (float(np.percentile(v, q)) / 1e6 for q in (50, 99)) if len(v) else (0.0, 0.0)
+def _ms(values_ns: Any, prefix: str, *, reorder: bool = False) -> dict[str, float]:
+    """p50/p99 of durations in ms, keyed `<prefix>_p50_ms`, `<prefix>_p99_ms`; `reorder`:
+    the values are a float64 array of the caller's own that may be reordered in place."""
+    v = values_ns if reorder else np.array(values_ns, dtype=np.float64)
+    p50, p99 = (float(p) / 1e6 for p in np.percentile(v, (50, 99), overwrite_input=True)) if len(v) else (0.0, 0.0)
     return {f"{prefix}_p50_ms": p50, f"{prefix}_p99_ms": p99}
 
 
@@ -208,23 +226,27 @@ def _top_stack(ctx: EvidenceContext, ids: Any) -> str:
 
 
 def _futex_evidence(ctx: EvidenceContext, cls: str, roots: list[int]) -> dict[str, Any]:
-    waits = ctx.futex_waits
-    waits = waits[(waits["cls"] == cls).to_numpy() & waits["tid"].isin(roots).to_numpy()
-                  & (waits["start_ns"] < ctx.window.end_ns).to_numpy() & (waits["end_ns"] > ctx.window.start_ns).to_numpy()]
-    by_addr = waits.assign(ns=waits["end_ns"] - waits["start_ns"]).groupby(["pid", "addr"])["ns"].sum()
+    fw = ctx.futex_waits
+    pid, tid, addr = fw["pid"].to_numpy(), fw["tid"].to_numpy(), fw["addr"].to_numpy()
+    start, end = fw["start_ns"].to_numpy(), fw["end_ns"].to_numpy()
+    waits = np.flatnonzero((codes(fw["cls"]) == FUTEX_CODE[cls]) & np.isin(tid, roots)
+                           & (start < ctx.window.end_ns) & (end > ctx.window.start_ns))
+    ns = end[waits] - start[waits]
+    by_addr = pd.Series(ns).groupby([pid[waits], addr[waits]]).sum()
     top = by_addr.sort_values(ascending=False).index[:3]
     addrs = [int(a) for _, a in top]
-    on_addrs = ctx.futex_waits.set_index(["pid", "addr"]).index.isin(top)
+    on_addrs = np.zeros(len(fw), bool)
+    for p, a in top:
+        on_addrs |= (pid == p) & (addr == a)
     frame = ctx.frames.get("futex")
-    ustacks = frame["ustack_id"].iloc[waits.index] if frame is not None and len(waits) else []
-    stack = _top_stack(ctx, ustacks)
+    stack = _top_stack(ctx, frame["ustack_id"].to_numpy()[waits] if frame is not None and len(waits) else [])
     allocator = bool(stack) and any(k in stack for k in ("malloc", "free", "arena", "tcache"))
     return {
         "futex_waits": int(len(waits)),
-        **_ms(waits["end_ns"] - waits["start_ns"], "futex_wait"),
+        **_ms(ns, "futex_wait"),
         "addresses": [hex(a) for a in addrs],
-        "waiting_threads": int(ctx.futex_waits.loc[on_addrs, "tid"].nunique()),
-        "handoff_share": float(waits["handoff"].mean()) if len(waits) else 0.0,
+        "waiting_threads": int(len(np.unique(tid[on_addrs]))),
+        "handoff_share": float(fw["handoff"].to_numpy()[waits].mean()) if len(waits) else 0.0,
         "user_stack": stack,
         "allocator_in_stack": allocator,
     }
@@ -236,9 +258,9 @@ def _contenders(ctx: EvidenceContext, category: str, roots: list[int]) -> list[i
     if cls is None:
         return []
     waits = ctx.futex_waits[(ctx.futex_waits["cls"] == cls).to_numpy()]
-    keys = waits.set_index(["pid", "addr"]).index
-    shared = keys.isin(keys[waits["tid"].isin(roots).to_numpy()])
-    others = waits[shared & ~waits["tid"].isin(roots).to_numpy()]
+    key = pair_ids(waits["pid"].to_numpy(), waits["addr"].to_numpy().view(np.int64))
+    by_root = waits["tid"].isin(roots).to_numpy()
+    others = waits[np.isin(key, key[by_root]) & ~by_root]
     by_time = (others["end_ns"] - others["start_ns"]).groupby(others["tid"]).sum().sort_values(ascending=False)
     return [int(t) for t in by_time.index]
 
@@ -263,13 +285,19 @@ def _input_pipeline(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]
 
 
 def _cpu_contention(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
-    rq = ctx.intervals("runnable", roots)
-    per = rq.groupby("tid")["ns"].sum().sort_values(ascending=False)
+    runq, per, every = [], {}, 0
+    roots = set(roots)
+    for tid, _, length, ns in ctx.intervals("runnable"):
+        every += int(ns.sum())
+        if tid in roots and len(ns):
+            runq.append(length)
+            per[tid] = int(ns.sum())
+    by_thread = pd.Series(per, dtype=np.int64).sort_values(ascending=False)
     return {
-        "runnable_intervals": int(len(rq)),
-        **_ms(rq["end_ns"] - rq["start_ns"], "runq"),
-        "runnable_s": {str(int(t)): float(ns) / NS_PER_S for t, ns in per.iloc[:MAX_THREADS].items()},
-        "all_threads_runnable_s": float(ctx.intervals("runnable")["ns"].sum()) / NS_PER_S,
+        "runnable_intervals": int(sum(len(r) for r in runq)),
+        **_ms(np.concatenate(runq, dtype=np.float64) if runq else np.zeros(0), "runq", reorder=True),
+        "runnable_s": {str(int(t)): float(ns) / NS_PER_S for t, ns in by_thread.iloc[:MAX_THREADS].items()},
+        "all_threads_runnable_s": float(every) / NS_PER_S,
         "threads_traced": int(len(ctx.threads)),
     }
 
@@ -293,13 +321,14 @@ def _churn(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict
 def _page_faults(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
     faults = ctx.rows("faults", roots)
     count = int(np.maximum(as_int64(faults["count"], 0), 0).sum()) if len(faults) else 0
-    blocked = ctx.intervals("page_faults", roots)
+    blocked = list(ctx.intervals("page_faults", roots))
+    slots = np.concatenate([slot for _, slot, _, _ in blocked]) if blocked else np.zeros(0, np.int64)
     return {
         "faults": count,
         "faults_per_s": count / max(ctx.window.seconds, 1e-9),
-        "blocked_in_fault_path_s": float(blocked["ns"].sum()) / NS_PER_S,
+        "blocked_in_fault_path_s": float(sum(int(ns.sum()) for *_, ns in blocked)) / NS_PER_S,
         "running_in_fault_path_s": float(pieces.loc[pieces["state"] == "running", "ns"].sum()) / NS_PER_S,
-        "kernel_stack": _top_stack(ctx, blocked["kstack_id"]),
+        "kernel_stack": _top_stack(ctx, ctx.slots["kstack_id"].to_numpy()[slots]),
     }
 
 
@@ -464,23 +493,27 @@ def build_findings(
     total = float(attributed["ns"].sum())
     window_s = ctx.window.seconds
     trainer = -1 if trainer_tid is None else int(trainer_tid)
-    rows = []
     per_cat = attributed.groupby("category", observed=True)["ns"].sum()
     keys = chain_keys(links, ends)
-    for category in CATEGORIES:
+    in_category = attributed.groupby("category", observed=True).indices
+
+    def finding(category: str) -> dict[str, Any] | None:
         ns = float(per_cat.get(category, 0.0))
-        pieces = attributed[attributed["category"] == category]
         if ns < MIN_FINDING_NS:
             if category == "numa_remote" and len(ctx.placement) and (ctx.placement["remote_fraction"] > REMOTE_MIN_FRACTION).any():
-                rows.append(_finding(category, 0.0, 0.0, window_s, [], [], _numa(ctx, []), ctx, remote_only=True))
-            continue
+                return _finding(category, 0.0, 0.0, window_s, [], [], _numa(ctx, []), ctx, remote_only=True)
+            return None
+        pieces = attributed.iloc[in_category[category]]
         by_root = pieces.groupby("root_tid")["ns"].sum().sort_values(ascending=False)
         roots = [int(t) for t in by_root.index]
         shown = roots + _contenders(ctx, category, roots)
         share = min(1.0, ns / total) if total > 0 else 0.0
         chain = _dominant_chain(pieces, links, ends, keys, ctx, trainer)
         evidence = {"starved_s": ns / NS_PER_S, **_evidence(category, ctx, pieces, roots)}
-        rows.append(_finding(category, share, ns / NS_PER_S, window_s, shown[:MAX_THREADS], chain, evidence, ctx))
+        return _finding(category, share, ns / NS_PER_S, window_s, shown[:MAX_THREADS], chain, evidence, ctx)
+
+    # The categories' evidence is independent: gathered side by side.
+    rows = [row for row in run_parallel([partial(finding, c) for c in CATEGORIES]) if row is not None]
     if not rows:
         return pd.DataFrame({c: pd.Series([], dtype=object) for c in FINDING_COLUMNS}).astype(
             {"share": np.float64, "seconds": np.float64}

@@ -7,8 +7,11 @@ int64 arrays.  Nothing here loops over events in Python.
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Mapping
+from functools import partial
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -36,18 +39,21 @@ class Span:
         return self.ns / NS_PER_S
 
 
-def trace_span(meta: Mapping[str, Any], table: pa.Table | None = None) -> Span:
-    """The recording's start and end: from the clock metadata, else from the rows."""
+def trace_span(meta: Mapping[str, Any], chunks: Iterable[pa.Table] = ()) -> Span:
+    """The recording's start and end: from the clock metadata, else from the rows
+    (`chunks`: tables with ts_ns and dur_ns, read only when the metadata lacks either)."""
     clock = meta.get("clock") or {}
     start = clock.get("start_mono_ns")
     end = clock.get("end_mono_ns")
-    if table is not None and table.num_rows and (start is None or end is None):
-        ts = table["ts_ns"]
-        ends = pc.add(ts, pc.fill_null(table["dur_ns"], 0))
+    if start is None or end is None:
+        firsts, lasts = [], []
+        for chunk in chunks:
+            firsts.append(pc.min(chunk["ts_ns"]).as_py())
+            lasts.append(pc.max(pc.add(chunk["ts_ns"], pc.fill_null(chunk["dur_ns"], 0))).as_py())
         if start is None:
-            start = pc.min(ts).as_py()
+            start = min((v for v in firsts if v is not None), default=None)
         if end is None:
-            end = pc.max(ends).as_py()
+            end = max((v for v in lasts if v is not None), default=None)
     start = int(start or 0)
     end = int(end or start)
     return Span(start, max(start, end))
@@ -111,6 +117,13 @@ def as_int64(values: Any, fill: int = -1) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
 
 
+def pair_ids(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Dense ids of the distinct (a, b) pairs, by hashing (no sort)."""
+    a_code, a_values = pd.factorize(a)
+    pair = pd.factorize(b)[0].astype(np.int64) * max(len(a_values), 1) + a_code
+    return pd.factorize(pair)[0].astype(np.int64)
+
+
 def merge_intervals(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The union of intervals as sorted, disjoint intervals (empty ones dropped)."""
     start = np.asarray(start, dtype=np.int64)
@@ -143,9 +156,13 @@ def intersect(
     first = np.searchsorted(b_end, a_start, side="right")  # first b ending after a starts
     last = np.searchsorted(b_start, a_end, side="left")  # b's starting before a ends
     counts = np.maximum(last - first, 0)
-    a_index = np.repeat(np.arange(len(a_start)), counts)
-    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    b_index = np.repeat(first, counts) + offsets
+    if counts.max(initial=0) <= 1:  # each a meets at most one b: no repeats needed
+        a_index = np.flatnonzero(counts)
+        b_index = first[a_index]
+    else:
+        a_index = np.repeat(np.arange(len(a_start)), counts)
+        offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        b_index = np.repeat(first, counts) + offsets
     start = np.maximum(a_start[a_index], b_start[b_index])
     end = np.minimum(a_end[a_index], b_end[b_index])
     keep = end > start
@@ -156,30 +173,70 @@ class ClassTime:
     """Time per class inside any [a, b), for one thread whose intervals tile its life.
 
     `start`/`end` sorted and disjoint, `code` in range(n_classes).  Built once per thread,
-    queried with arrays of windows."""
+    queried with arrays of windows.  `of_parts` indexes rows of several consecutive parts
+    each (state slots)."""
 
     def __init__(self, start: np.ndarray, end: np.ndarray, code: np.ndarray, n_classes: int):
-        self.start = np.asarray(start, dtype=np.int64)
-        self.length = np.asarray(end, dtype=np.int64) - self.start
-        self.code = np.asarray(code, dtype=np.int64)
-        self.n_classes = n_classes
-        onehot = np.zeros((len(self.start) + 1, n_classes), dtype=np.int64)
-        onehot[np.arange(1, len(self.start) + 1), self.code] = self.length
-        self.cum = np.cumsum(onehot, axis=0)  # row i: time per class before interval i
+        self._index([start, end], [np.asarray(code)], n_classes)
+
+    @classmethod
+    def of_parts(cls, edges: list[np.ndarray], codes: list[np.ndarray | int], n_classes: int) -> ClassTime:
+        """Rows of len(codes) parts: part p is [edges[p], edges[p + 1]) of class codes[p]
+        (an array per row, or one class for every row)."""
+        index = cls.__new__(cls)
+        index._index(edges, codes, n_classes)
+        return index
+
+    def _index(self, edges: list[np.ndarray], codes: list[np.ndarray | int], n_classes: int) -> None:
+        self.edges = [np.asarray(e, dtype=np.int64) for e in edges]
+        self.codes = codes
+        self.cum = []  # per class: time before each row (and after the last)
+        for k in range(n_classes):
+            length = np.zeros(len(self.edges[0]) + 1, dtype=np.int64)
+            for p, code in enumerate(codes):
+                if np.ndim(code):
+                    length[1:] += np.where(code == k, self.edges[p + 1] - self.edges[p], 0)
+                elif code == k:
+                    length[1:] += self.edges[p + 1] - self.edges[p]
+            self.cum.append(np.cumsum(length, out=length))
 
     def upto(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, dtype=np.int64)
-        i = np.searchsorted(self.start, x, side="right") - 1
+        i = np.searchsorted(self.edges[0], x, side="right") - 1  # the row x falls in or after
         j = np.maximum(i, 0)
-        out = self.cum[np.where(i >= 0, j, 0)].copy()
-        if len(self.start):
-            partial = np.where(i >= 0, np.clip(x - self.start[j], 0, self.length[j]), 0)
-            out[np.arange(len(x)), self.code[j]] += partial
+        out = np.stack([cum[j] for cum in self.cum], axis=1)
+        if len(self.edges[0]):
+            every = np.arange(len(x))
+            for p, code in enumerate(self.codes):
+                start, end = self.edges[p][j], self.edges[p + 1][j]
+                out[every, code[j] if np.ndim(code) else code] += np.where(i >= 0, np.clip(x, start, end) - start, 0)
         return out
 
     def between(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """(len(a), n_classes) ns per class inside each [a, b)."""
         return self.upto(b) - self.upto(a)
+
+
+CHUNK_ROWS = 1 << 20
+_POOL: ThreadPoolExecutor | None = None
+
+
+def run_parallel(jobs: list[Callable[[], Any]]) -> list[Any]:
+    """The results of independent jobs, in order, run on every CPU: numpy lets go of the
+    GIL inside its loops, so chunks of a long pass run side by side.  Jobs share memory
+    only to read it, or to write disjoint slices of it."""
+    global _POOL
+    if len(jobs) < 2 or (os.cpu_count() or 1) < 2:
+        return [job() for job in jobs]
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(os.cpu_count())
+    return list(_POOL.map(lambda job: job(), jobs))
+
+
+def row_chunks(n: int):
+    """Slices of range(n), CHUNK_ROWS rows each: passes over tens of millions of rows go
+    a chunk at a time so their temporaries stay small."""
+    return (slice(lo, min(n, lo + CHUNK_ROWS)) for lo in range(0, n, CHUNK_ROWS))
 
 
 def thread_ranges(tid: np.ndarray) -> dict[int, tuple[int, int]]:
@@ -204,13 +261,36 @@ def dense_rank(tid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return present, lut[tid]
 
 
+def stable_order(rank: np.ndarray) -> np.ndarray:
+    """The stable sort order of small non-negative integers (below 2**32): numpy sorts
+    16-bit integers by radix, so wider ones go in two 16-bit passes, low half first."""
+    if not len(rank) or rank.max() < 1 << 16:
+        return np.argsort(rank.astype(np.uint16), kind="stable")
+    order = np.argsort((rank & 0xFFFF).astype(np.uint16), kind="stable")
+    return order[np.argsort((rank[order] >> 16).astype(np.uint16), kind="stable")]
+
+
 def sort_by_thread(tid: np.ndarray, start: np.ndarray) -> np.ndarray:
     """The order that sorts rows by (tid, start), ties kept in input order.
 
-    Recorded rows arrive nearly sorted by time, where a stable sort is fast; the threads
-    are then ordered by a (radix) sort of their small dense rank."""
-    by_time = np.argsort(start, kind="stable")
-    return by_time[np.argsort(dense_rank(np.asarray(tid)[by_time])[1], kind="stable")]
+    Rows are grouped by thread with a (radix) sort of their small dense rank, then each
+    thread's rows sorted by time: recorded rows arrive nearly sorted by time, where a
+    stable sort is fast."""
+    tid, start = np.asarray(tid), np.asarray(start)
+    if in_thread_order(tid, start):
+        return np.arange(len(tid))
+    order = stable_order(dense_rank(tid)[1])
+    for a, b in thread_ranges(tid[order]).values():  # a loop over threads
+        rows = order[a:b]
+        order[a:b] = rows[np.argsort(start[rows], kind="stable")]
+    return order
+
+
+def in_thread_order(tid: np.ndarray, start: np.ndarray) -> bool:
+    """Whether rows are sorted by (tid, start) already."""
+    later = tid[1:] > tid[:-1]
+    later |= (tid[1:] == tid[:-1]) & (start[1:] >= start[:-1])
+    return bool(later.all())
 
 
 def best_overlap(left: pd.DataFrame, right: pd.DataFrame, *, by: str = "tid") -> np.ndarray:
@@ -227,10 +307,8 @@ def best_overlap(left: pd.DataFrame, right: pd.DataFrame, *, by: str = "tid") ->
     r_tid, r_start, r_end = as_int64(right[by]), as_int64(right["start_ns"]), as_int64(right["end_ns"])
     r_order = sort_by_thread(r_tid, r_start)
     r_ranges = thread_ranges(r_tid[r_order])
-    for tid, (a, b) in thread_ranges(l_tid[l_order]).items():  # a loop over threads
-        if tid not in r_ranges:
-            continue
-        c, d = r_ranges[tid]
+
+    def thread(a: int, b: int, c: int, d: int) -> None:
         rows = r_order[c:d]
         rs, re = r_start[rows], r_end[rows]
         lpos = l_order[a:b]
@@ -245,4 +323,7 @@ def best_overlap(left: pd.DataFrame, right: pd.DataFrame, *, by: str = "tid") ->
         best = np.where(inside > before, j, k)
         overlap = np.maximum(before, inside)
         out[lpos] = np.where(overlap > 0, rows[best], -1)
+
+    run_parallel([partial(thread, a, b, *r_ranges[tid])  # a job per thread; each writes its own rows
+                  for tid, (a, b) in thread_ranges(l_tid[l_order]).items() if tid in r_ranges])
     return out

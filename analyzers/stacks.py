@@ -37,6 +37,8 @@ STACK_CLASSES: tuple[str, ...] = ("",) + tuple(n for n, _ in KERNEL_PATTERNS) + 
 STACK_CLASS_DTYPE = pd.CategoricalDtype(STACK_CLASSES)
 CLASS_CODE = {name: np.int8(i) for i, name in enumerate(STACK_CLASSES)}
 STACK_COLUMNS = ("stack_id", "kernel", "cls", "allocator", "frames")
+# Stack ids below this are looked up in a table indexed by id, larger ones by search.
+MAX_TABLE_ID = 1 << 24
 
 
 def classify_stacks(stack: pd.DataFrame) -> pd.DataFrame:
@@ -69,8 +71,16 @@ def stack_class_codes(stacks: pd.DataFrame, ids: object) -> np.ndarray:
     if not len(stacks) or not len(ids):
         return out
     sid = stacks["stack_id"].to_numpy(np.int64)
+    cls = stacks["cls"].cat.codes.to_numpy()
+    if sid.min() >= 0 and sid.max() < MAX_TABLE_ID:
+        # Stack ids are small and unique (classify_stacks): a lookup table.
+        table = np.zeros(int(sid.max()) + 1, dtype=np.int8)
+        table[sid] = cls
+        known = (ids >= 0) & (ids < len(table))
+        out[known] = table[ids[known]]
+        return out
     order = np.argsort(sid, kind="stable")
-    sid, cls = sid[order], stacks["cls"].cat.codes.to_numpy()[order]
+    sid, cls = sid[order], cls[order]
     pos = np.clip(np.searchsorted(sid, ids), 0, len(sid) - 1)
     hit = sid[pos] == ids
     out[hit] = cls[pos[hit]]
