@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -166,6 +167,8 @@ def intersect(
     start = np.maximum(a_start[a_index], b_start[b_index])
     end = np.minimum(a_end[a_index], b_end[b_index])
     keep = end > start
+    if keep.all():
+        return a_index, b_index, start, end
     return a_index[keep], b_index[keep], start[keep], end[keep]
 
 
@@ -219,17 +222,19 @@ class ClassTime:
 
 CHUNK_ROWS = 1 << 20
 _POOL: ThreadPoolExecutor | None = None
+_POOL_NAME = "trainbpf-analyzers"
 
 
 def run_parallel(jobs: list[Callable[[], Any]]) -> list[Any]:
     """The results of independent jobs, in order, run on every CPU: numpy lets go of the
     GIL inside its loops, so chunks of a long pass run side by side.  Jobs share memory
-    only to read it, or to write disjoint slices of it."""
+    only to read it, or to write disjoint slices of it.  Jobs that start jobs run those
+    themselves (a pool's worker waiting on the pool could wait forever)."""
     global _POOL
-    if len(jobs) < 2 or (os.cpu_count() or 1) < 2:
+    if len(jobs) < 2 or (os.cpu_count() or 1) < 2 or threading.current_thread().name.startswith(_POOL_NAME):
         return [job() for job in jobs]
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(os.cpu_count())
+        _POOL = ThreadPoolExecutor(os.cpu_count(), thread_name_prefix=_POOL_NAME)
     return list(_POOL.map(lambda job: job(), jobs))
 
 
@@ -303,15 +308,15 @@ def best_overlap(left: pd.DataFrame, right: pd.DataFrame, *, by: str = "tid") ->
     if not len(left) or not len(right):
         return out
     l_tid, l_start, l_end = as_int64(left[by]), as_int64(left["start_ns"]), as_int64(left["end_ns"])
-    l_order = sort_by_thread(l_tid, l_start)
     r_tid, r_start, r_end = as_int64(right[by]), as_int64(right["start_ns"]), as_int64(right["end_ns"])
-    r_order = sort_by_thread(r_tid, r_start)
-    r_ranges = thread_ranges(r_tid[r_order])
+    # Rows in (thread, start) order already (the usual case) are taken as slices, not copies.
+    l_order = None if in_thread_order(l_tid, l_start) else sort_by_thread(l_tid, l_start)
+    r_order = None if in_thread_order(r_tid, r_start) else sort_by_thread(r_tid, r_start)
 
     def thread(a: int, b: int, c: int, d: int) -> None:
-        rows = r_order[c:d]
+        rows = slice(c, d) if r_order is None else r_order[c:d]
         rs, re = r_start[rows], r_end[rows]
-        lpos = l_order[a:b]
+        lpos = slice(a, b) if l_order is None else l_order[a:b]
         ls, le = l_start[lpos], l_end[lpos]
         reach = np.maximum.accumulate(re)
         furthest = np.maximum.accumulate(np.where(re >= reach, np.arange(len(re)), 0))
@@ -322,8 +327,10 @@ def best_overlap(left: pd.DataFrame, right: pd.DataFrame, *, by: str = "tid") ->
         inside = np.where(i + 1 < len(rs), np.minimum(le, re[j]) - rs[j], 0)
         best = np.where(inside > before, j, k)
         overlap = np.maximum(before, inside)
-        out[lpos] = np.where(overlap > 0, rows[best], -1)
+        out[lpos] = np.where(overlap > 0, best + c if r_order is None else rows[best], -1)
 
+    r_ranges = thread_ranges(r_tid if r_order is None else r_tid[r_order])
+    l_ranges = thread_ranges(l_tid if l_order is None else l_tid[l_order])
     run_parallel([partial(thread, a, b, *r_ranges[tid])  # a job per thread; each writes its own rows
-                  for tid, (a, b) in thread_ranges(l_tid[l_order]).items() if tid in r_ranges])
+                  for tid, (a, b) in l_ranges.items() if tid in r_ranges])
     return out
