@@ -76,6 +76,7 @@ class GpuSampler:
         self._stop = threading.Event()
         self._first = threading.Event()
         self._proc: subprocess.Popen | None = None
+        self._smi_exe: str | None = None  # the nvidia-smi that answers, once started
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -127,6 +128,7 @@ class GpuSampler:
         except OSError:
             return
         self.source = "nvidia-smi"
+        self._smi_exe = exe
 
         def reader() -> None:
             assert self._proc and self._proc.stdout
@@ -157,13 +159,12 @@ class GpuSampler:
                     found |= {(int(p.pid), uuid) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
             except Exception:
                 pass
-        elif self.source == "nvidia-smi":
-            exe = shutil.which(self.smi)
+        elif self._smi_exe is not None:
             try:
-                out = subprocess.run([exe, f"--query-compute-apps={APPS_QUERY}", "--format=csv,noheader,nounits"],
+                out = subprocess.run([self._smi_exe, f"--query-compute-apps={APPS_QUERY}", "--format=csv,noheader,nounits"],
                                      capture_output=True, text=True, timeout=APPS_TIMEOUT_S, stdin=subprocess.DEVNULL)
                 lines = out.stdout.splitlines() if out.returncode == 0 else []
-            except (OSError, subprocess.SubprocessError, TypeError):
+            except (OSError, subprocess.SubprocessError):
                 lines = []
             for line in lines:
                 parts = [p.strip() for p in line.split(",")]

@@ -21,11 +21,11 @@ from trainbpf.errors import NotRootError, OutputError, TargetError
 from trainbpf.schema import SCHEMA_ID
 from trainbpf.tracefile import SpoolWriter, finalize, make_batch
 from trainbpf.tracer import loader, procs, procfs, taskstats
+from trainbpf.tracer.addrs import AddressDescriber, futex_pairs
 from trainbpf.tracer.collector import Settings
 from trainbpf.tracer.gpu import GpuSampler
 from trainbpf.tracer.ringbuf import open_rings
 from trainbpf.tracer.sched import TASK_EXEC, TASK_EXIT, SchedCollector
-from trainbpf.tracer.addrs import AddressDescriber, futex_pairs
 from trainbpf.tracer.stacks import StackSymbolizer, drop_irq_wakers, stack_refs
 
 FLUSH_INTERVAL_S = 1.0
