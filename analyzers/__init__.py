@@ -16,7 +16,7 @@ from trainbpf.analyzers.attribution import RunSplit, attribute_states, churn_thr
 from trainbpf.analyzers.categories import CATEGORIES, STATES, codes
 from trainbpf.analyzers.chains import followed_waits, is_followed, wait_chains
 from trainbpf.analyzers.findings import EvidenceContext, attribute_starved, build_findings
-from trainbpf.analyzers.gpu import covered_window_ns, gpu_utilisation, idle_windows, starved_pieces
+from trainbpf.analyzers.gpu import covered_window_ns, gpu_utilisation, idle_windows, job_gpus, starved_pieces
 from trainbpf.analyzers.intervals import Span, as_int64, dense_rank, parse_window, resolve_window, trace_span
 from trainbpf.analyzers.numa import gpu_node, memory_placement, thread_placement
 from trainbpf.analyzers.roles import assign_roles, observed_threads, pick_trainer
@@ -163,7 +163,7 @@ def analyze(
     del offcpu
     release_unused_memory()
     stacks = classify_stacks(frame("stack"))
-    evidence_kinds = ("futex", "mmap_lock", "reclaim", "compaction", "dirty_pause", "block_rq")
+    evidence_kinds = ("futex", "futex_addr", "mmap_lock", "reclaim", "compaction", "dirty_pause", "block_rq")
     frames = {kind: frame(kind) for kind in evidence_kinds}
     slots, futex_waits = attribute_states(slots, frames, stacks)
     # The trainer's intervals (its slots are a slice: slots are sorted by tid), positions
@@ -181,7 +181,7 @@ def analyze(
     run_split = RunSplit(samples)
     totals = state_totals(slots, win)
 
-    util = gpu_utilisation(frame("gpu"), span)
+    util = gpu_utilisation(frame("gpu"), span, uuids=job_gpus(meta))
     if len(util):
         basis = "gpu_idle"
         idle = idle_windows(util, threshold=float(gpu_idle_threshold), window=win)

@@ -36,6 +36,10 @@ HANDOFF_LOOKBACK_NS = 50_000_000
 # un-woken waits of about that length on one shared address are the GIL.
 GIL_SLICE_NS = (4_000_000, 6_500_000)
 GIL_MIN_TIMED_SHARE = 0.2
+# What an address holds, from the data symbol the recorder found it in (futex_addr rows):
+# CPython keeps the GIL in its runtime state; glibc's main_arena starts with the
+# allocator's mutex.  Other arenas live in anonymous memory and go by the rules above.
+NAMED_ADDRESS_CLASSES: tuple[tuple[str, str], ...] = (("gil", "_PyRuntime+"), ("lock", "main_arena+0x0 "))
 # A thread churns mappings when it makes at least this many mm calls per second, or
 # maps at least this many fresh bytes per second.
 CHURN_MIN_CALLS_PER_S = 20.0
@@ -101,7 +105,8 @@ def attribute_states(
             code[hit >= 0] = STATE_CODE[name]
     state_codes[blocked] = code
 
-    waits = classify_futex(futex, futex_iv, futex_row, b["waker_tid"].to_numpy(), stacks, lookback_ns=lookback_ns)
+    waits = classify_futex(futex, futex_iv, futex_row, b["waker_tid"].to_numpy(), stacks,
+                           named=frames.get("futex_addr"), lookback_ns=lookback_ns)
     fclass = np.zeros(len(slots), dtype=np.int8)
     is_futex = code == STATE_CODE["futex"]
     row_cls = np.where(futex_row >= 0, codes(waits["cls"])[np.maximum(futex_row, 0)] if len(waits) else 0, 0)
@@ -125,11 +130,13 @@ def classify_futex(
     matched_waker: np.ndarray,
     stacks: pd.DataFrame,
     *,
+    named: pd.DataFrame | None = None,
     lookback_ns: int = HANDOFF_LOOKBACK_NS,
 ) -> pd.DataFrame:
     """Each futex wait: its waker (from the off-CPU interval it overlaps), how many
     threads wait on its address, whether its waker had just waited there (a handoff),
-    and its class: "lock", "gil" or "wait" (waiting for something another thread does)."""
+    and its class: "lock", "gil" or "wait" (waiting for something another thread does).
+    `named` (futex_addr rows) says what some addresses hold; that beats the heuristics."""
     n = len(futex)
     if not n:
         return pd.DataFrame(
@@ -179,11 +186,44 @@ def classify_futex(
     addr_cls[addr_lock] = FUTEX_CODE["lock"]
     addr_cls[addr_gil] = FUTEX_CODE["gil"]
     cls = np.where(gil_stack, FUTEX_CODE["gil"], addr_cls[addr_id]).astype(np.int8)
+    one = np.zeros(n_addr, dtype=np.int64)
+    one[addr_id] = np.arange(n)  # a wait on each address
+    by_name = named_address_classes(named, pid[one], addr[one])[addr_id]
+    cls = np.where(by_name > 0, by_name, cls).astype(np.int8)
     return pd.DataFrame({
         "pid": pid, "tid": tid, "addr": addr, "start_ns": start, "end_ns": end, "waker_tid": waker,
         "n_waiters": n_waiters[addr_id].astype(np.int64), "handoff": handoff,
         "cls": pd.Categorical.from_codes(cls, dtype=FUTEX_CLASS_DTYPE),
     })[list(FUTEX_COLUMNS)]
+
+
+def address_names(named: pd.DataFrame | None, pid: np.ndarray, addr: np.ndarray) -> np.ndarray:
+    """Per (pid, addr) pair, the name the recorder gave the address ("" if none): the
+    latest description, as an exec gives a process's addresses new meanings."""
+    out = np.full(len(pid), "", dtype=object)
+    if named is None or not len(named) or not len(pid):
+        return out
+    n_pid, n_addr = as_int64(named["pid"]), pd.Series(named["addr"]).fillna(0).to_numpy(np.uint64)
+    ids = pair_ids(np.concatenate([n_pid, as_int64(pd.Series(pid))]),
+                   np.concatenate([n_addr, np.asarray(addr, dtype=np.uint64)]).view(np.int64))
+    latest = np.full(int(ids.max()) + 1, -1, dtype=np.int64)
+    order = np.argsort(as_int64(named["ts_ns"], 0), kind="stable")
+    latest[ids[: len(named)][order]] = order  # the last write per pair wins: the newest
+    row = latest[ids[len(named):]]
+    names = named["name"].astype(object).fillna("").to_numpy()
+    out[row >= 0] = names[row[row >= 0]]
+    return out
+
+
+def named_address_classes(named: pd.DataFrame | None, pid: np.ndarray, addr: np.ndarray) -> np.ndarray:
+    """Per (pid, addr), the FUTEX_CODE its name implies (NAMED_ADDRESS_CLASSES), 0 if none."""
+    out = np.zeros(len(pid), dtype=np.int8)
+    if named is None or not len(named):
+        return out
+    names = pd.Series(address_names(named, pid, addr), dtype=object).astype(str)
+    for cls, prefix in NAMED_ADDRESS_CLASSES:
+        out[names.str.startswith(prefix).to_numpy()] = FUTEX_CODE[cls]
+    return out
 
 
 def _latest_before(key: np.ndarray, at: np.ndarray, q_key: np.ndarray, q_at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -19,6 +19,7 @@ import pandas as pd
 from trainbpf.analyzers.categories import (
     CATEGORIES, CATEGORY_CODE, CATEGORY_DTYPE, FUTEX_CODE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes,
 )
+from trainbpf.analyzers.attribution import address_names
 from trainbpf.analyzers.chains import RUN_CATEGORY, interval_category_codes, is_followed
 from trainbpf.analyzers.intervals import NS_PER_S, Span, as_int64, pair_ids, run_parallel, thread_ranges
 from trainbpf.analyzers.numa import REMOTE_MIN_FRACTION
@@ -240,11 +241,16 @@ def _futex_evidence(ctx: EvidenceContext, cls: str, roots: list[int]) -> dict[st
         on_addrs |= (pid == p) & (addr == a)
     frame = ctx.frames.get("futex")
     stack = _top_stack(ctx, frame["ustack_id"].to_numpy()[waits] if frame is not None and len(waits) else [])
-    allocator = bool(stack) and any(k in stack for k in ("malloc", "free", "arena", "tcache"))
+    # What the recorder found at each address: "_PyRuntime+0x1b0 [python3.11]", a /dev/shm path.
+    names = [str(n) for n in address_names(ctx.frames.get("futex_addr"), np.array([p for p, _ in top], np.int64),
+                                           np.array(addrs, np.uint64))]
+    allocator = (bool(stack) and any(k in stack for k in ("malloc", "free", "arena", "tcache"))) \
+        or any(n.startswith("main_arena+") for n in names)
     return {
         "futex_waits": int(len(waits)),
         **_ms(ns, "futex_wait"),
         "addresses": [hex(a) for a in addrs],
+        "address_names": names,
         "waiting_threads": int(len(np.unique(tid[on_addrs]))),
         "handoff_share": float(fw["handoff"].to_numpy()[waits].mean()) if len(waits) else 0.0,
         "user_stack": stack,

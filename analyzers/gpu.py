@@ -2,13 +2,17 @@
 
 A GPU sample reports utilisation over the period since the previous sample (how
 nvidia-smi's utilization.gpu is defined), so sample i covers [ts[i-1], ts[i]).  Samples
-below the idle threshold make idle windows.  Starved time is the trainer's stalled time
+below the idle threshold make idle windows.  Only the GPUs the traced processes held a
+context on count, where the recorder saw which (metadata gpu.processes): on a shared
+node the other jobs' GPUs say nothing about this one.  Starved time is the trainer's stalled time
 inside them: not running, or running in the kernel's fault/reclaim/mapping paths.  With
 no GPU samples the whole analysed window counts, i.e. starved time is the trainer's
 non-running time.
 """
 
 from __future__ import annotations
+
+from typing import Any, Mapping
 
 import numpy as np
 import pandas as pd
@@ -23,9 +27,20 @@ WINDOW_COLUMNS = ("start_ns", "end_ns")
 PIECE_COLUMNS = ("interval", "start_ns", "end_ns", "ns", "state", "run_class")
 
 
-def gpu_utilisation(gpu: pd.DataFrame, span: Span) -> pd.DataFrame:
+def job_gpus(meta: Mapping[str, Any]) -> frozenset[str]:
+    """The uuids of the GPUs the traced processes held a context on (empty: not known)."""
+    processes = ((meta.get("gpu") or {}).get("processes")) or []
+    return frozenset(str(p["uuid"]) for p in processes if isinstance(p, Mapping) and p.get("uuid"))
+
+
+def gpu_utilisation(gpu: pd.DataFrame, span: Span, *, uuids: frozenset[str] = frozenset()) -> pd.DataFrame:
     """One row per sampling sweep: the mean utilisation over the GPUs sampled at that
-    time and the stretch [start_ns, ts_ns) it covers, clipped to the trace."""
+    time and the stretch [start_ns, ts_ns) it covers, clipped to the trace.  With
+    `uuids`, only those GPUs' samples count (all of them if none of the samples match)."""
+    if uuids and len(gpu) and "name" in gpu:
+        mine = gpu["name"].astype(object).isin(uuids).to_numpy()
+        if mine.any():
+            gpu = gpu[mine]
     if not len(gpu):
         return pd.DataFrame(
             {"ts_ns": np.zeros(0, np.int64), "start_ns": np.zeros(0, np.int64),

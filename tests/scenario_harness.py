@@ -72,6 +72,8 @@ SCENARIOS = (
     Scenario("cpu_oversubscribed", ("cpu_contention",)),
     # A real pthread mutex, not the GIL: gil_contention would be the wrong answer.
     Scenario("allocator_lock", ("lock_contention",)),
+    # The GIL, named by its address in _PyRuntime: lock_contention would be the wrong answer.
+    Scenario("gil_threads", ("gil_contention",)),
     Scenario("mmap_churn", ("allocator_churn", "page_faults")),
     Scenario("checkpoint_dirty", ("dirty_throttling",), dirty_limits=(16 * MiB, 4 * MiB)),
     Scenario("reclaim_cgroup", ("memory_reclaim",), memory_limit=768 * MiB),

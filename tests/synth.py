@@ -136,6 +136,11 @@ class Synth:
     def futex(self, tid: int, ts: float, dur: float, addr: int, *, op: int = 128 + 9, ustack: Sequence[str] | None = None) -> None:
         self.add("futex", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), addr=addr, op=op, ustack_id=self.stack(ustack, "user"))
 
+    def futex_addr(self, addr: int, name: str, *, region: str = "image", pid: int | None = None, ts: float = 0.5) -> None:
+        """What the recorder found at a futex address of process `pid` (default: the target)."""
+        self.add("futex_addr", ts_ns=t(ts), pid=pid if pid is not None else self.meta["target_pid"], addr=addr,
+                 state=region, name=name)
+
     def faults(self, tid: int, ts: float, dur: float, count: int) -> None:
         self.add("faults", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), count=count)
 

@@ -48,6 +48,23 @@ def test_input_pipeline(tmp_path):
     check_shares(a)
 
 
+def test_only_the_jobs_gpus_count(tmp_path):
+    """A second GPU, busy with another job all along, hides the starvation when averaged
+    in; the recorder saw which GPU the trainer holds, and only that one counts."""
+    def trace(name, **kwargs):
+        s = input_pipeline(**kwargs)
+        s.gpu_series(lambda ts: 100.0, index=1)
+        return s.read(tmp_path, name)
+
+    mixed = analyze(trace("mixed.parquet"))
+    assert mixed.starved_ns == 0.0  # (x + 100) / 2 >= 47.5: never idle
+    mine = analyze(trace("mine.parquet", meta={"gpu": {"source": "nvidia-smi", "processes": [{"pid": 100, "uuid": "GPU-0"}]}}))
+    assert top(mine).category == "input_pipeline"
+    assert 0.9 <= top(mine).share <= 1.0
+    alone = analyze(input_pipeline().read(tmp_path, "alone.parquet"))  # the same job on a node of its own
+    assert mine.starved_ns == alone.starved_ns > 0
+
+
 def test_cpu_contention(tmp_path):
     s = Synth()
     s.thread(TRAINER, "python")
@@ -106,6 +123,29 @@ def test_lock_contention_without_symbols(tmp_path):
     a = analyze(round_robin_lock().read(tmp_path))
     assert top(a).category == "lock_contention"
     assert top(a).evidence["handoff_share"] > 0.9
+
+
+def test_lock_at_the_start_of_main_arena_is_the_allocators(tmp_path):
+    """No user stacks; the recorder named the address: the allocator's own mutex."""
+    s = round_robin_lock()
+    s.futex_addr(LOCK_ADDR, "main_arena+0x0 [libc.so.6]")
+    s.futex_addr(LOCK_ADDR, "stdout+0x8 [libc.so.6]", pid=4242)  # another process's address
+    f = top(analyze(s.read(tmp_path)))
+    assert f.category == "lock_contention"
+    assert f.evidence["address_names"] == ["main_arena+0x0 [libc.so.6]"]
+    assert f.evidence["allocator_in_stack"] is True
+
+
+def test_address_in_pyruntime_is_the_gil(tmp_path):
+    """Handoffs between three waiters look like a lock; the address says it is the GIL."""
+    s = round_robin_lock()
+    s.futex_addr(LOCK_ADDR, "[heap]", region="heap", ts=0.2)  # before an exec: superseded
+    s.futex_addr(LOCK_ADDR, "_PyRuntime+0x1b0 [python3.11]", ts=0.9)
+    f = top(analyze(s.read(tmp_path)))
+    assert f.category == "gil_contention"
+    assert f.share >= 0.9
+    assert f.evidence["address_names"] == ["_PyRuntime+0x1b0 [python3.11]"]
+    assert f.evidence["allocator_in_stack"] is False
 
 
 def test_gil_contention(tmp_path):

@@ -431,7 +431,7 @@ def node_metrics(trace: Any, *, gpu_idle_threshold: float) -> dict[str, Any]:
         gpu_idle[str(int(index))] = float((util < gpu_idle_threshold).mean())
 
     lost = int(sum(int(v) for v in (trace.meta.get("lost") or {}).values()))
-    events = int(trace.table.num_rows)
+    events = int(trace.num_rows)
     return {
         "recorded_seconds": recorded_s,
         "system_wide": bool(trace.meta.get("system_wide")),
