@@ -12,8 +12,16 @@
 #ifndef MAX_THREADS
 #define MAX_THREADS 65536
 #endif
+/* Stacks: frames kept per stack and map entries (Settings.stack_frames, stack_entries).
+ * The kernel walks no deeper than the map's value holds, so 32 frames instead of bcc's
+ * 127 make every walk shorter and, in the same ~17 MB of preallocated kernel memory,
+ * give four times the entries: ids are never reused, so a stack whose hash lands on an
+ * occupied bucket is lost (-EEXIST) for the whole recording, and fewer stacks collide. */
+#ifndef STACK_FRAMES
+#define STACK_FRAMES 32
+#endif
 #ifndef STACK_ENTRIES
-#define STACK_ENTRIES 16384
+#define STACK_ENTRIES 65536
 #endif
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 512 /* per probe, must be a power of two */
@@ -43,7 +51,11 @@
 BPF_HASH(traced, u32, u32, MAX_THREADS);
 
 BPF_PERCPU_ARRAY(lost, u64, PROBE_COUNT);
-BPF_STACK_TRACE(stacks, STACK_ENTRIES);
+struct stack_frames {
+    u64 ip[STACK_FRAMES];
+};
+BPF_TABLE("stacktrace", int, struct stack_frames, stacks, STACK_ENTRIES);
+BPF_PERCPU_ARRAY(stack_collisions, u64, 1); /* stacks lost to an occupied bucket */
 BPF_PERCPU_ARRAY(unwoken, u32, PROBE_COUNT); /* records since the last forced wake-up */
 
 static __always_inline u32 current_tid(void)
@@ -72,6 +84,21 @@ static __always_inline void count_lost(u32 probe)
     u64 *n = lost.lookup(&probe);
     if (n)
         (*n)++;
+}
+
+#define STACK_EEXIST 17 /* bpf_get_stackid: the bucket holds another stack */
+
+/* A stack's id, or a negative errno; collisions are counted, not silently lost. */
+static __always_inline int stack_id(void *ctx, u64 flags)
+{
+    int id = stacks.get_stackid(ctx, flags);
+    if (id == -STACK_EEXIST) {
+        u32 zero = 0;
+        u64 *n = stack_collisions.lookup(&zero);
+        if (n)
+            (*n)++;
+    }
+    return id;
 }
 
 /* Flags for ringbuf_submit.  User space drains the ring buffers on a 100 ms timer, so a

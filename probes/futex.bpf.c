@@ -65,7 +65,7 @@ static __always_inline int futex_exit(void *args)
     e->tid = tid;
     e->pid = current_tgid();
     e->op = wait.op;
-    e->ustack_id = stacks.get_stackid(args, BPF_F_USER_STACK);
+    e->ustack_id = stack_id(args, BPF_F_USER_STACK);
     futex_events.ringbuf_submit(e, submit_flags(PROBE_FUTEX));
     return 0;
 }

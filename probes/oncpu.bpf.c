@@ -29,8 +29,8 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx)
     e->tid = tid;
     e->pid = current_tgid();
     e->cpu = bpf_get_smp_processor_id();
-    e->kstack_id = stacks.get_stackid(ctx, 0);
-    e->ustack_id = stacks.get_stackid(ctx, BPF_F_USER_STACK);
+    e->kstack_id = stack_id(ctx, 0);
+    e->ustack_id = stack_id(ctx, BPF_F_USER_STACK);
     e->pad = 0;
     oncpu_events.ringbuf_submit(e, submit_flags(PROBE_ONCPU));
     return 0;

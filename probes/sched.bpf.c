@@ -123,8 +123,8 @@ TRACEPOINT_PROBE(sched, sched_switch)
         so.kstack_id = -1;
         so.ustack_id = -1;
 #else
-        so.kstack_id = stacks.get_stackid(args, 0);
-        so.ustack_id = stacks.get_stackid(args, BPF_F_USER_STACK);
+        so.kstack_id = stack_id(args, 0);
+        so.ustack_id = stack_id(args, BPF_F_USER_STACK);
 #endif
         switched_out_at.update(&prev, &so);
     }
@@ -201,7 +201,7 @@ RAW_TRACEPOINT_PROBE(sched_exit_tp)
     if (!slot || !slot->tid)
         return 0;
     if (slot->tid == current_tid())
-        emit_offcpu(slot, stacks.get_stackid(ctx, RAW_TP_SKIP_FRAMES), stacks.get_stackid(ctx, BPF_F_USER_STACK));
+        emit_offcpu(slot, stack_id(ctx, RAW_TP_SKIP_FRAMES), stack_id(ctx, BPF_F_USER_STACK));
     else
         emit_offcpu(slot, -1, -1);
     slot->tid = 0;
@@ -227,8 +227,8 @@ TRACEPOINT_PROBE(sched, sched_waking)
     /* The kernel stack tells wake-ups from interrupt context (user space drops their
      * waker), so it is always taken; the waker's user stack only for a wait already
      * long enough to stream. */
-    w.kstack_id = stacks.get_stackid(args, 0);
-    w.ustack_id = w.ts_ns - so->ts_ns >= MIN_BLOCK_NS ? stacks.get_stackid(args, BPF_F_USER_STACK) : -1;
+    w.kstack_id = stack_id(args, 0);
+    w.ustack_id = w.ts_ns - so->ts_ns >= MIN_BLOCK_NS ? stack_id(args, BPF_F_USER_STACK) : -1;
     woken_at.update(&tid, &w);
     return 0;
 }

@@ -12,8 +12,12 @@ after it, median over the rounds, is the overhead.
 Tracers: trainbpf with every probe; bcc's offcputime-bpfcc (tried for real: it needs
 kprobes, and when it cannot run the reason is printed); offcputime's method ported to
 the sched_switch tracepoint (bench/offcputime_tp.*); `perf sched record` of the process.
-Afterwards one more trainbpf run with kernel.bpf_stats_enabled=1 (restored) gives each
-BPF program's in-kernel ns per run; it is not one of the timed rounds.
+Afterwards one more run under trainbpf, one under trainbpf with only its sched probe
+(what offcputime records, like for like) and one under the offcputime port, with
+kernel.bpf_stats_enabled=1 (restored), give each BPF program's in-kernel ns per run and
+each tool's accounted cost (in-kernel time + its own process's CPU) on the same
+workload: a comparison the wall-time noise of a shared machine cannot blur.  They are
+not among the timed rounds.
 
 Other work on a shared machine moves wall times by tens of percent, so every traced run
 sits between two untraced ones (ABAB...), each run starts after a sync and a pause, and
@@ -41,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
 import benchlib as bl  # noqa: E402
 
 TRAINBPF = "trainbpf (every probe)"
+TRAINBPF_SCHED = "trainbpf, sched probe only"
 OFFCPUTIME = "offcputime-bpfcc"
 OFFCPU_PORT = "offcputime method on sched_switch tracepoint (offcputime-bpfcc itself needs kprobes)"
 PERF_SCHED = "perf sched record"
@@ -68,14 +73,22 @@ class Tracer:
 
 class Trainbpf(Tracer):
     name = TRAINBPF
+    probes: list[str] | None = None  # every probe
 
     def start(self, pid: int, out: Path) -> None:
-        self.rec = bl.Recording(pid=pid, output=out / "trace.parquet").start(ATTACH_TIMEOUT_S)
+        self.rec = bl.Recording(pid=pid, output=out / "trace.parquet", probes=self.probes).start(ATTACH_TIMEOUT_S)
         self.proc = self.rec.proc
 
     def stop(self) -> dict:
         result = self.rec.stop()
         return {"rows": result["rows"], "lost": sum(result["lost"].values()), "bytes": result["bytes"]}
+
+
+class TrainbpfSched(Trainbpf):
+    """The probe that records what offcputime records (off-CPU intervals with stacks)."""
+
+    name = TRAINBPF_SCHED
+    probes = ["sched"]
 
 
 class _Process(Tracer):
@@ -261,9 +274,11 @@ def main() -> None:
                     bl.log(f"round {r + 1}/{rounds}: {t.name if t else 'untraced'}")
                     runs.append(run_once(t, argv, tmp, r))
         runs.append(run_once(None, argv, tmp, rounds))
-        bl.log("one more trainbpf run for the in-kernel cost per program (not timed)")
+        accounted: dict[str, KernelCost] = {}
         with bl.bpf_stats():
-            cost, bpf_s, bpf_run_cpu_s = kernel_cost_run(argv, tmp)
+            for tracer in (Trainbpf(), TrainbpfSched(), OffcputimePort()):
+                bl.log(f"one more run under {tracer.name} for the in-kernel cost per program (not timed)")
+                accounted[tracer.name] = kernel_cost_run(tracer, argv, tmp)
 
     rows, wall_ratio, cpu_ratio = [], {}, {}
     untraced_only = [run for run in runs if run.tracer == "untraced"]
@@ -307,13 +322,18 @@ def main() -> None:
         ["lost events", f"{max(r.info['lost'] for r in mine)} (max)"],
         ["trace file", f"{bl.median([r.info['bytes'] for r in mine]) / 1e6:.2f} MB"],
     ])
+    ours_cost = accounted[TRAINBPF]
     bl.print_table("in-kernel cost per program, one extra trainbpf run (kernel.bpf_stats_enabled)",
-                   ["program", "runs", "total ms", "ns/run"], cost)
+                   ["program", "runs", "total ms", "ns/run"], ours_cost.rows)
     recorder_share = bl.median([r.tracer_cpu_s / r.cpu_s for r in mine])
-    print(f"  in-kernel {bpf_s * 1e3:.0f} ms = {100 * bpf_s / bpf_run_cpu_s:.1f}% of that run's workload CPU "
-          f"({bpf_run_cpu_s:.2f} s; bpf_stats adds its own clock reads); recorder CPU "
+    print(f"  in-kernel {ours_cost.bpf_s * 1e3:.0f} ms = {100 * ours_cost.kernel_share:.1f}% of that run's workload CPU "
+          f"({ours_cost.workload_cpu_s:.2f} s; bpf_stats adds its own clock reads); recorder CPU "
           f"{100 * recorder_share:.1f}% of the workload's (median of the timed runs): "
-          f"accounted cost {100 * (bpf_s / bpf_run_cpu_s + recorder_share):.1f}% of the workload's CPU")
+          f"accounted cost {100 * (ours_cost.kernel_share + recorder_share):.1f}% of the workload's CPU")
+    bl.print_table("accounted cost on the same workload (the runs above; kernel.bpf_stats_enabled)",
+                   ["tool", "programs", "in-kernel ms", "ns per sched_switch", "tool CPU s", "cost, % of workload CPU"],
+                   [[name, str(len(c.rows)), f"{c.bpf_s * 1e3:.0f}", f"{c.per_run('sched_switch'):.0f}",
+                     f"{c.tool_cpu_s:.2f}", f"{100 * c.share:.1f}"] for name, c in accounted.items()])
     ours = wall_ratio[TRAINBPF]
     print("\nsummary")
     print(f"  trainbpf wall ratio {ours:.3f} (CPU ratio {cpu_ratio[TRAINBPF]:.3f})  "
@@ -324,26 +344,56 @@ def main() -> None:
             print(f"  {name}: wall {wall_ratio[name]:.3f}, CPU {cpu_ratio[name]:.3f}  [trainbpf's wall ratio {verdict}]")
     if PERF_SCHED in wall_ratio:
         print(f"  {PERF_SCHED}: wall {wall_ratio[PERF_SCHED]:.3f}, CPU {cpu_ratio[PERF_SCHED]:.3f}")
+    port = accounted[OFFCPU_PORT]
+    print(f"  accounted cost: trainbpf {100 * ours_cost.share:.1f}%, offcputime method {100 * port.share:.1f}% "
+          f"of the workload's CPU  [trainbpf's {'lower' if ours_cost.share < port.share else 'NOT lower'}]; "
+          f"per sched_switch run {ours_cost.per_run('sched_switch'):.0f} ns vs {port.per_run('sched_switch'):.0f} ns")
+    like = accounted[TRAINBPF_SCHED]
+    print(f"  like for like: trainbpf's sched probe alone {100 * like.share:.1f}% vs offcputime method "
+          f"{100 * port.share:.1f}%  [trainbpf's {'lower' if like.share < port.share else 'NOT lower'}]")
 
 
-def kernel_cost_run(argv: list[str], tmp: Path) -> tuple[list[list[str]], float, float]:
-    """Per-program rows, the in-kernel seconds in all, and the workload's CPU seconds."""
+@dataclass
+class KernelCost:
+    rows: list[list[str]]  # program, runs, total ms, ns/run
+    bpf_s: float  # in-kernel seconds, every program
+    workload_cpu_s: float  # the workload's CPU during the steps, in-kernel time included
+    tool_cpu_s: float  # the tool's own process over the same span
+
+    @property
+    def kernel_share(self) -> float:
+        return self.bpf_s / self.workload_cpu_s
+
+    @property
+    def share(self) -> float:
+        """What the tool cost, as a share of the workload's CPU."""
+        return (self.bpf_s + self.tool_cpu_s) / self.workload_cpu_s
+
+    def per_run(self, program: str) -> float:
+        runs = [(int(r[1]), float(r[2])) for r in self.rows if r[0] == program]
+        return sum(ms for _, ms in runs) * 1e6 / max(1, sum(n for n, _ in runs)) if runs else float("nan")
+
+
+def kernel_cost_run(tracer: Tracer, argv: list[str], tmp: Path) -> KernelCost:
+    """`tracer`'s programs over one run of the workload, read while they are loaded."""
+    out = Path(tempfile.mkdtemp(dir=tmp))
     work = bl.Workload(argv)
-    rec = None
     try:
-        rec = bl.Recording(pid=work.pid, output=tmp / "cost.parquet").start(ATTACH_TIMEOUT_S)
-        cpu0 = bl.cpu_seconds(work.pid)
+        tracer.start(work.pid, out)
+        settle()
+        cpu0, tcpu0 = bl.cpu_seconds(work.pid), bl.cpu_seconds(tracer.pid)
         work.go()
         work.result()
-        cpu = bl.cpu_seconds(work.pid) - cpu0
-        rows = bl.kernel_cost_rows(rec.recorder_pid)  # while the programs are still loaded
+        cpu, tcpu = bl.cpu_seconds(work.pid) - cpu0, bl.cpu_seconds(tracer.pid) - tcpu0
+        rows = bl.kernel_cost_rows(tracer.pid)  # while the programs are still loaded
         work.finish()
-        rec.stop()
-        return rows, sum(float(r[2]) for r in rows) / 1e3, cpu
+        tracer.stop()
+        return KernelCost(rows, sum(float(r[2]) for r in rows) / 1e3, cpu, tcpu)
     finally:
         work.kill()
-        if rec and rec.proc.poll() is None:
-            rec.proc.kill()
+        if tracer.proc.poll() is None:
+            tracer.proc.kill()
+        subprocess.run(["rm", "-rf", str(out)], check=False)
 
 
 if __name__ == "__main__":

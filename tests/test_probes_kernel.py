@@ -14,6 +14,7 @@ import pytest
 
 from kernel_env import dirty_limits, memory_cgroup, require_root
 from recording import record_workload
+from trainbpf.tracer.collector import Settings
 
 pytestmark = pytest.mark.kernel
 
@@ -130,6 +131,30 @@ def test_stacks_are_symbolised(basic):
     off = basic.trace.frame("offcpu")
     ids = set(off.kstack_id[off.kstack_id >= 0])
     assert ids <= set(kernel.kstack_id), "off-CPU stacks without a symbolised row"
+    depth = stacks.name.str.count(";") + 1
+    assert depth.max() <= 32, "the kernel keeps 32 frames a stack (probes/common.h STACK_FRAMES)"
+    meta = basic.trace.meta["stacks"]
+    assert (meta["frames"], meta["entries"]) == (32, 65536)
+    # Collisions are by hash and so by chance: a few stack walks in 64k buckets, not many.
+    walks = sum(int((basic.trace.frame(kind)[col] >= 0).sum())
+                for kind, cols in (("offcpu", ("kstack_id", "ustack_id")), ("oncpu", ("kstack_id", "ustack_id")),
+                                   ("futex", ("ustack_id",))) for col in cols)
+    assert 0 <= meta["collisions"] <= 0.05 * walks, (meta, walks)
+
+
+def test_stack_map_collisions_are_counted_and_reported(tmp_path):
+    """A stack map of 4 buckets: most distinct stacks find theirs taken, and the trace and
+    the text report say how many were not kept."""
+    require_root()
+    rec = record_workload(tmp_path / "trace.parquet", "basic", settings=Settings(stack_entries=4))
+    stacks = rec.trace.frame("stack")
+    collided = rec.trace.meta["stacks"]["collisions"]
+    assert stacks.kstack_id.nunique() <= 4, "more stacks kept than the map holds"
+    assert collided >= 10, rec.trace.meta["stacks"]
+    out = subprocess.run([sys.executable, "-m", "trainbpf.cli", "analyze", str(rec.trace.path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"NOTE: {collided} stacks were not kept" in out.stdout
 
 
 def test_dirty_throttling_pauses_the_writer(tmp_path):

@@ -38,6 +38,8 @@ class Settings:
     oncpu_hz: int = 199
     fault_bucket_ns: int = 100_000_000
     ringbuf_pages: int = 512
+    stack_frames: int = 32  # frames kept per stack: the kernel walks no deeper (probes/common.h)
+    stack_entries: int = 65536  # stacks the kernel's stack map holds
     hz: int = 250
     trace_all: bool = False
 
@@ -49,6 +51,8 @@ class Settings:
             "oncpu_hz": self.oncpu_hz,
             "fault_bucket_ns": self.fault_bucket_ns,
             "ringbuf_pages": self.ringbuf_pages,
+            "stack_frames": self.stack_frames,
+            "stack_entries": self.stack_entries,
             "hz": self.hz,
         }
 

@@ -127,6 +127,8 @@ def cflags(collectors: list[Collector], settings: Settings, tracefs: Path) -> li
         "RINGBUF_PAGES": settings.ringbuf_pages,
         "TRACE_ALL": int(settings.trace_all),
         "SELF_TGID": os.getpid(),
+        "STACK_FRAMES": settings.stack_frames,
+        "STACK_ENTRIES": settings.stack_entries,
         # Forced ring-buffer wake-ups (common.h submit_flags) often enough that all CPUs
         # together fill at most a quarter of a ring between two.
         "WAKEUP_EVERY": max(1, settings.ringbuf_pages * PAGE_SIZE // (4 * MAX_RECORD_BYTES * (os.cpu_count() or 1))),
@@ -190,6 +192,11 @@ def untrace(bpf, tid: int) -> None:
         del bpf["traced"][ctypes.c_uint32(tid)]
     except KeyError:
         pass
+
+
+def stack_collisions(bpf) -> int:
+    """Stacks lost because their hash bucket held another stack (probes/common.h)."""
+    return int(sum(bpf["stack_collisions"][ctypes.c_int(0)]))
 
 
 def lost_counts(bpf) -> dict[str, int]:

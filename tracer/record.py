@@ -258,6 +258,8 @@ class Recorder:
             "lost": lost,
             "clock": {**self.meta["clock"], "start_mono_ns": self.start_ns, "end_mono_ns": end_ns},
             "gpu": {"source": gpu.source, "samples": gpu.count, "processes": self._gpu_processes(gpu, tgids)},
+            "stacks": {"frames": self.settings.stack_frames, "entries": self.settings.stack_entries,
+                       "collisions": loader.stack_collisions(bpf)},
         }
         try:
             finalize(writer.spool, self.output, final)

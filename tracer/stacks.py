@@ -11,7 +11,6 @@ import pyarrow.compute as pc
 
 from trainbpf.tracefile import make_batch
 
-MAX_FRAMES = 32
 MAX_CACHED_NAMES = 65536
 MMAP_MIN_ADDR = 65536  # vm.mmap_min_addr's default; no user mapping starts lower
 # A wake-up whose kernel stack holds one of these ran in interrupt context (a timer
@@ -32,11 +31,14 @@ class StackSymbolizer:
         self._user_names: dict[tuple[int, int], str] = {}  # (pid, addr); cleared on exec
 
     def _frames(self, stack_id: int, resolve) -> str:
+        table = self.bpf["stacks"]
         try:
-            addrs = list(self.bpf["stacks"].walk(stack_id))[:MAX_FRAMES]
+            ips = table[table.Key(stack_id)].ip  # Settings.stack_frames long (probes/common.h)
         except KeyError:
             return ""
-        return ";".join(resolve(a) for a in addrs)
+        # Not bcc's walk(): it assumes 127-frame values.  A stack ends at the first 0.
+        addrs = list(ips)
+        return ";".join(resolve(a) for a in addrs[: addrs.index(0) if 0 in addrs else len(addrs)])
 
     def symbolize(self, kernel_ids, user_pairs) -> pa.RecordBatch | None:
         """Rows for ids not seen before: `kernel_ids` ids, `user_pairs` (id, pid)."""

@@ -125,6 +125,10 @@ def render_text(report: dict[str, Any], analysis: Analysis | None = None) -> str
             f"WARNING: {tr['lost_events']} events were lost{per}: ring buffers overflowed, so the "
             "numbers below undercount what happened."
         )
+    collided = int((analysis.meta.get("stacks") or {}).get("collisions") or 0) if analysis is not None else 0
+    if collided:
+        lines.append(f"NOTE: {collided} stacks were not kept (their slot in the kernel's stack map held "
+                     "another stack): stacks shown as evidence may be missing some call paths.")
     if analysis is not None and analysis.unfinished:
         lines.append("NOTE: the recording did not finish cleanly (recovered or unfinished spool).")
 
