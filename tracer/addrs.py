@@ -39,6 +39,8 @@ class Mapping:
     shared: bool
     offset: int
     path: str  # "" for an anonymous mapping
+    file: tuple[str, int] = ("", 0)  # (device, inode): which file, whatever the mount namespace
+    executable: bool = False
 
 
 def parse_maps(text: str) -> list[Mapping]:
@@ -50,7 +52,8 @@ def parse_maps(text: str) -> list[Mapping]:
             continue
         lo, hi = parts[0].split("-")
         out.append(Mapping(int(lo, 16), int(hi, 16), parts[1][3:4] == "s", int(parts[2], 16),
-                           parts[5].strip() if len(parts) > 5 else ""))
+                           parts[5].strip() if len(parts) > 5 else "", (parts[3], int(parts[4])),
+                           parts[1][2:3] == "x"))
     return out
 
 

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trainbpf.tracefile import make_batch
+from trainbpf.tracer.addrs import Mapping, parse_maps
 
 MAX_CACHED_NAMES = 65536
 MMAP_MIN_ADDR = 65536  # vm.mmap_min_addr's default; no user mapping starts lower
@@ -29,6 +30,11 @@ class StackSymbolizer:
         # lookups on a Python trainer), and each lookup costs bcc 10-60 microseconds.
         self._kernel_names: dict[int, str] = {}
         self._user_names: dict[tuple[int, int], str] = {}  # (pid, addr); cleared on exec
+        # The same names by (file, offset in it): a forked DataLoader worker runs the code
+        # its parent ran, and bcc would load each library's symbols again for its pid
+        # (20-30 ms a library) to name addresses already named.
+        self._image_names: dict[tuple[str, int, int], str] = {}  # (device, inode, offset)
+        self._maps: dict[int, tuple[np.ndarray, list[Mapping] | None]] = {}  # executable, per pid, this flush
 
     def _frames(self, stack_id: int, resolve) -> str:
         table = self.bpf["stacks"]
@@ -56,6 +62,7 @@ class StackSymbolizer:
                 continue
             self.done_user.add((sid, pid))
             rows.append((sid, "user", pid, self._frames(sid, lambda a, pid=pid: self._usym(a, pid))))
+        self._maps.clear()  # a later flush sees libraries loaded since
         if not rows:
             return None
         now = time.monotonic_ns()
@@ -85,13 +92,46 @@ class StackSymbolizer:
             if len(self._user_names) >= MAX_CACHED_NAMES:
                 self._user_names.clear()
             name = "[unknown]"
-            if addr >= MMAP_MIN_ADDR:  # below it nothing is mapped: a frame-pointer walk gone astray
-                try:
-                    name = self.bpf.sym(addr, pid, show_module=True).decode(errors="replace")
-                except Exception:
-                    pass
+            code = self._code_at(pid, addr) if addr >= MMAP_MIN_ADDR else None
+            # Below mmap_min_addr, or outside the process's executable memory (while it
+            # is alive to tell): a frame-pointer walk gone astray, not a return address.
+            if code is not None:
+                image = code if code[0] else None
+                name = self._image_names.get(image) if image else None
+                if name is None:
+                    try:
+                        name = self.bpf.sym(addr, pid, show_module=True).decode(errors="replace")
+                    except Exception:
+                        name = "[unknown]"
+                    if image:  # "[unknown]" too: no symbol covers that offset of that file
+                        if len(self._image_names) >= MAX_CACHED_NAMES:
+                            self._image_names.clear()
+                        self._image_names[image] = name
             name = self._user_names[(pid, addr)] = name if name != "[unknown]" else f"0x{addr:x}"
         return name
+
+    def _code_at(self, pid: int, addr: int) -> tuple[str, int, int] | None:
+        """Where a user address lies in the process's executable memory: (device, inode,
+        offset in the file) in a file's mapping, ("", 0, 0) in anonymous code (a JIT's),
+        None outside executable memory.  The file by device and inode, not by path: in
+        another mount namespace (a container) the same path can be another file.  A
+        process already gone could be anywhere: ("", 0, 0), left to bcc."""
+        if pid not in self._maps:
+            try:
+                with open(f"/proc/{pid}/maps") as fh:
+                    maps = [m for m in parse_maps(fh.read()) if m.executable]
+            except OSError:
+                maps = None
+            starts = np.array([m.start for m in maps or []], dtype=np.uint64)
+            self._maps[pid] = (starts, maps)
+        starts, maps = self._maps[pid]
+        if maps is None:
+            return ("", 0, 0)
+        i = int(np.searchsorted(starts, np.uint64(addr), side="right")) - 1
+        if i < 0 or addr >= maps[i].end:
+            return None
+        m = maps[i]
+        return (*m.file, addr - m.start + m.offset) if m.path.startswith("/") and m.file[1] else ("", 0, 0)
 
 
 def drop_irq_wakers(batch: pa.RecordBatch, irq_ids: set[int]) -> pa.RecordBatch:
