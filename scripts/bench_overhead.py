@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import os
 import shutil
 import signal
@@ -241,6 +242,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1200, help="trainer steps per run (~6 s untraced here)")
     ap.add_argument("--no-perf", action="store_true", help="leave perf sched record out")
     ap.add_argument("--quick", action="store_true", help="2 rounds of 400 steps: a smoke test, not a measurement")
+    ap.add_argument("--runs-json", metavar="FILE", help="also write every timed run, in order, as JSON lines")
     args = ap.parse_args()
     bl.require_root()
     rounds, steps = (2, 400) if args.quick else (args.rounds, args.steps)
@@ -274,6 +276,10 @@ def main() -> None:
                     bl.log(f"round {r + 1}/{rounds}: {t.name if t else 'untraced'}")
                     runs.append(run_once(t, argv, tmp, r))
         runs.append(run_once(None, argv, tmp, rounds))
+        if args.runs_json:
+            with open(args.runs_json, "w") as fh:
+                for run in runs:
+                    fh.write(json.dumps({k: v for k, v in run.__dict__.items() if k != "info"}) + "\n")
         accounted: dict[str, KernelCost] = {}
         with bl.bpf_stats():
             for tracer in (Trainbpf(), TrainbpfSched(), OffcputimePort()):
