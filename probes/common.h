@@ -55,7 +55,8 @@ struct stack_frames {
     u64 ip[STACK_FRAMES];
 };
 BPF_TABLE("stacktrace", int, struct stack_frames, stacks, STACK_ENTRIES);
-BPF_PERCPU_ARRAY(stack_collisions, u64, 1); /* stacks lost to an occupied bucket */
+/* [0] stack walks, [1] of them lost because their bucket held another stack */
+BPF_PERCPU_ARRAY(stack_counts, u64, 2);
 BPF_PERCPU_ARRAY(unwoken, u32, PROBE_COUNT); /* records since the last forced wake-up */
 
 static __always_inline u32 current_tid(void)
@@ -92,9 +93,13 @@ static __always_inline void count_lost(u32 probe)
 static __always_inline int stack_id(void *ctx, u64 flags)
 {
     int id = stacks.get_stackid(ctx, flags);
+    u32 slot = 0;
+    u64 *n = stack_counts.lookup(&slot);
+    if (n)
+        (*n)++;
     if (id == -STACK_EEXIST) {
-        u32 zero = 0;
-        u64 *n = stack_collisions.lookup(&zero);
+        slot = 1;
+        n = stack_counts.lookup(&slot);
         if (n)
             (*n)++;
     }

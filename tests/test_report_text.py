@@ -48,6 +48,14 @@ def test_text_report_warns_about_lost_events(tmp_path):
     assert text.index("WARNING") < text.index("Findings")
 
 
+@pytest.mark.parametrize("collisions, noted", [(5, False), (10, True), (400, True)])
+def test_text_report_notes_stacks_lost_to_collisions_from_one_percent(tmp_path, collisions, noted):
+    s = input_pipeline(meta={"stacks": {"frames": 32, "entries": 65536, "walks": 1000, "collisions": collisions}})
+    text = run_analyze(path=s.write(tmp_path / "t.parquet"))
+    assert (f"NOTE: {collisions} of 1000 stack walks" in text) is noted
+    assert "1. input_pipeline" in text  # the findings stand either way
+
+
 def test_text_report_lost_events_from_rows_only(tmp_path):
     s = input_pipeline()
     s.lost("sched", 10, ts=1.0)

@@ -194,9 +194,10 @@ def untrace(bpf, tid: int) -> None:
         pass
 
 
-def stack_collisions(bpf) -> int:
-    """Stacks lost because their hash bucket held another stack (probes/common.h)."""
-    return int(sum(bpf["stack_collisions"][ctypes.c_int(0)]))
+def stack_counts(bpf) -> dict[str, int]:
+    """Stack walks, and those lost because their hash bucket held another stack."""
+    table = bpf["stack_counts"]
+    return {"walks": int(sum(table[ctypes.c_int(0)])), "collisions": int(sum(table[ctypes.c_int(1)]))}
 
 
 def lost_counts(bpf) -> dict[str, int]:

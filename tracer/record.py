@@ -259,7 +259,7 @@ class Recorder:
             "clock": {**self.meta["clock"], "start_mono_ns": self.start_ns, "end_mono_ns": end_ns},
             "gpu": {"source": gpu.source, "samples": gpu.count, "processes": self._gpu_processes(gpu, tgids)},
             "stacks": {"frames": self.settings.stack_frames, "entries": self.settings.stack_entries,
-                       "collisions": loader.stack_collisions(bpf)},
+                       **loader.stack_counts(bpf)},
         }
         try:
             finalize(writer.spool, self.output, final)

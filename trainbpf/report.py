@@ -20,6 +20,8 @@ from trainbpf.tracefile import read_trace
 
 REPORT_SCHEMA = "trainbpf.report/1"
 FORMATS = ("text", "json", "html")
+# Stack walks lost to stack-map collisions worth a note in the text report (a share).
+STACK_LOSS_NOTE_SHARE = 0.01
 _ROLE_ORDER = {"trainer": 0, "dataloader": 1, "pin_memory": 2, "checkpoint": 3, "autograd": 4, "other": 5}
 
 
@@ -125,10 +127,12 @@ def render_text(report: dict[str, Any], analysis: Analysis | None = None) -> str
             f"WARNING: {tr['lost_events']} events were lost{per}: ring buffers overflowed, so the "
             "numbers below undercount what happened."
         )
-    collided = int((analysis.meta.get("stacks") or {}).get("collisions") or 0) if analysis is not None else 0
-    if collided:
-        lines.append(f"NOTE: {collided} stacks were not kept (their slot in the kernel's stack map held "
-                     "another stack): stacks shown as evidence may be missing some call paths.")
+    stacks = (analysis.meta.get("stacks") or {}) if analysis is not None else {}
+    collided, walks = int(stacks.get("collisions") or 0), int(stacks.get("walks") or 0)
+    if collided and collided >= STACK_LOSS_NOTE_SHARE * walks:
+        lines.append(f"NOTE: {collided} of {walks} stack walks ({100 * collided / max(walks, 1):.0f}%) found their "
+                     "slot in the kernel's stack map held by another stack: those events carry no stack, so "
+                     "stacks shown as evidence may miss some call paths.")
     if analysis is not None and analysis.unfinished:
         lines.append("NOTE: the recording did not finish cleanly (recovered or unfinished spool).")
 
