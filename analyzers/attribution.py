@@ -206,9 +206,11 @@ def address_names(named: pd.DataFrame | None, pid: np.ndarray, addr: np.ndarray)
     n_pid, n_addr = as_int64(named["pid"]), pd.Series(named["addr"]).fillna(0).to_numpy(np.uint64)
     ids = pair_ids(np.concatenate([n_pid, as_int64(pd.Series(pid))]),
                    np.concatenate([n_addr, np.asarray(addr, dtype=np.uint64)]).view(np.int64))
+    named_ids = ids[: len(named)]
+    order = np.lexsort((as_int64(named["ts_ns"], 0), named_ids))  # by pair, the newest last
+    newest = order[np.append(named_ids[order][1:] != named_ids[order][:-1], True)]
     latest = np.full(int(ids.max()) + 1, -1, dtype=np.int64)
-    order = np.argsort(as_int64(named["ts_ns"], 0), kind="stable")
-    latest[ids[: len(named)][order]] = order  # the last write per pair wins: the newest
+    latest[named_ids[newest]] = newest  # one row per pair: no repeated indices
     row = latest[ids[len(named):]]
     names = named["name"].astype(object).fillna("").to_numpy()
     out[row >= 0] = names[row[row >= 0]]

@@ -57,6 +57,39 @@ def parse_maps(text: str) -> list[Mapping]:
     return out
 
 
+class MapsIndex:
+    """One process's mappings (parse_maps) and which one holds an address."""
+
+    def __init__(self, maps: list[Mapping]):
+        self.maps = maps
+        self._starts = np.array([m.start for m in maps], dtype=np.uint64)
+
+    def index_of(self, addr: int) -> int:
+        """The position in `maps` of the mapping holding `addr`, -1 if none does."""
+        i = int(np.searchsorted(self._starts, np.uint64(addr), side="right")) - 1
+        return i if i >= 0 and addr < self.maps[i].end else -1
+
+
+class ProcMaps:
+    """Processes' /proc/PID/maps, each read at most once: one flush's worth, shared by
+    the stack symboliser and the address describer (a later flush takes a new one and
+    sees libraries loaded since)."""
+
+    def __init__(self, proc: str = "/proc"):
+        self.proc = proc
+        self._by_pid: dict[int, MapsIndex | None] = {}
+
+    def of(self, pid: int) -> MapsIndex | None:
+        """The process's mappings; None when it is gone."""
+        if pid not in self._by_pid:
+            try:
+                with open(f"{self.proc}/{pid}/maps") as fh:
+                    self._by_pid[pid] = MapsIndex(parse_maps(fh.read()))
+            except OSError:
+                self._by_pid[pid] = None
+        return self._by_pid[pid]
+
+
 class ElfObjects:
     """The data symbols (objects) of one ELF file, for address lookups."""
 
@@ -151,8 +184,9 @@ class AddressDescriber:
         self.done: set[tuple[int, int]] = set()
         self._images: dict[tuple[str, int], ElfObjects | None] = {}  # (path, mtime_ns)
 
-    def describe(self, pairs: np.ndarray) -> pa.RecordBatch | None:
-        """Rows for the (pid, addr) pairs not described before."""
+    def describe(self, pairs: np.ndarray, maps: ProcMaps | None = None) -> pa.RecordBatch | None:
+        """Rows for the (pid, addr) pairs not described before; `maps`: this flush's."""
+        maps = maps if maps is not None else ProcMaps(self.proc)
         rows = []
         by_pid: dict[int, list[int]] = {}
         for pid, addr in pairs.tolist() if len(pairs) else []:
@@ -160,17 +194,12 @@ class AddressDescriber:
             if (pid, addr) not in self.done:
                 by_pid.setdefault(pid, []).append(addr)
         for pid, addrs in by_pid.items():
-            try:
-                with open(f"{self.proc}/{pid}/maps") as fh:
-                    maps = parse_maps(fh.read())
-            except OSError:  # gone already: described as unknown, not retried
-                maps = []
-            starts = np.array([m.start for m in maps], dtype=np.uint64)
+            index = maps.of(pid) or MapsIndex([])  # gone already: described as unknown, not retried
             if len(self.done) + len(addrs) > MAX_DESCRIBED:
                 self.done.clear()
             for addr in addrs:
                 self.done.add((pid, addr))
-                region, name = self._region(pid, maps, starts, addr)
+                region, name = self._region(pid, index, addr)
                 rows.append((pid, addr, region, name))
         if not rows:
             return None
@@ -186,11 +215,12 @@ class AddressDescriber:
         """A traced process exec'd: its addresses now mean other things."""
         self.done.clear()
 
-    def _region(self, pid: int, maps: list[Mapping], starts: np.ndarray, addr: int) -> tuple[str, str]:
+    def _region(self, pid: int, index: MapsIndex, addr: int) -> tuple[str, str]:
         """(region, name): region is image, heap, stack, shared, file, anon or unknown."""
-        i = int(np.searchsorted(starts, np.uint64(addr), side="right")) - 1
-        if i < 0 or addr >= maps[i].end:
+        i = index.index_of(addr)
+        if i < 0:
             return "unknown", ""
+        maps = index.maps
         m = maps[i]
         if m.path == "[heap]":
             return "heap", "[heap]"

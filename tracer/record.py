@@ -21,7 +21,7 @@ from trainbpf.errors import NotRootError, OutputError, TargetError
 from trainbpf.schema import SCHEMA_ID
 from trainbpf.tracefile import SpoolWriter, finalize, make_batch
 from trainbpf.tracer import loader, procs, procfs, taskstats
-from trainbpf.tracer.addrs import AddressDescriber, futex_pairs
+from trainbpf.tracer.addrs import AddressDescriber, ProcMaps, futex_pairs
 from trainbpf.tracer.collector import Settings
 from trainbpf.tracer.gpu import GpuSampler
 from trainbpf.tracer.ringbuf import open_rings
@@ -289,8 +289,9 @@ class Recorder:
         sym_kernel = symbolizer.symbolize(kernel, [])
         batches = [drop_irq_wakers(b, symbolizer.irq_ids) for b in batches]
         user = [stack_refs(b)[1] for b in batches]
-        sym_user = symbolizer.symbolize([], np.concatenate(user) if user else [])
-        described = self.futex_addrs.describe(futex_pairs(batches))
+        maps = ProcMaps()  # read once for this flush, by both
+        sym_user = symbolizer.symbolize([], np.concatenate(user) if user else [], maps)
+        described = self.futex_addrs.describe(futex_pairs(batches), maps)
         batches += [s for s in (sym_kernel, sym_user, described) if s is not None]
         gpu_batch = gpu.take()
         if gpu_batch is not None:

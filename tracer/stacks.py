@@ -3,6 +3,7 @@ readable stacks to wherever it is analysed."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -10,7 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trainbpf.tracefile import make_batch
-from trainbpf.tracer.addrs import Mapping, parse_maps
+from trainbpf.tracer.addrs import ProcMaps
 
 MAX_CACHED_NAMES = 65536
 MMAP_MIN_ADDR = 65536  # vm.mmap_min_addr's default; no user mapping starts lower
@@ -34,7 +35,6 @@ class StackSymbolizer:
         # its parent ran, and bcc would load each library's symbols again for its pid
         # (20-30 ms a library) to name addresses already named.
         self._image_names: dict[tuple[str, int, int], str] = {}  # (device, inode, offset)
-        self._maps: dict[int, tuple[np.ndarray, list[Mapping] | None]] = {}  # executable, per pid, this flush
 
     def _frames(self, stack_id: int, resolve) -> str:
         table = self.bpf["stacks"]
@@ -43,11 +43,12 @@ class StackSymbolizer:
         except KeyError:
             return ""
         # Not bcc's walk(): it assumes 127-frame values.  A stack ends at the first 0.
-        addrs = list(ips)
-        return ";".join(resolve(a) for a in addrs[: addrs.index(0) if 0 in addrs else len(addrs)])
+        return ";".join(resolve(a) for a in itertools.takewhile(bool, ips))
 
-    def symbolize(self, kernel_ids, user_pairs) -> pa.RecordBatch | None:
-        """Rows for ids not seen before: `kernel_ids` ids, `user_pairs` (id, pid)."""
+    def symbolize(self, kernel_ids, user_pairs, maps: ProcMaps | None = None) -> pa.RecordBatch | None:
+        """Rows for ids not seen before: `kernel_ids` ids, `user_pairs` (id, pid);
+        `maps`: this flush's process mappings."""
+        maps = maps if maps is not None else ProcMaps()
         rows = []
         for sid in set(int(s) for s in kernel_ids) - self.done_kernel:
             if sid < 0:
@@ -61,8 +62,7 @@ class StackSymbolizer:
             if sid < 0:
                 continue
             self.done_user.add((sid, pid))
-            rows.append((sid, "user", pid, self._frames(sid, lambda a, pid=pid: self._usym(a, pid))))
-        self._maps.clear()  # a later flush sees libraries loaded since
+            rows.append((sid, "user", pid, self._frames(sid, lambda a, pid=pid: self._usym(a, pid, maps))))
         if not rows:
             return None
         now = time.monotonic_ns()
@@ -86,13 +86,13 @@ class StackSymbolizer:
             name = self._kernel_names[addr] = self.bpf.ksym(addr).decode(errors="replace")
         return name
 
-    def _usym(self, addr: int, pid: int) -> str:
+    def _usym(self, addr: int, pid: int, maps: ProcMaps) -> str:
         name = self._user_names.get((pid, addr))
         if name is None:
             if len(self._user_names) >= MAX_CACHED_NAMES:
                 self._user_names.clear()
             name = "[unknown]"
-            code = self._code_at(pid, addr) if addr >= MMAP_MIN_ADDR else None
+            code = _code_at(maps, pid, addr) if addr >= MMAP_MIN_ADDR else None
             # Below mmap_min_addr, or outside the process's executable memory (while it
             # is alive to tell): a frame-pointer walk gone astray, not a return address.
             if code is not None:
@@ -110,28 +110,21 @@ class StackSymbolizer:
             name = self._user_names[(pid, addr)] = name if name != "[unknown]" else f"0x{addr:x}"
         return name
 
-    def _code_at(self, pid: int, addr: int) -> tuple[str, int, int] | None:
-        """Where a user address lies in the process's executable memory: (device, inode,
-        offset in the file) in a file's mapping, ("", 0, 0) in anonymous code (a JIT's),
-        None outside executable memory.  The file by device and inode, not by path: in
-        another mount namespace (a container) the same path can be another file.  A
-        process already gone could be anywhere: ("", 0, 0), left to bcc."""
-        if pid not in self._maps:
-            try:
-                with open(f"/proc/{pid}/maps") as fh:
-                    maps = [m for m in parse_maps(fh.read()) if m.executable]
-            except OSError:
-                maps = None
-            starts = np.array([m.start for m in maps or []], dtype=np.uint64)
-            self._maps[pid] = (starts, maps)
-        starts, maps = self._maps[pid]
-        if maps is None:
-            return ("", 0, 0)
-        i = int(np.searchsorted(starts, np.uint64(addr), side="right")) - 1
-        if i < 0 or addr >= maps[i].end:
-            return None
-        m = maps[i]
-        return (*m.file, addr - m.start + m.offset) if m.path.startswith("/") and m.file[1] else ("", 0, 0)
+
+def _code_at(maps: ProcMaps, pid: int, addr: int) -> tuple[str, int, int] | None:
+    """Where a user address lies in the process's executable memory: (device, inode,
+    offset in the file) in a file's mapping, ("", 0, 0) in anonymous code (a JIT's), None
+    outside executable memory.  The file by device and inode, not by path: in another
+    mount namespace (a container) the same path can be another file.  A process already
+    gone could be anywhere: ("", 0, 0), left to bcc."""
+    index = maps.of(pid)
+    if index is None:
+        return ("", 0, 0)
+    i = index.index_of(addr)
+    if i < 0 or not index.maps[i].executable:
+        return None
+    m = index.maps[i]
+    return (*m.file, addr - m.start + m.offset) if m.path.startswith("/") and m.file[1] else ("", 0, 0)
 
 
 def drop_irq_wakers(batch: pa.RecordBatch, irq_ids: set[int]) -> pa.RecordBatch:
