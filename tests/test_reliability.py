@@ -341,6 +341,12 @@ def test_analyze_bad_inputs(tmp_path):
     cases.append((tmp_path / "other.parquet", TraceSchemaError, "unknown trace schema"))
     _write_parquet(tmp_path / "newer.parquet", {"schema": "trainbpf.trace/99"})
     cases.append((tmp_path / "newer.parquet", TraceSchemaError, "upgrade trainbpf"))
+    _write_parquet(tmp_path / "stacks.parquet", {"schema": "trainbpf.trace/1", "stacks": [1]})
+    cases.append((tmp_path / "stacks.parquet", TraceReadError, "'stacks' is not an object"))
+    _write_parquet(tmp_path / "walks.parquet", {"schema": "trainbpf.trace/1", "stacks": {"walks": "many"}})
+    cases.append((tmp_path / "walks.parquet", TraceReadError, "stacks.walks is not an integer"))
+    _write_parquet(tmp_path / "gpu.parquet", {"schema": "trainbpf.trace/1", "gpu": "x"})
+    cases.append((tmp_path / "gpu.parquet", TraceReadError, "'gpu' is not an object"))
     good = PROJECT / "tests" / "data" / "small-trace.parquet"
     if good.exists():
         data = good.read_bytes()

@@ -186,6 +186,23 @@ def _read_spool(path: Path) -> tuple[pa.Table, dict[str, Any]]:
     return pa.Table.from_batches(list(batches), schema=TRACE_SCHEMA), meta
 
 
+# Metadata sections that are JSON objects, and those whose values are all integers
+# (counters): checked when a trace is read, so a damaged trace is a one-line error, not
+# a crash deep inside the analysis.
+META_OBJECTS = ("clock", "topology", "thresholds", "gpu", "lost", "stacks")
+META_COUNTERS = ("lost", "stacks")
+
+
+def _check_meta_shape(meta: Mapping[str, Any], path: Path) -> None:
+    for key in META_OBJECTS:
+        if meta.get(key) is not None and not isinstance(meta[key], dict):
+            raise TraceReadError(f"{path}: corrupt trainbpf metadata: {key!r} is not an object")
+    for key in META_COUNTERS:
+        for name, value in (meta.get(key) or {}).items():
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TraceReadError(f"{path}: corrupt trainbpf metadata: {key}.{name} is not an integer")
+
+
 def _decode_meta(raw: Mapping[bytes, bytes] | None, path: Path) -> dict[str, Any]:
     if not raw or METADATA_KEY not in raw:
         raise TraceReadError(f"{path}: not a trainbpf trace (no trainbpf metadata)")
@@ -201,6 +218,7 @@ def _decode_meta(raw: Mapping[bytes, bytes] | None, path: Path) -> dict[str, Any
         newer = version.isdigit() and int(version) > SCHEMA_VERSION
         hint = "upgrade trainbpf to read it" if newer else "re-record it with this version"
         raise TraceSchemaError(f"{path}: trace schema {schema} is not {SCHEMA_ID}; {hint}")
+    _check_meta_shape(meta, path)
     return meta
 
 
