@@ -16,7 +16,9 @@ from trainbpf.analyzers.attribution import RunSplit, attribute_states, churn_thr
 from trainbpf.analyzers.categories import CATEGORIES, STATES, codes
 from trainbpf.analyzers.chains import followed_waits, is_followed, wait_chains
 from trainbpf.analyzers.findings import EvidenceContext, attribute_starved, build_findings
-from trainbpf.analyzers.gpu import covered_window_ns, gpu_utilisation, idle_windows, job_gpus, starved_pieces
+from trainbpf.analyzers.gpu import (
+    gpu_utilisation, idle_fraction, idle_stretches, job_gpus, sample_windows, starved_pieces, whole_window,
+)
 from trainbpf.analyzers.intervals import Span, as_int64, dense_rank, parse_window, resolve_window, trace_span
 from trainbpf.analyzers.numa import gpu_node, memory_placement, thread_placement
 from trainbpf.analyzers.roles import assign_roles, observed_threads, pick_trainer
@@ -34,8 +36,9 @@ DEFAULT_GPU_IDLE_THRESHOLD = 10.0
 class Analysis:
     """Everything `analyze` found; the report layer renders it.
 
-    `basis` says what starved time is: "gpu_idle" (trainer's stalled time inside GPU-idle
-    windows) or "trainer_not_running" (no GPU samples: the trainer's stalled time)."""
+    `basis` says what starved time is: "gpu_idle" (the GPU samples' idle time that the
+    trainer's named stalls explain, analyzers/gpu.py) or "trainer_not_running" (no GPU
+    samples: the trainer's stalled time)."""
 
     path: str
     meta: dict[str, Any]
@@ -49,8 +52,9 @@ class Analysis:
     totals: pd.DataFrame  # ns per (tid, state) inside the window
     futex_waits: pd.DataFrame
     samples: pd.DataFrame  # on-CPU samples with their class
-    gpu: pd.DataFrame  # utilisation sweeps
-    idle: pd.DataFrame  # GPU-idle windows inside the window (the window itself without GPU)
+    gpu: pd.DataFrame  # gpu.UTIL_COLUMNS: each GPU's sample windows
+    idle: pd.DataFrame  # stretches below gpu_idle_threshold inside the window (drawing only)
+    gpu_windows: pd.DataFrame  # gpu.WINDOW_COLUMNS: idle, stalls and starved ns per sample window
     starved: pd.DataFrame  # findings.ATTRIBUTED_COLUMNS
     chains: pd.DataFrame  # chains.LINK_COLUMNS: the path each followed wait took
     chain_ends: pd.DataFrame  # chains.END_COLUMNS: where its shares ended
@@ -81,7 +85,21 @@ class Analysis:
 
     @property
     def gpu_samples(self) -> int:
-        return int(self.gpu["gpus"].sum()) if len(self.gpu) else 0
+        """GPU samples (one per GPU per period) that reach into the analysed window."""
+        return len(self.gpu_windows) if self.basis == "gpu_idle" else 0
+
+    @property
+    def idle_ns(self) -> float:
+        """GPU idle time inside the window (GPU-averaged ns); 0 without GPU samples."""
+        w = self.gpu_windows
+        return float((w["idle_ns"] * w["weight"]).sum()) if self.basis == "gpu_idle" else 0.0
+
+    @property
+    def unwoken_idle_ns(self) -> float:
+        """Idle time that only sleeps no traced thread ended could cover (presumed GPU
+        synchronisation or timers): left out of starved time."""
+        w = self.gpu_windows
+        return float((w["unwoken_idle_ns"] * w["weight"]).sum())
 
     @property
     def gpu_source(self) -> str | None:
@@ -181,19 +199,19 @@ def analyze(
     run_split = RunSplit(samples)
     totals = state_totals(slots, win)
 
-    util = gpu_utilisation(frame("gpu"), span, uuids=job_gpus(meta))
-    if len(util):
+    util = gpu_utilisation(frame("gpu"), span, uuids=job_gpus(meta), pids=frozenset(int(p) for p in base["pid"].unique()))
+    windows = sample_windows(util, win)
+    if len(windows):
         basis = "gpu_idle"
-        idle = idle_windows(util, threshold=float(gpu_idle_threshold), window=win)
-        covered = covered_window_ns(util, win)
-        idle_fraction = float((idle["end_ns"] - idle["start_ns"]).sum()) / covered if covered else 0.0
+        idle = idle_stretches(util, threshold=float(gpu_idle_threshold), window=win)
+        gpu_idle = idle_fraction(util, win)
     else:
         basis = "trainer_not_running"
-        idle = pd.DataFrame({"start_ns": np.array([win.start_ns], np.int64), "end_ns": np.array([win.end_ns], np.int64)})
-        idle = idle[idle["end_ns"] > idle["start_ns"]].reset_index(drop=True)
-        idle_fraction = None
+        windows = whole_window(win)
+        idle = windows[["start_ns", "end_ns"]].copy()
+        gpu_idle = None
 
-    pieces = starved_pieces(trainer_states, idle, run_split, trainer)
+    pieces, gpu_windows = starved_pieces(trainer_states, windows, run_split, trainer, budget=basis == "gpu_idle")
     # Only the waits that starved the GPU are followed.
     stalled = pieces.loc[pieces["run_class"] == "", "interval"].unique()
     waits = followed_waits(trainer_states, stalled[followed[stalled]])
@@ -218,9 +236,9 @@ def analyze(
     return Analysis(
         path=str(getattr(trace, "path", "")), meta=meta, span=span, window=win, trainer_tid=trainer,
         gpu_idle_threshold=float(gpu_idle_threshold), basis=basis, threads=threads, slots=slots, totals=totals,
-        futex_waits=futex_waits, samples=samples, gpu=util, idle=idle, starved=starved, chains=chains, chain_ends=chain_ends,
+        futex_waits=futex_waits, samples=samples, gpu=util, idle=idle, gpu_windows=gpu_windows, starved=starved, chains=chains, chain_ends=chain_ends,
         churn=churn, placement=placement, findings=findings, lost=lost_counts(meta, frame("lost")),
-        idle_fraction=idle_fraction,
+        idle_fraction=gpu_idle,
     )
 
 

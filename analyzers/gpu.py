@@ -1,13 +1,27 @@
-"""The GPU-starvation timeline: when the GPU sat idle and what the trainer was doing then.
+"""The GPU-starvation timeline: how much of each GPU sample was idle, and which of the
+trainer's stalls that idle time is put down to (docs/findings.md, "Starved time").
 
-A GPU sample reports utilisation over the period since the previous sample (how
-nvidia-smi's utilization.gpu is defined), so sample i covers [ts[i-1], ts[i]).  Samples
-below the idle threshold make idle windows.  Only the GPUs the traced processes held a
-context on count, where the recorder saw which (metadata gpu.processes): on a shared
-node the other jobs' GPUs say nothing about this one.  Starved time is the trainer's stalled time
-inside them: not running, or running in the kernel's fault/reclaim/mapping paths.  With
-no GPU samples the whole analysed window counts, i.e. starved time is the trainer's
-non-running time.
+A GPU sample reports utilisation u averaged over a period p ending at its timestamp (the
+sample's own `dur_ns` where the source says so: NVML's driver samples; else the time
+since the previous sample of that GPU: nvidia-smi).  The sample holds (1 - u/100)·p of
+idle time, wherever in the period it fell.  Inside that window the trainer's stalls can
+explain at most that much:
+
+    starved(window) = min(idle, named stalls)
+
+shared among the window's named stall pieces in proportion to their length.  Named stalls
+are those with a cause: woken by a traced thread (followed to the producer), runnable,
+fault/reclaim/mmap_lock/throttling/block I/O, a contended lock or the GIL, and running
+time the on-CPU samples put in the kernel's fault or reclaim paths.  Sleeps that no
+traced thread ended (a timer, an interrupt: what a blocking CUDA synchronisation looks
+like from the kernel) are *not* a cause: while the trainer waits for the GPU the GPU is
+busy.  The idle time they could cover is reported as such (`unwoken_ns`), never shared
+into findings.  Only the GPUs the traced processes use count (metadata gpu.processes);
+with per-process samples (NVML), only the job's own share of a GPU counts.  Several GPUs
+of one job: the model runs per GPU and each GPU weighs 1/G, so starved seconds are
+GPU-averaged seconds and never exceed the trainer's stalled time.  With no GPU samples
+the whole analysed window is one fully idle window without a budget: starved time is the
+trainer's non-running time.
 """
 
 from __future__ import annotations
@@ -18,13 +32,21 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.attribution import RunSplit
-from trainbpf.analyzers.categories import RUN_CLASS_DTYPE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes
+from trainbpf.analyzers.categories import CATEGORY_CODE, RUN_CLASS_DTYPE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes
+from trainbpf.analyzers.chains import interval_category_codes, is_followed
 from trainbpf.analyzers.intervals import Span, as_int64, intersect, merge_intervals
 
 DEFAULT_SAMPLE_PERIOD_NS = 100_000_000  # nvidia-smi -lms 100
-UTIL_COLUMNS = ("ts_ns", "start_ns", "util", "gpus")
-WINDOW_COLUMNS = ("start_ns", "end_ns")
+# One row per GPU sample window: `gpu` names the GPU (uuid, else index), [start_ns, ts_ns)
+# the period the sample describes, `util` the job's utilisation percent over it.
+UTIL_COLUMNS = ("gpu", "start_ns", "ts_ns", "util")
+# Per GPU sample window inside the analysed window: its idle ns, the stalls of the trainer
+# inside it (named: with a cause; unwoken: sleeps no traced thread ended), the starved
+# ns the named stalls explain, the idle ns unwoken sleeps overlap at most, and the GPU's
+# weight (1/number of GPUs).
+WINDOW_COLUMNS = ("gpu", "start_ns", "end_ns", "idle_ns", "named_ns", "unwoken_ns", "starved_ns", "unwoken_idle_ns", "weight")
 PIECE_COLUMNS = ("interval", "start_ns", "end_ns", "ns", "state", "run_class")
+IDLE_COLUMNS = ("start_ns", "end_ns")
 
 
 def job_gpus(meta: Mapping[str, Any]) -> frozenset[str]:
@@ -33,81 +55,207 @@ def job_gpus(meta: Mapping[str, Any]) -> frozenset[str]:
     return frozenset(str(p["uuid"]) for p in processes if isinstance(p, Mapping) and p.get("uuid"))
 
 
-def gpu_utilisation(gpu: pd.DataFrame, span: Span, *, uuids: frozenset[str] = frozenset()) -> pd.DataFrame:
-    """One row per sampling sweep: the mean utilisation over the GPUs sampled at that
-    time and the stretch [start_ns, ts_ns) it covers, clipped to the trace.  With
-    `uuids`, only those GPUs' samples count (all of them if none of the samples match)."""
-    if uuids and len(gpu) and "name" in gpu:
-        mine = gpu["name"].astype(object).isin(uuids).to_numpy()
-        if mine.any():
-            gpu = gpu[mine]
-    if not len(gpu):
-        return pd.DataFrame(
-            {"ts_ns": np.zeros(0, np.int64), "start_ns": np.zeros(0, np.int64),
-             "util": np.zeros(0, np.float64), "gpus": np.zeros(0, np.int64)}
-        )
-    df = pd.DataFrame({"ts_ns": as_int64(gpu["ts_ns"]), "util": pd.to_numeric(gpu["value"], errors="coerce")})
-    df = df[df["util"].notna()]
-    sweeps = df.groupby("ts_ns", sort=True)["util"].agg(["mean", "size"]).reset_index()
-    ts = sweeps["ts_ns"].to_numpy(np.int64)
+def _empty_util() -> pd.DataFrame:
+    return pd.DataFrame({"gpu": pd.Series([], dtype=object), "start_ns": np.zeros(0, np.int64),
+                         "ts_ns": np.zeros(0, np.int64), "util": np.zeros(0, np.float64)})
+
+
+def _series_windows(ts: np.ndarray, dur: np.ndarray, util: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One sample series (one GPU, or one process on it) as disjoint windows [start, end):
+    a sample covers its own `dur` when known (> 0), else the time since the previous
+    sample; the first sample without a period covers the series' median spacing."""
+    order = np.argsort(ts, kind="stable")
+    ts, dur, util = ts[order], dur[order], util[order]
+    last = np.append(ts[1:] != ts[:-1], True)  # a repeated timestamp: the newest row wins
+    ts, dur, util = ts[last], dur[last], util[last]
     step = np.diff(ts)
     period = int(np.median(step)) if len(step) else DEFAULT_SAMPLE_PERIOD_NS
-    start = np.concatenate([[ts[0] - period], ts[:-1]]) if len(ts) else ts
-    start = np.clip(start, span.start_ns, span.end_ns)
-    end = np.clip(ts, span.start_ns, span.end_ns)
-    return pd.DataFrame(
-        {"ts_ns": end, "start_ns": start, "util": sweeps["mean"].to_numpy(np.float64),
-         "gpus": sweeps["size"].to_numpy(np.int64)}
-    )[list(UTIL_COLUMNS)]
+    prev = np.concatenate([[ts[0] - period], ts[:-1]]) if len(ts) else ts
+    start = np.where(dur > 0, ts - dur, prev)
+    start = np.maximum(start, np.concatenate([[np.iinfo(np.int64).min], ts[:-1]]))  # never overlap the previous
+    return start, ts, util
 
 
-def idle_windows(util: pd.DataFrame, *, threshold: float, window: Span) -> pd.DataFrame:
-    """Merged stretches inside `window` where utilisation was below `threshold` percent."""
+def _sum_series(series: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Several processes' utilisation of one GPU as one step function: the sum of their
+    percentages (at most 100) over the pieces between all their window edges; time no
+    series covers is left out."""
+    if len(series) == 1:
+        return series[0]
+    edges = np.unique(np.concatenate([np.concatenate([s, e]) for s, e, _ in series]))
+    lo, hi = edges[:-1], edges[1:]
+    total = np.zeros(len(lo))
+    covered = np.zeros(len(lo), bool)
+    for start, end, util in series:
+        at = np.searchsorted(end, lo, side="right")  # the window ending after the piece starts
+        inside = at < len(end)
+        inside[inside] &= start[at[inside]] <= lo[inside]
+        total[inside] += util[at[inside]]
+        covered |= inside
+    return lo[covered], hi[covered], np.minimum(total[covered], 100.0)
+
+
+def gpu_utilisation(
+    gpu: pd.DataFrame, span: Span, *, uuids: frozenset[str] = frozenset(), pids: frozenset[int] = frozenset()
+) -> pd.DataFrame:
+    """UTIL_COLUMNS: every GPU's sample windows, clipped to the trace, sorted by GPU and
+    time.  With `uuids`, only those GPUs count (all of them if no sample matches).  A GPU
+    with per-process samples (rows with a pid) of any of `pids` is measured by those
+    processes' summed utilisation, not the device's."""
+    if not len(gpu):
+        return _empty_util()
+    key = gpu["name"].astype(object).where(gpu["name"].notna(), "gpu" + pd.Series(as_int64(gpu["op"], 0), index=gpu.index).astype(str)) \
+        if "name" in gpu else "gpu" + pd.Series(as_int64(gpu["op"], 0), index=gpu.index).astype(str)
+    key = key.to_numpy(dtype=object)
+    if uuids:
+        mine = np.isin(key, list(uuids))
+        if mine.any():
+            gpu, key = gpu[mine], key[mine]
+    ts = as_int64(gpu["ts_ns"])
+    dur = as_int64(gpu["dur_ns"], 0) if "dur_ns" in gpu else np.zeros(len(gpu), np.int64)
+    pid = as_int64(gpu["pid"]) if "pid" in gpu else np.full(len(gpu), -1, np.int64)
+    util = pd.to_numeric(gpu["value"], errors="coerce").to_numpy(np.float64)
+    ok = np.isfinite(util) & (ts > 0)
+    util = np.clip(util, 0.0, 100.0)
+    parts = []
+    for name in pd.unique(key[ok]):
+        rows = ok & (key == name)
+        job = rows & (pid >= 0) & np.isin(pid, list(pids))
+        if job.any():
+            series = [_series_windows(ts[job & (pid == p)], dur[job & (pid == p)], util[job & (pid == p)])
+                      for p in np.unique(pid[job])]
+        else:
+            device = rows & (pid < 0)
+            if not device.any():
+                continue
+            series = [_series_windows(ts[device], dur[device], util[device])]
+        start, end, value = _sum_series(series)
+        start = np.clip(start, span.start_ns, span.end_ns)
+        end = np.clip(end, span.start_ns, span.end_ns)
+        keep = end > start
+        parts.append(pd.DataFrame({"gpu": name, "start_ns": start[keep], "ts_ns": end[keep], "util": value[keep]}))
+    if not parts:
+        return _empty_util()
+    return pd.concat(parts, ignore_index=True)[list(UTIL_COLUMNS)]
+
+
+def idle_fraction(util: pd.DataFrame, window: Span) -> float | None:
+    """The time-weighted idle share of the job's GPUs inside `window`: 1 - mean
+    utilisation, each GPU weighing the same (None without samples there)."""
+    w = sample_windows(util, window)
+    covered = float(((w["end_ns"] - w["start_ns"]) * w["weight"]).sum())
+    return float((w["idle_ns"] * w["weight"]).sum()) / covered if covered > 0 else None
+
+
+def sample_windows(util: pd.DataFrame, window: Span) -> pd.DataFrame:
+    """(gpu, start_ns, end_ns, idle_ns, weight): the sample windows clipped to `window`;
+    a window cut by it keeps the idle time in proportion."""
+    start = np.clip(util["start_ns"].to_numpy(np.int64), window.start_ns, window.end_ns)
+    end = np.clip(util["ts_ns"].to_numpy(np.int64), window.start_ns, window.end_ns)
+    keep = end > start
+    gpus = util["gpu"].to_numpy(dtype=object)[keep]
+    n_gpus = max(1, len(pd.unique(gpus)))
+    idle = (1.0 - util["util"].to_numpy(np.float64)[keep] / 100.0) * (end[keep] - start[keep])
+    return pd.DataFrame({"gpu": gpus, "start_ns": start[keep], "end_ns": end[keep], "idle_ns": idle,
+                         "weight": np.full(int(keep.sum()), 1.0 / n_gpus)})
+
+
+def idle_stretches(util: pd.DataFrame, *, threshold: float, window: Span) -> pd.DataFrame:
+    """Merged stretches inside `window` where a GPU's utilisation was below `threshold`
+    percent.  Drawing only (the HTML timeline shades them): starved time never depends
+    on a threshold."""
     idle = util[util["util"] < threshold]
     start = np.clip(idle["start_ns"].to_numpy(np.int64), window.start_ns, window.end_ns)
     end = np.clip(idle["ts_ns"].to_numpy(np.int64), window.start_ns, window.end_ns)
     start, end = merge_intervals(start, end)
-    return pd.DataFrame({"start_ns": start, "end_ns": end})[list(WINDOW_COLUMNS)]
+    return pd.DataFrame({"start_ns": start, "end_ns": end})[list(IDLE_COLUMNS)]
 
 
-def covered_window_ns(util: pd.DataFrame, window: Span) -> int:
-    """How much of `window` the GPU samples cover (the idle fraction's denominator)."""
-    start = np.clip(util["start_ns"].to_numpy(np.int64), window.start_ns, window.end_ns)
-    end = np.clip(util["ts_ns"].to_numpy(np.int64), window.start_ns, window.end_ns)
-    start, end = merge_intervals(start, end)
-    return int((end - start).sum())
+def whole_window(window: Span) -> pd.DataFrame:
+    """The analysed window as the one fully idle 'sample' used without GPU samples."""
+    n = int(window.ns > 0)
+    return pd.DataFrame({"gpu": np.array([""] * n, dtype=object), "start_ns": np.full(n, window.start_ns, np.int64),
+                         "end_ns": np.full(n, window.end_ns, np.int64), "idle_ns": np.full(n, float(window.ns)),
+                         "weight": np.ones(n)})
 
 
-def starved_pieces(
-    trainer_states: pd.DataFrame, windows: pd.DataFrame, run_split: RunSplit, trainer_tid: int | None
-) -> pd.DataFrame:
-    """The trainer's stalled time inside `windows`: one piece per (state interval, window)
-    overlap; running overlaps become one piece per non-user RUN_CLASS, weighted by the
-    on-CPU samples (`ns` is float ns)."""
+def stall_pieces(trainer_states: pd.DataFrame, start_ns: np.ndarray, end_ns: np.ndarray, run_split: RunSplit,
+                 trainer_tid: int | None) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+    """The trainer's stalled time inside the windows [start_ns, end_ns) (sorted,
+    disjoint): one piece per (state interval, window) overlap, running overlaps as one
+    piece per non-user RUN_CLASS weighted by the on-CPU samples (`ns` is float ns).
+    Returns the pieces (PIECE_COLUMNS), each piece's window, and whether it is named."""
     s = trainer_states["start_ns"].to_numpy(np.int64)
     e = trainer_states["end_ns"].to_numpy(np.int64)
-    ia, _, ps, pe = intersect(s, e, windows["start_ns"].to_numpy(np.int64), windows["end_ns"].to_numpy(np.int64))
+    ia, iw, ps, pe = intersect(s, e, start_ns, end_ns)
     state = codes(trainer_states["state"])[ia]
+    fclass = codes(trainer_states["futex_class"])[ia] if "futex_class" in trainer_states else np.zeros(len(ia), np.int8)
+    waker = trainer_states["waker_tid"].to_numpy(np.int64)[ia]
     running = state == STATE_CODE["running"]
+    named = is_followed(state, fclass, waker) | (interval_category_codes(state, fclass) != CATEGORY_CODE["other"])
     pieces = pd.DataFrame(
         {"interval": ia.astype(np.int64), "start_ns": ps, "end_ns": pe, "ns": (pe - ps).astype(np.float64),
          "state": pd.Categorical.from_codes(state, dtype=STATE_DTYPE),
          "run_class": pd.Categorical.from_codes(np.zeros(len(ia), np.int8), dtype=RUN_CLASS_DTYPE)}
     )
-    stalled = pieces[~running]
-    parts = [stalled]
+    parts, windows, names = [pieces[~running]], [iw[~running]], [named[~running]]
     if running.any() and trainer_tid is not None:
-        run = pieces[running]
+        run, run_w = pieces[running], iw[running]
         frac = run_split.fractions(trainer_tid, run["start_ns"].to_numpy(), run["end_ns"].to_numpy())
         for k, cls in enumerate(RUN_CLASSES):
-            if cls == "user":
+            hit = frac[:, k] > 0
+            if cls == "user" or not hit.any():
                 continue
-            share = frac[:, k]
-            hit = share > 0
-            if hit.any():
-                part = run[hit].copy()
-                part["ns"] = part["ns"].to_numpy() * share[hit]
-                part["run_class"] = pd.Categorical([cls] * int(hit.sum()), dtype=RUN_CLASS_DTYPE)
-                parts.append(part)
-    out = pd.concat(parts, ignore_index=True) if len(parts) > 1 else stalled.reset_index(drop=True)
-    return out[list(PIECE_COLUMNS)].sort_values(["start_ns", "run_class"], kind="stable").reset_index(drop=True)
+            part = run[hit].copy()
+            part["ns"] = part["ns"].to_numpy() * frac[hit, k]
+            part["run_class"] = pd.Categorical([cls] * int(hit.sum()), dtype=RUN_CLASS_DTYPE)
+            parts.append(part)
+            windows.append(run_w[hit])
+            names.append(np.ones(int(hit.sum()), bool))  # a fault or reclaim path is a cause
+    out = pd.concat(parts, ignore_index=True)[list(PIECE_COLUMNS)]
+    return out, np.concatenate(windows), np.concatenate(names)
+
+
+def starved_pieces(
+    trainer_states: pd.DataFrame, windows: pd.DataFrame, run_split: RunSplit, trainer_tid: int | None,
+    *, budget: bool = True,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The starved part of the trainer's stalls, and WINDOW_COLUMNS per window.
+
+    `windows` (gpu, start_ns, end_ns, idle_ns, weight; disjoint per GPU).  With `budget`,
+    a window's named stalls explain at most its idle time (min(idle, named), shared in
+    proportion to length) and unwoken sleeps explain none of it; without (no GPU
+    samples), every stall counts whole.  Each piece's `ns` carries its GPU's weight."""
+    pieces, summaries = [], []
+    for gpu, rows in windows.groupby("gpu", sort=False):
+        rows = rows.sort_values("start_ns", kind="stable")
+        w_start, w_end = rows["start_ns"].to_numpy(np.int64), rows["end_ns"].to_numpy(np.int64)
+        idle, weight = rows["idle_ns"].to_numpy(np.float64), rows["weight"].to_numpy(np.float64)
+        part, win, named = stall_pieces(trainer_states, w_start, w_end, run_split, trainer_tid)
+        ns = part["ns"].to_numpy(np.float64)
+        named_ns = np.bincount(win[named], weights=ns[named], minlength=len(rows))
+        unwoken_ns = np.bincount(win[~named], weights=ns[~named], minlength=len(rows))
+        if budget:
+            starved = np.minimum(idle, named_ns)
+            factor = np.divide(starved, named_ns, out=np.zeros(len(rows)), where=named_ns > 0)
+            unwoken_idle = np.minimum(idle - starved, unwoken_ns)
+            keep = named
+        else:
+            starved = named_ns + unwoken_ns
+            factor = np.ones(len(rows))
+            unwoken_idle = np.zeros(len(rows))
+            keep = np.ones(len(part), bool)
+        part = part[keep].copy()
+        part["ns"] = ns[keep] * factor[win[keep]] * weight[win[keep]]
+        pieces.append(part[part["ns"].to_numpy() > 0])
+        summaries.append(pd.DataFrame({
+            "gpu": gpu, "start_ns": w_start, "end_ns": w_end, "idle_ns": idle, "named_ns": named_ns,
+            "unwoken_ns": unwoken_ns, "starved_ns": starved, "unwoken_idle_ns": unwoken_idle, "weight": weight,
+        }))
+    if not pieces:
+        empty, _, _ = stall_pieces(trainer_states.iloc[:0], np.zeros(0, np.int64), np.zeros(0, np.int64), run_split, None)
+        summary = pd.DataFrame({c: np.zeros(0) for c in WINDOW_COLUMNS}).astype({"gpu": object, "start_ns": np.int64, "end_ns": np.int64})
+        return empty, summary[list(WINDOW_COLUMNS)]
+    out = pd.concat(pieces, ignore_index=True)
+    out = out.sort_values(["start_ns", "run_class"], kind="stable").reset_index(drop=True)[list(PIECE_COLUMNS)]
+    return out, pd.concat(summaries, ignore_index=True)[list(WINDOW_COLUMNS)]

@@ -222,7 +222,7 @@ def node_trace(tmp_path):
 
 
 def test_node_metrics_from_a_trace(tmp_path):
-    node = node_metrics(node_trace(tmp_path), gpu_idle_threshold=10.0)
+    node = node_metrics(node_trace(tmp_path))
     assert node["recorded_seconds"] == pytest.approx(10.0)
     assert node["system_wide"] is True
     assert node["runqueue_seconds"] == pytest.approx(0.06 + 98 * 10e-6)
@@ -232,7 +232,8 @@ def test_node_metrics_from_a_trace(tmp_path):
     assert node["pressure"] == pytest.approx({"cpu.some": 0.5, "memory.some": 0.0})
     assert node["numa_remote_ratio"] == pytest.approx(0.1)
     assert node["numa_task_moves"] == 1
-    assert node["gpu_idle_ratio"] == pytest.approx({"0": 0.3})
+    # Time-weighted: samples at 0.5, 1.5, .. 9.5 s cover [0, 9.5); 2.5 s at 5%, 7 s at 90%.
+    assert node["gpu_idle_ratio"] == pytest.approx({"0": (2.5 * 0.95 + 7 * 0.10) / 9.5})
     assert node["lost_events"] == 5
     values = node_check_values(node)
     assert values["reclaim_ratio"] == pytest.approx(0.02) and values["dirty_throttle_ratio"] == pytest.approx(0.03)
@@ -241,7 +242,7 @@ def test_node_metrics_from_a_trace(tmp_path):
 
 
 def test_node_metrics_of_an_empty_trace(tmp_path):
-    node = node_metrics(Synth(duration_s=2.0).read(tmp_path), gpu_idle_threshold=10.0)
+    node = node_metrics(Synth(duration_s=2.0).read(tmp_path))
     assert node["runqueue_latency_p99_seconds"] is None and node["runqueue_seconds"] == 0.0
     assert node["numa_remote_ratio"] is None and node["pressure"] == {}
 
@@ -281,7 +282,7 @@ def test_assess_grades_each_target_from_the_analysis(tmp_path):
     report = json.loads(run_analyze(path=path, fmt="json", trainer_tid=100))
     assert t.starved_s == report["starved_s"] > 4.0
     assert t.starved_ratio == pytest.approx(report["starved_s"] / 10.0)
-    assert t.status == WARNING and result.status == WARNING and result.exit_code == 1  # 0.25 <= 0.45 < 0.5
+    assert t.status == CRITICAL and result.status == CRITICAL and result.exit_code == 2  # 0.5 <= 0.7
     assert t.top["category"] == "input_pipeline" and result.top_category() == "input_pipeline"
     roles = {role for role, _ in t.role_seconds}
     assert roles == {"trainer", "dataloader"}

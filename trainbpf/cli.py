@@ -145,7 +145,7 @@ def analyze(
     format: str = typer.Option("text", "--format", "-f", help="text, json or html."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the report here instead of stdout."),
     trainer_tid: Optional[int] = typer.Option(None, help="The thread that feeds the GPU (default: recorded or the target's main thread)."),
-    gpu_idle_threshold: float = typer.Option(10.0, help="GPU utilisation percent below which a sample counts as idle."),
+    gpu_idle_threshold: float = typer.Option(10.0, help="Shade GPU samples below this utilisation percent in the HTML timeline (drawing only: starved time uses each sample's own utilisation)."),
     window: Optional[str] = typer.Option(None, help="START:END seconds from the trace start to analyse."),
 ) -> None:
     """Attribute every stall of the trainer's threads to a cause; rank the findings (no root)."""

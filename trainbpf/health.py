@@ -38,6 +38,8 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 import pandas as pd
 
+from trainbpf.analyzers.gpu import gpu_utilisation, idle_fraction
+from trainbpf.analyzers.intervals import trace_span
 from trainbpf.errors import OutputError, TargetError, TrainbpfError, UsageError
 
 HEALTH_SCHEMA = "trainbpf.health/1"
@@ -119,7 +121,6 @@ class HealthConfig:
     json_file: Path | None = None
     trace_file: Path | None = None  # keep the trace here; None: a temporary file, removed
     gpu: str = "auto"
-    gpu_idle_threshold: float = 10.0
     device_glob: str = "/dev/nvidia*"
     command_patterns: tuple[str, ...] = DEFAULT_COMMAND_PATTERNS
     exclude_patterns: tuple[str, ...] = DEFAULT_EXCLUDE_PATTERNS
@@ -132,7 +133,10 @@ class HealthConfig:
 
 
 _PATH_KEYS = ("lock_file", "textfile_dir", "json_file", "trace_file")
-_NUMBER_KEYS = ("duration_s", "time_limit_s", "gpu_idle_threshold")
+_NUMBER_KEYS = ("duration_s", "time_limit_s")
+# Keys older configurations may hold that no longer mean anything: accepted and ignored
+# (starved time stopped depending on a GPU idle threshold), so a fleet's configs keep working.
+_RETIRED_KEYS = ("gpu_idle_threshold",)
 _PATTERN_KEYS = ("command_patterns", "exclude_patterns")
 CONFIG_KEYS = tuple(f.name for f in dataclasses.fields(HealthConfig) if f.name != "pids")
 
@@ -166,6 +170,8 @@ def config_from_mapping(raw: Mapping[str, Any], *, source: str) -> HealthConfig:
     values: dict[str, Any] = {}
     for key, value in raw.items():
         where = f"{source}: {key}"
+        if key in _RETIRED_KEYS:
+            continue
         if key not in CONFIG_KEYS:
             raise UsageError(f"{where}: unknown key (known: {', '.join(CONFIG_KEYS)})")
         if key in _NUMBER_KEYS:
@@ -194,8 +200,6 @@ def validate_config(config: HealthConfig, *, source: str = "health") -> HealthCo
         raise UsageError(f"{source}: time_limit_s must be positive, got {config.time_limit_s}")
     if config.gpu not in GPU_MODES:
         raise UsageError(f"{source}: gpu {config.gpu!r}: choose {', '.join(GPU_MODES)}")
-    if not 0.0 <= config.gpu_idle_threshold <= 100.0:
-        raise UsageError(f"{source}: gpu_idle_threshold must be a percentage 0-100")
     for key in _PATTERN_KEYS:
         for pattern in getattr(config, key):
             try:
@@ -396,7 +400,7 @@ def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> floa
     return float(values[order][min(int(np.searchsorted(cum, q * cum[-1])), len(values) - 1)])
 
 
-def node_metrics(trace: Any, *, gpu_idle_threshold: float) -> dict[str, Any]:
+def node_metrics(trace: Any) -> dict[str, Any]:
     """Node-level values from a loaded trace (trainbpf.tracefile.Trace): run-queue
     latency and reclaim/compaction/dirty-throttling time of the traced threads, PSI and
     NUMA counters of the machine, GPU idle share, lost events."""
@@ -425,10 +429,12 @@ def node_metrics(trace: Any, *, gpu_idle_threshold: float) -> dict[str, Any]:
     local, other = float(vm_sum.get("numa_local", 0.0)), float(vm_sum.get("numa_other", 0.0))
 
     gpu = trace.frame("gpu")
+    span = trace_span(trace.meta, trace.chunks(["ts_ns", "dur_ns"]))
     gpu_idle = {}
     for index, rows in gpu.groupby("op"):
-        util = _as_float(rows["value"])
-        gpu_idle[str(int(index))] = float((util < gpu_idle_threshold).mean())
+        idle = idle_fraction(gpu_utilisation(rows, span), span)  # 1 - mean utilisation, time-weighted
+        if idle is not None:
+            gpu_idle[str(int(index))] = idle
 
     lost = int(sum(int(v) for v in (trace.meta.get("lost") or {}).values()))
     events = int(trace.num_rows)
@@ -513,16 +519,14 @@ class TargetResult:
         return self.findings[0] if self.findings else None
 
 
-def analyze_target(*, trace_path: Path, target: Target, tids: set[int], thresholds: Mapping[str, Threshold],
-                   gpu_idle_threshold: float) -> TargetResult:
+def analyze_target(*, trace_path: Path, target: Target, tids: set[int], thresholds: Mapping[str, Threshold]) -> TargetResult:
     """Grade one target from `trainbpf analyze`'s JSON report with the target's main
     thread as the trainer; `tids` are the threads of its process tree."""
     from trainbpf.report import run_analyze
 
     result = TargetResult(target)
     try:
-        report = json.loads(run_analyze(path=trace_path, fmt="json", trainer_tid=target.pid,
-                                        gpu_idle_threshold=gpu_idle_threshold))
+        report = json.loads(run_analyze(path=trace_path, fmt="json", trainer_tid=target.pid))
     except TrainbpfError as exc:
         result.error = f"pid {target.pid}: {exc}"
         return result
@@ -603,13 +607,13 @@ def assess(*, trace_path: Path, targets: list[Target], trees: Mapping[int, tuple
     from trainbpf.tracefile import read_trace
 
     trace = read_trace(trace_path)
-    node = node_metrics(trace, gpu_idle_threshold=config.gpu_idle_threshold)
+    node = node_metrics(trace)
     threads = trace.frame("thread")
     results = []
     for t in targets:
         pids, tids = trees.get(t.pid, ({t.pid}, {t.pid}))
         results.append(analyze_target(trace_path=trace_path, target=t, tids=tree_tids(threads, pids=pids, tids=tids),
-                                      thresholds=config.thresholds, gpu_idle_threshold=config.gpu_idle_threshold))
+                                      thresholds=config.thresholds))
     checks = [make_check("starved_ratio", r.starved_ratio, config.thresholds, r.target.pid) for r in results if r.error is None]
     checks += [make_check(name, value, config.thresholds) for name, value in node_check_values(node).items()]
     error = "; ".join(r.error for r in results if r.error) or None
@@ -810,7 +814,7 @@ METRICS: dict[str, str] = {
     "trainbpf_node_numa_remote_ratio": "Share of page allocations made for a task running on another NUMA node (vmstat numa_other).",
     "trainbpf_node_numa_pages_migrated": "Pages NUMA balancing migrated during the check.",
     "trainbpf_node_numa_task_moves": "Scheduler NUMA moves and swaps of traced tasks during the check.",
-    "trainbpf_gpu_idle_ratio": "Share of a GPU's utilisation samples below the idle threshold.",
+    "trainbpf_gpu_idle_ratio": "Share of the recorded time a GPU was idle (1 - mean utilisation).",
 }
 
 Sample = tuple[str, dict[str, str], float]

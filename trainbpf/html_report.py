@@ -1,8 +1,9 @@
 """A self-contained HTML report: inline CSS and SVG drawn here, no scripts, no network.
 
-The timeline bins the analysed window into columns: GPU utilisation on top (idle windows
-shaded), the trainer's state mix per column stacked underneath, then one row of marks per
-finding where its starved time falls.
+The timeline bins the analysed window into columns: each GPU's utilisation as a line on
+top, with the starved time of each column (the idle time the trainer's stalls explain)
+hanging above the line coloured by cause; the trainer's state mix per column stacked
+underneath; then one row of marks per finding where its starved time falls.
 """
 
 from __future__ import annotations
@@ -102,22 +103,37 @@ def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="GPU-starvation timeline" shape-rendering="crispEdges">']
     out.append(f'<rect x="0" y="0" width="{WIDTH}" height="{height}" fill="#fff"/>')
     x0, x1 = LEFT, WIDTH - RIGHT
-    # GPU lane: idle windows, utilisation line, threshold.
+    # GPU lane: each GPU's utilisation as a line.  Above it lies each sample's idle part;
+    # the starved time of each column hangs there from the top, coloured by cause, so the
+    # idle time the trainer's stalls explain is coloured and the rest stays blank.
+    xs = _x(edges, analysis, WIDTH)
+    bw = np.diff(xs)
+    width_ns = np.diff(edges).astype(np.float64)
+    per_bin_all = finding_bins(analysis, edges)
     out.append(f'<text x="8" y="{top + 14}">GPU utilisation</text>')
     out.append(f'<rect x="{x0}" y="{top}" width="{x1 - x0}" height="{gpu_h}" fill="#fafafa" stroke="#ccc"/>')
     if analysis.basis == "gpu_idle":
         for s, e in zip(_x(analysis.idle["start_ns"], analysis, WIDTH), _x(analysis.idle["end_ns"], analysis, WIDTH)):
-            out.append(f'<rect x="{s:.1f}" y="{top}" width="{max(0.5, e - s):.1f}" height="{gpu_h}" fill="#f8d0d0"/>')
-        g = analysis.gpu
-        g = g[(g["ts_ns"] > analysis.window.start_ns) & (g["start_ns"] < analysis.window.end_ns)]
-        if len(g):
-            xs = _x(np.column_stack([np.maximum(g["start_ns"], analysis.window.start_ns), np.minimum(g["ts_ns"], analysis.window.end_ns)]).ravel(), analysis, WIDTH)
+            out.append(f'<rect x="{s:.1f}" y="{top}" width="{max(0.5, e - s):.1f}" height="{gpu_h}" fill="#f1f1f1"/>')
+        hang = np.zeros(len(edges) - 1)
+        for cat in (c for c in CATEGORY_COLORS if c in per_bin_all):
+            h = np.minimum(per_bin_all[cat] / np.maximum(width_ns, 1.0), 1.0) * gpu_h
+            for b in np.flatnonzero(h > 0.2):
+                out.append(f'<rect x="{xs[b]:.1f}" y="{top + hang[b]:.1f}" width="{bw[b] + 0.3:.1f}" height="{h[b]:.1f}" '
+                           f'fill="{CATEGORY_COLORS[cat]}" fill-opacity="0.75"/>')
+            hang += h
+        for name, g in analysis.gpu.groupby("gpu", sort=False):
+            g = g[(g["ts_ns"] > analysis.window.start_ns) & (g["start_ns"] < analysis.window.end_ns)]
+            if not len(g):
+                continue
+            xy = _x(np.column_stack([np.maximum(g["start_ns"], analysis.window.start_ns), np.minimum(g["ts_ns"], analysis.window.end_ns)]).ravel(), analysis, WIDTH)
             ys = top + gpu_h - np.repeat(np.clip(g["util"].to_numpy(), 0, 100), 2) / 100.0 * gpu_h
-            pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs, ys))
-            out.append(f'<polyline points="{pts}" fill="none" stroke="#1f77b4" stroke-width="1.5"/>')
-        ty = top + gpu_h - analysis.gpu_idle_threshold / 100.0 * gpu_h
-        out.append(f'<line x1="{x0}" x2="{x1}" y1="{ty:.1f}" y2="{ty:.1f}" stroke="#d62728" stroke-dasharray="4 3"/>')
-        out.append(f'<text x="8" y="{top + 30}" fill="#666">idle &lt; {analysis.gpu_idle_threshold:g}% shaded</text>')
+            pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xy, ys))
+            out.append(f'<polyline points="{pts}" fill="none" stroke="#111" stroke-width="1.3"><title>{_e(name)}</title></polyline>')
+        out.append(f'<text x="8" y="{top + 30}" fill="#666">line: utilisation</text>')
+        out.append(f'<text x="8" y="{top + 44}" fill="#666">colour: idle time</text>')
+        out.append(f'<text x="8" y="{top + 58}" fill="#666">explained, by cause</text>')
+        out.append(f'<text x="8" y="{top + 72}" fill="#666">grey: below {analysis.gpu_idle_threshold:g}%</text>')
     else:
         out.append(f'<text x="{x0 + 12}" y="{top + gpu_h / 2:.0f}">No GPU samples: starved time is the trainer\'s non-running time over the whole window.</text>')
     # Trainer state mix.
@@ -125,8 +141,6 @@ def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
     out.append(f'<text x="8" y="{y + 14}">trainer state</text>')
     mix = trainer_state_mix(analysis, edges)
     total = mix.sum(axis=1)
-    xs = _x(edges, analysis, WIDTH)
-    bw = np.diff(xs)
     for b in np.flatnonzero(total > 0):
         acc = 0.0
         for k in np.flatnonzero(mix[b]):
@@ -136,8 +150,6 @@ def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
     out.append(f'<rect x="{x0}" y="{y}" width="{x1 - x0}" height="{state_h}" fill="none" stroke="#ccc"/>')
     # Finding marks.
     y += state_h + gap
-    per_bin_all = finding_bins(analysis, edges)
-    width_ns = np.diff(edges).astype(np.float64)
     for i, cat in enumerate(cats):
         yy = y + i * mark_h
         out.append(f'<text x="8" y="{yy + 10}">{_e(cat)}</text>')
@@ -252,8 +264,8 @@ def render_html(analysis: Analysis, report: dict[str, Any]) -> str:
     ]
     if gpu["samples"]:
         parts.append(
-            f'<p class="meta"><b>GPU:</b> {_e(gpu["source"])}, {gpu["samples"]} samples, idle (below '
-            f'{analysis.gpu_idle_threshold:g}%) {100 * (gpu["idle_fraction"] or 0):.1f}% of the time</p>'
+            f'<p class="meta"><b>GPU:</b> {_e(gpu["source"])}, {gpu["samples"]} samples, idle '
+            f'{100 * (gpu["idle_fraction"] or 0):.1f}% of the time (1 - mean utilisation)</p>'
         )
     else:
         parts.append(

@@ -71,9 +71,10 @@ def trace_events(analysis: Analysis) -> list[str]:
 
     g = analysis.gpu
     if len(g):
+        # One counter per GPU; a sample's value holds from its period's start.
         counters = pd.DataFrame({
-            "name": "GPU utilisation %", "ph": "C", "ts": _us(g["ts_ns"].to_numpy(), origin), "pid": GPU_PID,
-            "tid": 0, "args": [{"util": float(u)} for u in g["util"].to_numpy()],
+            "name": "GPU utilisation % " + g["gpu"].astype(str), "ph": "C", "ts": _us(g["start_ns"].to_numpy(), origin),
+            "pid": GPU_PID, "tid": 0, "args": [{"util": float(u)} for u in g["util"].to_numpy()],
         })
         chunks.append(_records(counters))
 

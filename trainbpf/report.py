@@ -146,14 +146,19 @@ def render_text(report: dict[str, Any], analysis: Analysis | None = None) -> str
         )
         return "\n".join(lines) + "\n"
 
-    threshold = f" below {analysis.gpu_idle_threshold:g}%" if analysis is not None else ""
     if gpu["samples"]:
         idle = gpu["idle_fraction"] or 0.0
-        lines.append(f"  GPU: {gpu['source']}, {gpu['samples']} samples; idle{threshold} {_pct(idle)} of the time")
+        lines.append(f"  GPU: {gpu['source']}, {gpu['samples']} samples; idle {_pct(idle)} of the time "
+                     "(1 - mean utilisation)")
         lines.append(
-            f"  Starved time: {report['starved_s']:.2f} s (GPU idle while the trainer was not running "
-            "or was stalled in the kernel)"
+            f"  Starved time: {report['starved_s']:.2f} s (GPU idle time that the trainer's stalls explain: "
+            "in each sample at most its idle time)"
         )
+        if analysis is not None and analysis.unwoken_idle_ns >= 0.01 * max(analysis.idle_ns, 1.0):
+            lines.append(
+                f"  Not counted: {analysis.unwoken_idle_ns / NS_PER_S:.2f} s of idle time overlapped sleeps no "
+                "thread ended (a GPU synchronisation looks so, or a timer: see docs/findings.md)"
+            )
     else:
         lines.append("  GPU: no GPU samples in this trace.")
         lines.append(

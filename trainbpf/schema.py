@@ -115,9 +115,12 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # A block request issued for a traced thread: dur_ns = issue -> completion,
     # size = bytes, name = rwbs, op = device number, addr = sector.
     "block_rq": ("ts_ns", "dur_ns", "tid", "pid", "size", "name", "op", "addr"),
-    # GPU sample: op = GPU index, value = utilization.gpu percent, count = memory.used
-    # MiB, size = utilization.memory percent, name = uuid.
-    "gpu": ("ts_ns", "op", "value", "count", "size", "name"),
+    # GPU sample: the utilisation over the period ending at ts_ns.  dur_ns = that period
+    # where the source says so (NVML's driver samples), null where the analysis takes the
+    # time since the GPU's previous sample (nvidia-smi); op = GPU index, name = uuid,
+    # value = utilisation percent, size = memory utilisation percent, count = memory.used
+    # MiB; pid null for the device, a process id for that process's own utilisation.
+    "gpu": ("ts_ns", "dur_ns", "op", "value", "count", "size", "name", "pid"),
     # /proc/vmstat counter delta over dur_ns: name = key, count = delta.
     "vmstat": ("ts_ns", "dur_ns", "name", "count"),
     # Pressure stall information delta: name = "cpu.some", "memory.full", ...;
