@@ -1,5 +1,5 @@
-"""Files a root process writes for the sudo user (issue 15: S1-S3, S5, D1, D2, D5, M4).
-The attacks run as a throwaway unprivileged user created here, planting in a sticky
+"""Files a root process writes for the sudo user (issue 15: S1-S5, D1, D2, D5, L1, M4,
+M7).  The attacks run as a throwaway unprivileged user created here, planting in a sticky
 /tmp-like folder and in a folder that user owns; the victims are root's own files.
 
 Needs root (useradd, BPF): without root these tests skip, except under CI=true, where
@@ -26,6 +26,7 @@ from typing import Callable
 import pytest
 
 from kernel_env import require_root
+from trainbpf.errors import OutputError
 from trainbpf.tracefile import SpoolWriter, make_batch, read_trace, spool_path_for
 
 TRAINBPF = str(Path(sys.executable).with_name("trainbpf"))
@@ -269,6 +270,44 @@ def test_s3_existing_output_needs_force(tmp_path, target):
     assert read_trace(out).meta["target_pid"] == target
 
 
+# -- S4: health outputs and lock ----------------------------------------------------------
+
+def test_s4_health_outputs_and_lock_do_not_follow_planted_symlinks(folder, base, attacker):
+    from trainbpf.health import TEXTFILE_NAME, exclusive_lock, write_atomic
+
+    victim = victim_of(base)
+    textfile = folder / TEXTFILE_NAME
+
+    def plant() -> None:
+        # the names the old code used (.NAME.PID.tmp with this process's pid), the JSON
+        # document itself, and the lock file
+        os.symlink(victim, folder / f".{TEXTFILE_NAME}.{os.getppid()}.tmp")
+        os.symlink(victim, folder / "health.json")
+        os.symlink(victim, folder / "health.lock")
+
+    attacker.run(plant)
+    write_atomic(textfile, "metrics 1\n")
+    assert textfile.read_text() == "metrics 1\n" and not textfile.is_symlink()
+    assert textfile.stat().st_mode & 0o777 == 0o644
+    with pytest.raises(OutputError, match="symbolic link"):
+        write_atomic(folder / "health.json", "{}\n")
+    with pytest.raises(OutputError, match="symbolic link"):
+        with exclusive_lock(folder / "health.lock"):
+            pass
+    assert_untouched(victim)
+
+
+def test_s4_lock_file_that_is_not_our_own_is_refused(folder, attacker):
+    from trainbpf.health import exclusive_lock
+
+    lock = folder / "health.lock"
+    attacker.run(lambda: lock.write_text("mine\n"))
+    with pytest.raises(OutputError, match="not a plain file of uid 0"):
+        with exclusive_lock(lock):
+            pass
+    assert lock.read_text() == "mine\n"
+
+
 # -- S5: the spool swapped mid-run --------------------------------------------------------
 
 @pytest.mark.parametrize("swap", ["another recording", "symlink to a root-only file"])
@@ -362,6 +401,46 @@ def test_d5_non_utf8_output_records_finalises_and_recovers(tmp_path, target):
     assert res.returncode == 0, res.stderr
 
 
+# -- L1: a killed health run's scratch -----------------------------------------------------
+
+def test_l1_killed_health_runs_leave_nothing_behind(tmp_path, target):
+    from test_health_kernel import write_config
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {"TMPDIR": str(scratch)}
+    out = tmp_path / "out"
+    out.mkdir()
+    trace = tmp_path / "health-trace.parquet"
+    plain = write_config(tmp_path)
+    kept = tmp_path / "kept.toml"
+    kept.write_text(f'trace_file = "{trace}"\n' + plain.read_text())
+
+    def killed(config: Path, spool_at: Callable[[], Path | None]) -> None:
+        proc = subprocess.Popen([TRAINBPF, "health", "--pid", str(target), "--duration", "60", "--config", str(config),
+                                 "--textfile-dir", str(out)], env={**os.environ, **env},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        end = time.time() + 60
+        while (spool := spool_at()) is None or not spool.exists():
+            assert time.time() < end and proc.poll() is None, "the health run never started recording"
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait()
+
+    def temp_spool() -> Path | None:
+        found = list(scratch.glob("trainbpf-health-*/trace.parquet.spool"))
+        return found[0] if found else None
+
+    killed(plain, temp_spool)
+    assert list(scratch.iterdir())
+    killed(kept, lambda: spool_path_for(trace))  # which clears the first one's folder
+    assert list(scratch.iterdir()) == [], "a killed run's temporary folder was left behind"
+    assert spool_path_for(trace).exists()
+    res = cli("health", "--pid", str(target), "--duration", "1", "--config", str(kept), "--textfile-dir", str(out), env=env)
+    assert res.returncode in (0, 1, 2), res.stderr
+    assert not spool_path_for(trace).exists() and read_trace(trace).meta["complete"] is True
+
+
 # -- M4: inputs that are not regular files -------------------------------------------------
 
 def test_m4_fifo_is_refused_not_waited_on(tmp_path):
@@ -394,3 +473,14 @@ def test_reports_replace_an_existing_file_only_with_force(tmp_path):
     res = cli("analyze", trace, "--format", "json", "-o", report, "--force")
     assert res.returncode == 0, res.stderr
     assert json.loads(report.read_text())["schema"] == "trainbpf.report/1"
+
+
+# -- M7: health without root ---------------------------------------------------------------
+
+def test_m7_health_without_root_says_it_needs_root(attacker):
+    res = subprocess.run([TRAINBPF, "health", "--duration", "1"], capture_output=True, text=True, timeout=60,
+                         user=attacker.uid, group=attacker.gid, extra_groups=[], cwd="/",
+                         env={**os.environ, "HOME": "/"})
+    assert res.returncode == 3, res.stderr
+    assert "root" in res.stderr and "Permission denied" not in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
