@@ -484,3 +484,30 @@ def test_m7_health_without_root_says_it_needs_root(attacker):
     assert res.returncode == 3, res.stderr
     assert "root" in res.stderr and "Permission denied" not in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+# -- the helper's fallbacks (no root needed) ------------------------------------------------
+
+def test_rename_noreplace_never_replaces(tmp_path):
+    from trainbpf.safefile import rename_noreplace
+
+    (tmp_path / "a").write_text("a")
+    (tmp_path / "b").write_text("b")
+    with pytest.raises(FileExistsError):
+        rename_noreplace(tmp_path / "a", tmp_path / "b")
+    assert (tmp_path / "b").read_text() == "b"
+    rename_noreplace(tmp_path / "a", tmp_path / "c")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "c"]
+
+
+def test_named_temporary_where_there_is_no_o_tmpfile(tmp_path, monkeypatch):
+    from trainbpf import safefile
+
+    monkeypatch.setattr(safefile, "_unnamed", lambda folder, mode: None)
+    out = tmp_path / "r.txt"
+    safefile.write_new(out, lambda fh: fh.write(b"one"))
+    with pytest.raises(OutputError, match="give --force"):
+        safefile.write_new(out, lambda fh: fh.write(b"two"))
+    safefile.write_new(out, lambda fh: fh.write(b"three"), force=True)
+    assert out.read_bytes() == b"three" and out.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["r.txt"], "a temporary was left behind"
