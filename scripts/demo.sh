@@ -22,7 +22,7 @@ export TRAINBPF_SIM_GPU="$WORK/sim-gpu"
 DEMO_PID=$!
 sleep 1
 echo "[demo] recording the demo trainer (pid $DEMO_PID) for 10 s" >&2
-"$TRAINBPF" record --pid "$DEMO_PID" --duration 10 -o "$OUT/demo-trace.parquet"
+"$TRAINBPF" record --pid "$DEMO_PID" --duration 10 --force -o "$OUT/demo-trace.parquet"
 "$TRAINBPF" analyze "$OUT/demo-trace.parquet"
-"$TRAINBPF" analyze "$OUT/demo-trace.parquet" --format html -o "$OUT/demo-report.html"
+"$TRAINBPF" analyze "$OUT/demo-trace.parquet" --format html --force -o "$OUT/demo-report.html"
 echo "[demo] trace: $OUT/demo-trace.parquet  report: $OUT/demo-report.html" >&2

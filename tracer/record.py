@@ -19,7 +19,8 @@ import pyarrow as pa
 from trainbpf import doctor
 from trainbpf.errors import NotRootError, OutputError, TargetError
 from trainbpf.schema import SCHEMA_ID
-from trainbpf.tracefile import SpoolWriter, finalize, make_batch
+from trainbpf.safefile import check_output as safe_check_output
+from trainbpf.tracefile import SpoolWriter, check_spool_free, finalize, make_batch, spool_path_for
 from trainbpf.tracer import loader, procs, procfs, taskstats
 from trainbpf.tracer.addrs import AddressDescriber, ProcMaps, futex_pairs
 from trainbpf.tracer.collector import Settings
@@ -55,22 +56,20 @@ def check_target(pid: int) -> None:
         raise TargetError(f"no such process: {pid} (--pid takes a process id, the kernel's tgid)")
 
 
-def check_output(output: Path) -> None:
-    parent = output.parent if str(output.parent) else Path(".")
-    if not parent.is_dir():
-        raise OutputError(f"output folder {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise OutputError(f"output folder {parent} is not writable")
-    if output.is_dir():
-        raise OutputError(f"output {output} is a folder; give a file name such as trace.parquet")
+def check_output(output: Path, *, force: bool = False) -> None:
+    """Before anything is compiled: the output may be written (safefile.check_output),
+    and its spool is neither another recorder's nor an unrecovered recording."""
+    safe_check_output(output, force=force)
+    check_spool_free(spool_path_for(output))
 
 
 class Recorder:
     def __init__(self, *, pid: int | None, output: Path, duration: float | None, settings: Settings,
                  probes: list[str] | None, gpu: str, topology_file: Path | None,
                  status: Callable[[str], None] | None, trainer_tid: int | None = None,
-                 on_attached: Callable[[], None] | None = None):
+                 on_attached: Callable[[], None] | None = None, force: bool = False):
         self.pid = pid
+        self.force = force
         self.output = output
         self.duration = duration
         self.settings = settings
@@ -98,7 +97,7 @@ class Recorder:
         check_root()
         if self.pid is not None:
             check_target(self.pid)
-        check_output(self.output)
+        check_output(self.output, force=self.force)
         doctor.preflight()
         hz = procfs.kernel_hz()
         self.settings = Settings(**{**self.settings.__dict__, "hz": hz})
@@ -119,6 +118,7 @@ class Recorder:
                 return self._record(bpf, collectors, writer, gpu, seed)
             finally:
                 gpu.stop()
+                writer.release()  # the spool's lock, whatever happened
         finally:
             if self._rings is not None:
                 self._rings.close()
@@ -247,7 +247,7 @@ class Recorder:
             if batch is not None:
                 writer.add(batch)
         writer.flush()
-        writer.close()
+        writer.close(keep_open=True)  # finalised from this descriptor, still locked
         duration = time.monotonic() - start
         if writer.failed:
             raise OutputError(f"{writer.failed}; what was recorded is kept in {writer.spool} "
@@ -262,9 +262,11 @@ class Recorder:
                        **loader.stack_counts(bpf)},
         }
         try:
-            finalize(writer.spool, self.output, final)
+            finalize(writer.spool, self.output, final, spool_fd=writer.fd, force=self.force)
         except OutputError as exc:
             raise OutputError(f"{exc}; what was recorded is kept in {writer.spool}") from exc
+        finally:
+            writer.release()
         return RecordResult(self.output, duration, total_rows, lost, self.stop_reason,
                             len(self.threads), gpu.source, self.output.stat().st_size)
 
@@ -315,13 +317,14 @@ def record(*, pid: int | None, output: Path, duration: float | None = None,
            settings: Settings | None = None, probes: list[str] | None = None, gpu: str = "auto",
            topology_file: Path | None = None, status: Callable[[str], None] | None = None,
            trainer_tid: int | None = None, handle_signals: bool = True,
-           on_attached: Callable[[], None] | None = None) -> RecordResult:
+           on_attached: Callable[[], None] | None = None, force: bool = False) -> RecordResult:
     """Record `pid`'s process tree (or, with pid None and settings.trace_all, the whole
     machine) into `output` until `duration` passes, the target exits, or SIGINT/SIGTERM.
-    `on_attached` runs once the probes are live and the tree is seeded."""
+    `on_attached` runs once the probes are live and the tree is seeded.  An existing
+    `output` is replaced only with `force`."""
     rec = Recorder(pid=pid, output=Path(output), duration=duration, settings=settings or Settings(),
                    probes=probes, gpu=gpu, topology_file=topology_file, status=status,
-                   trainer_tid=trainer_tid, on_attached=on_attached)
+                   trainer_tid=trainer_tid, on_attached=on_attached, force=force)
     previous = {}
     if handle_signals and threading.current_thread() is threading.main_thread():
         for sig, name in ((signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")):

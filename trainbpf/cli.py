@@ -82,6 +82,7 @@ def record(
     trainer_tid: Optional[int] = typer.Option(None, help="The thread that feeds the GPU (default: the target's main thread)."),
     ringbuf_pages: int = typer.Option(512, help="Ring-buffer size per probe in pages (a power of two)."),
     system_wide: bool = typer.Option(False, "--system-wide", help="Trace every thread on the machine instead of one process tree."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing trace file (never a symlink, a device, or a file the sudo user could not write)."),
 ) -> None:
     """Record what a training process tree waits on into one trace file (needs root)."""
     from trainbpf.errors import UsageError
@@ -106,7 +107,7 @@ def record(
         result = do_record(
             pid=pid, output=output, duration=duration, settings=settings,
             probes=[p.strip() for p in probes.split(",") if p.strip()] if probes else None,
-            gpu=gpu, topology_file=topology, status=status, trainer_tid=trainer_tid,
+            gpu=gpu, topology_file=topology, status=status, trainer_tid=trainer_tid, force=force,
         )
     except TrainbpfError as exc:
         if sys.stderr.isatty():
@@ -147,6 +148,7 @@ def analyze(
     trainer_tid: Optional[int] = typer.Option(None, help="The thread that feeds the GPU (default: recorded or the target's main thread)."),
     gpu_idle_threshold: float = typer.Option(10.0, help="Shade GPU samples below this utilisation percent in the HTML timeline (drawing only: starved time uses each sample's own utilisation)."),
     window: Optional[str] = typer.Option(None, help="START:END seconds from the trace start to analyse."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing -o file (never a symlink, a device, or a file the sudo user could not write)."),
 ) -> None:
     """Attribute every stall of the trainer's threads to a cause; rank the findings (no root)."""
     from trainbpf.report import parse_window, run_analyze
@@ -158,7 +160,7 @@ def analyze(
             raise UsageError(f"--format {format}: choose text, json or html")
         text = run_analyze(
             path=trace, fmt=format, output=output, trainer_tid=trainer_tid,
-            gpu_idle_threshold=gpu_idle_threshold, window=parse_window(window) if window else None,
+            gpu_idle_threshold=gpu_idle_threshold, window=parse_window(window) if window else None, force=force,
         )
     except TrainbpfError as exc:
         _fail(exc)
@@ -173,12 +175,13 @@ def export(
     trace: Path = typer.Argument(..., help="trace.parquet to export."),
     perfetto: bool = typer.Option(True, "--perfetto/--no-perfetto", help="Chrome trace-event JSON for ui.perfetto.dev."),
     output: Path = typer.Option(Path("trace.json"), "--output", "-o", help="File to write."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing -o file (never a symlink, a device, or a file the sudo user could not write)."),
 ) -> None:
     """Export a trace as a timeline that ui.perfetto.dev opens."""
     from trainbpf.perfetto import run_export
 
     try:
-        path = run_export(path=trace, output=output)
+        path = run_export(path=trace, output=output, force=force)
     except TrainbpfError as exc:
         _fail(exc)
     typer.echo(f"wrote {path}", err=True)
@@ -188,12 +191,13 @@ def export(
 def recover(
     spool: Path = typer.Argument(..., help="The .spool file a recorder left behind."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Parquet file to write (default: the spool's name without .spool)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing trace file (never a symlink, a device, or a file the sudo user could not write)."),
 ) -> None:
     """Turn the spool of an interrupted recording into a trace file."""
     from trainbpf.tracefile import recover as do_recover
 
     try:
-        path = do_recover(spool, output)
+        path = do_recover(spool, output, force=force)
     except TrainbpfError as exc:
         _fail(exc)
     typer.echo(f"wrote {path}", err=True)

@@ -23,8 +23,10 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -40,7 +42,8 @@ import pandas as pd
 
 from trainbpf.analyzers.gpu import gpu_utilisation, idle_fraction
 from trainbpf.analyzers.intervals import trace_span
-from trainbpf.errors import OutputError, TargetError, TrainbpfError, UsageError
+from trainbpf.errors import NotRootError, OutputError, TargetError, TrainbpfError, UsageError
+from trainbpf.safefile import check_output, write_new
 
 HEALTH_SCHEMA = "trainbpf.health/1"
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
@@ -628,10 +631,17 @@ def exclusive_lock(path: Path) -> Iterator[None]:
     """A non-blocking flock on `path`: a second run raises HealthBusy instead of waiting
     (the kernel drops the lock when the process ends, however it ends)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # Not through a symlink, and (checked below) only our own plain file: a lock file
+        # in a folder others can write must not truncate whatever they point it at.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
-        raise OutputError(f"lock file {path}: {exc.strerror or exc}") from None
+        # ELOOP, or EACCES for another user's symlink in a sticky folder
+        why = "is a symbolic link; remove it" if os.path.islink(path) else exc.strerror or exc
+        raise OutputError(f"lock file {path}: {why}") from None
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            raise OutputError(f"lock file {path} is not a plain file of uid {os.geteuid()}'s own; remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -702,13 +712,40 @@ def check_outputs(config: HealthConfig) -> None:
             raise OutputError(f"textfile folder {config.textfile_dir} does not exist")
         if not os.access(config.textfile_dir, os.W_OK):
             raise OutputError(f"textfile folder {config.textfile_dir} is not writable")
-    for path in (config.json_file, config.trace_file):
+    textfile = config.textfile_dir / TEXTFILE_NAME if config.textfile_dir is not None else None
+    for path in (textfile, config.json_file, config.trace_file):
         if path is not None:
-            parent = path.parent
-            if not parent.is_dir() or not os.access(parent, os.W_OK):
-                raise OutputError(f"cannot write {path}: folder {parent} missing or not writable")
-            if path.is_dir():
-                raise OutputError(f"{path} is a folder; give a file name")
+            check_output(path, force=True)  # replaced each run, but never a symlink or device
+
+
+TEMP_PREFIX = "trainbpf-health-"
+
+
+def remove_stale_temp_dirs(folder: str | None = None) -> list[str]:
+    """Remove the temporary folders (and the spools in them) of health runs that were
+    killed: ours (same uid), named for a process that no longer runs.  Returns their names."""
+    folder = folder or tempfile.gettempdir()
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            if not entry.name.startswith(TEMP_PREFIX) or not entry.is_dir(follow_symlinks=False):
+                continue
+            pid = entry.name[len(TEMP_PREFIX):].split("-")[0]
+            if entry.stat(follow_symlinks=False).st_uid != os.geteuid() or (pid.isdigit() and _alive(int(pid))):
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)  # does not follow symlinks inside
+            removed.append(entry.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _record(*, root: int | None, output: Path, config: HealthConfig, expired: threading.Event) -> None:
@@ -716,7 +753,8 @@ def _record(*, root: int | None, output: Path, config: HealthConfig, expired: th
     from trainbpf.tracer.record import record
 
     result = record(pid=root, output=output, duration=config.duration_s, settings=Settings(trace_all=root is None),
-                    gpu=config.gpu, handle_signals=threading.current_thread() is threading.main_thread())
+                    gpu=config.gpu, handle_signals=threading.current_thread() is threading.main_thread(),
+                    force=True)  # the trace of the previous run
     if expired.is_set():
         raise CheckTimeout(f"time limit of {config.limit_s:g} s reached while recording")
     if result.stop_reason in ("interrupted", "terminated"):
@@ -741,8 +779,11 @@ def _check(config: HealthConfig, *, started: float, host: str, expired: threadin
     with contextlib.ExitStack() as stack:
         if config.trace_file is not None:
             trace_path = config.trace_file
+            from trainbpf.tracefile import discard_stale_spool, spool_path_for
+
+            discard_stale_spool(spool_path_for(trace_path))  # a killed run's scratch
         else:
-            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="trainbpf-health-"))
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"{TEMP_PREFIX}{os.getpid()}-"))
             trace_path = Path(folder) / "trace.parquet"
         _record(root=root, output=trace_path, config=config, expired=expired)
         return assess(trace_path=trace_path, targets=targets, trees=trees, config=config,
@@ -760,9 +801,12 @@ def run_health(*, config: HealthConfig) -> HealthResult:
     """One health check with its outputs written.  Raises HealthBusy when another run
     holds the lock and UsageError/OutputError before anything is measured; every later
     failure becomes a result with status 3 (written, so the fleet sees it)."""
+    if os.geteuid() != 0:
+        raise NotRootError("the health check records with BPF: run it as root (sudo trainbpf health)")
     check_outputs(config)
     host = socket.gethostname()
     with exclusive_lock(config.lock_file):
+        remove_stale_temp_dirs()
         started = time.time()
         progress: dict[str, Any] = {}
 
@@ -929,22 +973,11 @@ def health_document(result: HealthResult) -> dict[str, Any]:
 
 
 def write_atomic(path: Path, text: str, *, mode: int = 0o644) -> None:
-    """Write `text` to a temporary file beside `path` (a name node_exporter ignores),
-    then rename it over `path`: readers see the old file or the new one, never half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
-        with os.fdopen(fd, "w") as fh:
-            os.fchmod(fh.fileno(), mode)  # the umask must not narrow or widen it
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    """Write `text` out of sight (an unnamed file, or a random name node_exporter
+    ignores), then rename it over `path`: readers see the old file or the new one,
+    never half.  A symlink or other non-regular file at `path` is refused, not replaced
+    or written through (trainbpf.safefile)."""
+    write_new(path, lambda fh: fh.write(text.encode()), mode=mode, force=True)
 
 
 def write_outputs(result: HealthResult, config: HealthConfig) -> None:

@@ -18,7 +18,7 @@ import pandas as pd
 
 from trainbpf.analyzers import Analysis, analyze
 from trainbpf.analyzers.categories import CATEGORIES
-from trainbpf.errors import OutputError
+from trainbpf.safefile import check_output, invoker, write_new
 from trainbpf.tracefile import read_trace
 
 GPU_PID = 0  # a pseudo-process holding the GPU counter and the starved-time tracks
@@ -102,19 +102,17 @@ def trace_events(analysis: Analysis) -> list[str]:
     return [c for c in chunks if c]
 
 
-def write_trace_events(analysis: Analysis, output: str | os.PathLike) -> Path:
-    path = Path(output)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write('{"displayTimeUnit":"ms","traceEvents":[')
-            fh.write(",\n".join(trace_events(analysis)))
-            fh.write("]}\n")
-    except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from exc
-    return path
+def write_trace_events(analysis: Analysis, output: str | os.PathLike, *, force: bool = False) -> Path:
+    def write(fh) -> None:
+        fh.write(b'{"displayTimeUnit":"ms","traceEvents":[')
+        fh.write(",\n".join(trace_events(analysis)).encode("utf-8"))
+        fh.write(b"]}\n")
+
+    return write_new(output, write, owner=invoker(), force=force)
 
 
-def run_export(*, path: str | os.PathLike, output: str | os.PathLike) -> Path:
-    """Read a trace, analyse it and write the Chrome/Perfetto JSON to `output`."""
-    return write_trace_events(analyze(read_trace(path)), output)
+def run_export(*, path: str | os.PathLike, output: str | os.PathLike, force: bool = False) -> Path:
+    """Read a trace, analyse it and write the Chrome/Perfetto JSON to `output` (an
+    existing file only with `force`)."""
+    check_output(output, force=force)  # before the analysis, not after it
+    return write_trace_events(analyze(read_trace(path)), output, force=force)

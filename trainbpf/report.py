@@ -15,7 +15,8 @@ from trainbpf.analyzers import Analysis, analyze, observed_ns
 from trainbpf.analyzers.categories import STATES
 from trainbpf.analyzers.intervals import NS_PER_S, parse_window
 from trainbpf.analyzers.states import state_seconds
-from trainbpf.errors import OutputError, UsageError
+from trainbpf.errors import UsageError
+from trainbpf.safefile import check_output, invoker, write_new
 from trainbpf.tracefile import read_trace
 
 REPORT_SCHEMA = "trainbpf.report/1"
@@ -204,15 +205,9 @@ def _thread_table(report: dict[str, Any], analysis: Analysis | None) -> list[str
     return ["Threads (seconds per state):", "  " + fmt(head)] + ["  " + fmt(r) for r in rows]
 
 
-def _write(output: str | os.PathLike, text: str) -> None:
+def _write(output: str | os.PathLike, text: str, *, force: bool = False) -> None:
     """Write a report privately (it names threads and addresses, like the trace)."""
-    path = Path(output)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-    except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    write_new(output, lambda fh: fh.write(text.encode("utf-8")), owner=invoker(), force=force)
 
 
 def run_analyze(
@@ -223,9 +218,10 @@ def run_analyze(
     trainer_tid: int | None = None,
     gpu_idle_threshold: float = 10.0,
     window: tuple[float | None, float | None] | str | None = None,
+    force: bool = False,
 ) -> str:
     """Analyse a trace and render it as `fmt` (text, json, html); write it to `output`
-    when given; return the text.  Raises trainbpf.errors exceptions only."""
+    when given (an existing file only with `force`); return the text.  Raises trainbpf.errors exceptions only."""
     if fmt not in FORMATS:
         raise UsageError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
     try:
@@ -236,6 +232,8 @@ def run_analyze(
         raise UsageError(f"bad --gpu-idle-threshold {gpu_idle_threshold!r}: a percentage 0-100")
     if isinstance(window, str):
         window = parse_window(window)
+    if output is not None:
+        check_output(output, force=force)  # before the analysis, not after it
     trace = read_trace(path)
     analysis = analyze(trace, trainer_tid=trainer_tid, gpu_idle_threshold=threshold, window=window)
     report = build_report(analysis)
@@ -248,5 +246,5 @@ def run_analyze(
     else:
         text = render_text(report, analysis)
     if output is not None:
-        _write(output, text)
+        _write(output, text, force=force)
     return text

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -24,6 +25,17 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from trainbpf.errors import OutputError, TraceReadError, TraceSchemaError
+from trainbpf.safefile import (
+    create_exclusive,
+    fd_path,
+    invoker,
+    lock_holder,
+    open_input,
+    output_error,
+    same_file,
+    try_lock,
+    write_new,
+)
 from trainbpf.schema import (
     COLUMNS,
     KIND_COLUMNS,
@@ -75,27 +87,27 @@ def make_batch(kind: str, columns: Mapping[str, Any]) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(arrays, schema=TRACE_SCHEMA)
 
 
-def _open_private(path: Path):
-    """Create `path` 0600 (traces hold command names, paths and addresses)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)
-    return os.fdopen(fd, "wb")
-
-
-def _chown_to_invoker(path: Path) -> None:
-    """Under sudo, hand the file to the user who ran sudo."""
-    uid, gid = os.environ.get("SUDO_UID"), os.environ.get("SUDO_GID")
-    if os.geteuid() == 0 and uid and gid:
-        try:
-            os.chown(path, int(uid), int(gid))
-        except (OSError, ValueError):
-            pass
-
-
-def _output_error(path: Path, exc: OSError) -> OutputError:
-    if exc.errno == errno.ENOSPC:
-        return OutputError(f"disk full while writing {path}")
-    return OutputError(f"cannot write {path}: {exc.strerror or exc}")
+def check_spool_free(spool: Path) -> None:
+    """Refuse to start a recording whose spool exists: another recorder is writing it
+    (named by its pid), or it is an unfinished recording that `recover` would save."""
+    try:
+        fd = os.open(spool, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        why = "is a symbolic link, not a regular file" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
+        raise OutputError(f"spool {spool} exists and {why}; remove it") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OutputError(f"spool {spool} exists and is not a regular file; remove it")
+        if not try_lock(fd):
+            holder = lock_holder(fd)
+            raise OutputError(f"another recorder (pid {holder or '?'}) is writing {spool}; "
+                              "give this recording another -o")
+        raise OutputError(f"{spool} holds an unfinished recording: save it with `trainbpf recover {spool}` "
+                          "(or remove it), then record again")
+    finally:
+        os.close(fd)
 
 
 def _meta_bytes(meta: Mapping[str, Any]) -> dict[bytes, bytes]:
@@ -121,13 +133,23 @@ class SpoolWriter:
         self._pending: list[pa.RecordBatch] = []
         self.failed: OutputError | None = None
         try:
-            self._file = _open_private(self.spool)
-            _chown_to_invoker(self.spool)
+            # Created, never reopened by name: finalize reads this descriptor, and its
+            # lock tells a second recorder (or `recover`) that it is being written.
+            self.fd = create_exclusive(self.spool, owner=invoker(), flags=os.O_RDWR)
+        except FileExistsError:
+            check_spool_free(self.spool)
+            raise OutputError(f"spool {self.spool} appeared while starting; give another -o") from None
+        except OSError as exc:
+            raise output_error(self.spool, exc) from exc
+        try:
+            try_lock(self.fd)  # a file just created: nobody else holds it
+            self._file = os.fdopen(os.dup(self.fd), "wb")
             schema = TRACE_SCHEMA.with_metadata(_meta_bytes(meta))
             self._writer = ipc.new_stream(self._file, schema)
             self._file.flush()
         except OSError as exc:
-            raise _output_error(self.spool, exc) from exc
+            os.close(self.fd)
+            raise output_error(self.spool, exc) from exc
 
     def add(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows:
@@ -146,26 +168,37 @@ class SpoolWriter:
             os.fsync(self._file.fileno())
         except OSError as exc:
             # Keep what is already on disk readable; the recorder stops and reports.
-            self.failed = _output_error(self.spool, exc)
+            self.failed = output_error(self.spool, exc)
             return
         self.rows_written += table.num_rows
         self.bytes_written = self._file.tell()
 
-    def close(self) -> None:
+    def close(self, *, keep_open: bool = False) -> None:
+        """End the stream.  With `keep_open` the spool stays open (and locked) for
+        finalize(spool_fd=writer.fd); release() lets it go."""
         try:
             if not self.failed:
                 self._writer.close()
             self._file.close()
         except OSError as exc:
-            self.failed = self.failed or _output_error(self.spool, exc)
+            self.failed = self.failed or output_error(self.spool, exc)
+        if not keep_open:
+            self.release()
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
-def _spool_batches(path: Path) -> tuple[Iterator[pa.RecordBatch], dict[str, Any]]:
-    """A spool's metadata, and its complete batches one at a time, tolerating a torn tail."""
+def _spool_batches(fd: int, path: Path) -> tuple[Iterator[pa.RecordBatch], dict[str, Any]]:
+    """A spool's metadata, and its complete batches one at a time, tolerating a torn tail.
+    Read from the open descriptor `fd`, never by name (`path` is for messages)."""
     try:
-        reader = ipc.open_stream(pa.OSFile(str(path), "rb"))
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise TraceReadError(f"{path}: not a readable trainbpf spool ({exc})") from exc
+        reader = ipc.open_stream(pa.OSFile(fd_path(fd), "rb"))
+    except (pa.ArrowInvalid, OSError):
+        # Arrow's own message quotes the file's first bytes: not for a root tool's stderr.
+        raise TraceReadError(f"{path}: not a readable trainbpf spool") from None
     meta = _decode_meta(reader.schema.metadata, path)
 
     def batches() -> Iterator[pa.RecordBatch]:
@@ -180,9 +213,9 @@ def _spool_batches(path: Path) -> tuple[Iterator[pa.RecordBatch], dict[str, Any]
     return batches(), meta
 
 
-def _read_spool(path: Path) -> tuple[pa.Table, dict[str, Any]]:
+def _read_spool(fd: int, path: Path) -> tuple[pa.Table, dict[str, Any]]:
     """Every complete batch of a spool."""
-    batches, meta = _spool_batches(path)
+    batches, meta = _spool_batches(fd, path)
     return pa.Table.from_batches(list(batches), schema=TRACE_SCHEMA), meta
 
 
@@ -250,34 +283,72 @@ def _derive_final_meta(rows: pa.Table | Iterable[pa.RecordBatch], meta: dict[str
     return meta
 
 
-def finalize(spool: Path, output: Path, final_meta: Mapping[str, Any] | None = None) -> Path:
+def finalize(spool: Path, output: Path, final_meta: Mapping[str, Any] | None = None, *,
+             spool_fd: int | None = None, force: bool = False) -> Path:
     """Write the Parquet file from a spool (atomically) and remove the spool.
+
+    `spool_fd` is the recorder's own descriptor of the spool: the file finalised is the
+    one it wrote, whatever has happened to the name since.  Without it the spool is
+    opened here and locked, so a recorder still writing it is refused.  An existing
+    `output` is replaced only with `force` (safefile.check_output).
 
     Two passes over the spool, a batch at a time, so memory stays bounded however long
     the recording: the first finds what the metadata needs from the rows (which the
     Parquet file states before its first row), the second writes.  Each row group holds
     one kind (each kind's rows in recording order), so a reader picks a kind's row groups
     by the statistics of `kind` and skips the rest; the long table is the same rows."""
-    batches, meta = _spool_batches(spool)
-    meta.update(final_meta or {})
-    meta = _derive_final_meta(batches, meta)
-    tmp = output.with_name(output.name + ".tmp")
+    spool, output = Path(spool), Path(output)
+    fd = open_spool(spool) if spool_fd is None else spool_fd
     try:
-        with _open_private(tmp) as fh, \
-                pq.ParquetWriter(fh, TRACE_SCHEMA.with_metadata(_meta_bytes(meta)), compression="zstd",
-                                 use_dictionary=list(DICTIONARY_COLUMNS),
-                                 column_encoding=dict.fromkeys(DELTA_COLUMNS, "DELTA_BINARY_PACKED")) as writer:
-            groups = _KindRowGroups(writer)
-            for batch in _spool_batches(spool)[0]:
-                groups.add(batch)
-            groups.close()
-        _chown_to_invoker(tmp)
-        os.replace(tmp, output)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise _output_error(output, exc) from exc
-    spool.unlink(missing_ok=True)
+        batches, meta = _spool_batches(fd, spool)
+        meta.update(final_meta or {})
+        meta = _derive_final_meta(batches, meta)
+
+        def write(fh) -> None:
+            with pq.ParquetWriter(fh, TRACE_SCHEMA.with_metadata(_meta_bytes(meta)), compression="zstd",
+                                  use_dictionary=list(DICTIONARY_COLUMNS),
+                                  column_encoding=dict.fromkeys(DELTA_COLUMNS, "DELTA_BINARY_PACKED")) as writer:
+                groups = _KindRowGroups(writer)
+                for batch in _spool_batches(fd, spool)[0]:
+                    groups.add(batch)
+                groups.close()
+
+        write_new(output, write, owner=invoker(), force=force)
+        if same_file(fd, spool):  # not a file swapped in under the spool's name
+            spool.unlink()
+    finally:
+        if spool_fd is None:
+            os.close(fd)
     return output
+
+
+def open_spool(spool: Path) -> int:
+    """Open a left-over spool for finalising: a regular file no recorder is writing."""
+    fd = open_input(spool)
+    if not try_lock(fd):
+        holder = lock_holder(fd)
+        os.close(fd)
+        raise TraceReadError(f"{spool}: a recorder (pid {holder or '?'}) is still writing it; "
+                             "analyze reads it as it is, recover it once the recorder has stopped")
+    return fd
+
+
+def discard_stale_spool(spool: Path) -> bool:
+    """Remove the spool of a recording that was killed (nobody holds its lock): for
+    callers whose recordings are scratch (health).  True if one was removed."""
+    try:
+        fd = open_spool(spool)
+    except TraceReadError:
+        if not os.path.lexists(spool):
+            return False
+        raise
+    try:
+        if same_file(fd, spool):
+            spool.unlink()
+            return True
+        return False
+    finally:
+        os.close(fd)
 
 
 class _KindRowGroups:
@@ -327,15 +398,13 @@ def _split_by_kind(batch: pa.RecordBatch) -> Iterator[tuple[str | None, pa.Table
         yield None, pa.Table.from_batches([batch.filter(pc.is_null(encoded.indices))])
 
 
-def recover(spool: Path, output: Path | None = None) -> Path:
+def recover(spool: Path, output: Path | None = None, *, force: bool = False) -> Path:
     """Finalise a spool left by a recorder that did not finish (killed, disk full)."""
     spool = Path(spool)
-    if not spool.exists():
-        raise TraceReadError(f"{spool}: no such file")
     if output is None:
         name = spool.name[: -len(SPOOL_SUFFIX)] if spool.name.endswith(SPOOL_SUFFIX) else spool.name + ".parquet"
         output = spool.with_name(name)
-    return finalize(spool, Path(output), {"recovered": True, "complete": False})
+    return finalize(spool, Path(output), {"recovered": True, "complete": False}, force=force)
 
 
 class Trace:
@@ -471,33 +540,32 @@ def _frame_of(sub: pa.Table, names: list[str]) -> pd.DataFrame:
 
 def read_trace(path: str | os.PathLike) -> Trace:
     """Open a finished trace or, if given (or if only it exists), a recording's spool.
-    A Parquet trace's rows are read as they are asked for (Trace.frame)."""
+    A Parquet trace's rows are read as they are asked for (Trace.frame).  Only a regular
+    file is read: a FIFO or a device is refused, never waited on."""
     path = Path(path)
-    if not path.exists():
-        spool = spool_path_for(path)
-        if spool.exists():
-            path = spool
-        else:
-            raise TraceReadError(f"{path}: no such file")
-    if path.is_dir():
-        raise TraceReadError(f"{path}: is a directory, not a trace file")
-    with open(path, "rb") as fh:
-        magic = fh.read(4)
-    if magic == b"PAR1":
-        try:
-            pf = pq.ParquetFile(path, pre_buffer=True)  # coalesced reads: far fewer, larger allocations
-            meta = _decode_meta(pf.schema_arrow.metadata, path)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise TraceReadError(f"{path}: truncated or corrupt Parquet file ({exc})") from exc
-        missing = [c for c in COLUMNS if c not in pf.schema_arrow.names]
-        if missing:
-            raise TraceReadError(f"{path}: not a trainbpf trace (missing columns {missing})")
-        return Trace(path, meta, parquet=pf)
-    if magic == b"\xff\xff\xff\xff":  # Arrow IPC stream continuation marker
-        table, meta = _read_spool(path)
-        meta = _derive_final_meta(table, meta)
-        meta.setdefault("complete", False)
-        return Trace(path, meta, table)
+    if not os.path.lexists(path) and os.path.lexists(spool_path_for(path)):
+        path = spool_path_for(path)
+    fd = open_input(path)
+    try:
+        magic = os.pread(fd, 4, 0)
+        if magic == b"PAR1":
+            try:
+                # its own descriptor of this very file, whatever the name (and its bytes)
+                pf = pq.ParquetFile(pa.OSFile(fd_path(fd), "rb"), pre_buffer=True)  # coalesced reads
+                meta = _decode_meta(pf.schema_arrow.metadata, path)
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise TraceReadError(f"{path}: truncated or corrupt Parquet file ({exc})") from exc
+            missing = [c for c in COLUMNS if c not in pf.schema_arrow.names]
+            if missing:
+                raise TraceReadError(f"{path}: not a trainbpf trace (missing columns {missing})")
+            return Trace(path, meta, parquet=pf)
+        if magic == b"\xff\xff\xff\xff":  # Arrow IPC stream continuation marker
+            table, meta = _read_spool(fd, path)
+            meta = _derive_final_meta(table, meta)
+            meta.setdefault("complete", False)
+            return Trace(path, meta, table)
+    finally:
+        os.close(fd)
     if not magic:
         raise TraceReadError(f"{path}: empty file, not a trace")
     raise TraceReadError(f"{path}: not a Parquet trace file")

@@ -28,7 +28,8 @@ def main() -> None:
     result = record(pid=args.pid, output=args.output, duration=args.duration,
                     settings=Settings(**json.loads(args.settings)),
                     probes=[p for p in args.probes.split(",") if p] or None,
-                    gpu="off", on_attached=attached)
+                    gpu="off", on_attached=attached,
+                    force=True)  # benchmarks record into the same scratch file run after run
     print(json.dumps({"rows": result.rows, "lost": result.lost, "duration_s": result.duration_s,
                       "bytes": result.bytes, "stop_reason": result.stop_reason,
                       "threads": result.threads}), flush=True)
