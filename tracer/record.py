@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf import doctor
-from trainbpf.errors import NotRootError, OutputError, TargetError
+from trainbpf.errors import NotRootError, OutputError, TargetError, UsageError
 from trainbpf.schema import SCHEMA_ID
 from trainbpf.tracefile import SpoolWriter, finalize, make_batch
 from trainbpf.tracer import loader, procs, procfs, taskstats
@@ -105,8 +105,11 @@ class Recorder:
         collectors = loader.select(self.probe_names, self.settings)
         wall_minus_mono = time.time_ns() - time.monotonic_ns()
         gpu = GpuSampler(mode=self.gpu_mode, wall_minus_mono_ns=wall_minus_mono)
+        gpu.check()
 
         seed = self._walk()
+        if self.trainer_tid is not None and self.trainer_tid not in {t.tid for t in seed}:
+            raise UsageError(f"--trainer-tid {self.trainer_tid} is not a thread of the traced processes")
         bpf = loader.load(collectors, self.settings)  # compile before the spool exists
         try:
             if self.pid is not None and not procs.is_alive(self.pid):
