@@ -72,3 +72,88 @@ def test_gpu_nvml_without_nvml_and_a_foreign_trainer_tid_are_refused(tmp_path):
         target.kill()
         target.wait()
     assert not list(tmp_path.iterdir())
+
+
+# -- D4: a thread group is followed until its last thread ends -------------------------
+
+# The main thread leaves with pthread_exit (the process shows state Zl) while a worker
+# works on; after "go" on stdin the worker works WORK seconds, the main thread MAIN.
+MAIN_EXITS = r"""
+import ctypes, sys, threading, time
+work, main = float(sys.argv[1]), float(sys.argv[2])
+go = threading.Event()
+def worker():
+    ctypes.CDLL(None).prctl(15, b"tb_worker", 0, 0, 0)
+    go.wait()
+    end = time.time() + work
+    while time.time() < end:
+        time.sleep(0.005)
+threading.Thread(target=worker).start()
+print("ready", flush=True)
+sys.stdin.readline()
+go.set()
+time.sleep(main)
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def _state(pid: int) -> str:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2]
+
+
+def test_a_process_whose_main_thread_exited_is_recorded(tmp_path):
+    require_root()
+    proc = subprocess.Popen([sys.executable, "-c", MAIN_EXITS, "30", "0"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        end = time.time() + 10
+        while _state(proc.pid) != "Z":
+            assert time.time() < end, "the main thread did not exit"
+            time.sleep(0.05)
+        result = record(pid=proc.pid, output=tmp_path / "t.parquet", duration=1.5, gpu="off", handle_signals=False)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert result.stop_reason == "duration"  # was TargetError "no such process"
+    comms = set(read_trace(tmp_path / "t.parquet").frame("thread")["comm"])
+    assert "tb_worker" in comms, comms
+
+
+def test_recording_follows_the_threads_that_outlive_the_main_thread(tmp_path):
+    require_root()
+    proc = subprocess.Popen([sys.executable, "-c", MAIN_EXITS, "4", "0.5"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+
+        def go() -> None:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+
+        result = record(pid=proc.pid, output=tmp_path / "t.parquet", duration=30, gpu="off", handle_signals=False,
+                        on_attached=go)
+    finally:
+        proc.kill()
+        proc.wait()
+    # Main exits after 0.5 s, the worker after 4 s: was "target exited" at about 0.5 s.
+    assert result.stop_reason == "target exited"
+    assert result.duration_s >= 3.5, result.duration_s
+
+
+# -- --pid 1: the recorder never traces itself -----------------------------------------
+
+def test_pid_1_leaves_out_the_recorders_own_process_tree(tmp_path):
+    require_root()
+    out = tmp_path / "t.parquet"
+    rec = subprocess.Popen([TRAINBPF, "record", "--pid", "1", "-d", "1", "--probes", "sched", "--gpu", "off",
+                            "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, err = rec.communicate(timeout=180)
+    assert rec.returncode == 0, err
+    trace = read_trace(out)
+    seen = {int(p) for kind in ("thread", "offcpu", "offcpu_short") for p in trace.frame(kind)["pid"].dropna()}
+    assert len(seen) > 1, "--pid 1 traces the machine's processes"
+    assert rec.pid not in seen, "the recorder traced itself"

@@ -157,8 +157,8 @@ class Recorder:
         return [merged[k] for k in sorted(merged)]
 
     def _walk(self) -> list[procs.ThreadInfo]:
-        if self.pid is not None:
-            return procs.tree_threads(self.pid)
+        if self.pid is not None:  # never the recorder's own tree (--pid 1 holds it)
+            return procs.tree_threads(self.pid, exclude=os.getpid())
         return [t for t in procs.all_threads() if t.pid != os.getpid()]
 
     def _seed(self, bpf, writer: SpoolWriter, threads: list[procs.ThreadInfo]) -> None:
