@@ -97,6 +97,13 @@ ctypes.CDLL(None).pthread_exit(None)
 """
 
 
+def _main_exits(work: float, main: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", MAIN_EXITS, str(work), str(main)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
 def _state(pid: int) -> str:
     text = Path(f"/proc/{pid}/stat").read_text()
     return text[text.rindex(")") + 2]
@@ -104,10 +111,8 @@ def _state(pid: int) -> str:
 
 def test_a_process_whose_main_thread_exited_is_recorded(tmp_path):
     require_root()
-    proc = subprocess.Popen([sys.executable, "-c", MAIN_EXITS, "30", "0"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = _main_exits(30, 0)
     try:
-        assert proc.stdout.readline().strip() == "ready"
         proc.stdin.write("go\n")
         proc.stdin.flush()
         end = time.time() + 10
@@ -125,11 +130,8 @@ def test_a_process_whose_main_thread_exited_is_recorded(tmp_path):
 
 def test_recording_follows_the_threads_that_outlive_the_main_thread(tmp_path):
     require_root()
-    proc = subprocess.Popen([sys.executable, "-c", MAIN_EXITS, "4", "0.5"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = _main_exits(4, 0.5)
     try:
-        assert proc.stdout.readline().strip() == "ready"
-
         def go() -> None:
             proc.stdin.write("go\n")
             proc.stdin.flush()
@@ -157,3 +159,45 @@ def test_pid_1_leaves_out_the_recorders_own_process_tree(tmp_path):
     seen = {int(p) for kind in ("thread", "offcpu", "offcpu_short") for p in trace.frame(kind)["pid"].dropna()}
     assert len(seen) > 1, "--pid 1 traces the machine's processes"
     assert rec.pid not in seen, "the recorder traced itself"
+
+
+# -- D3: a killed recording's open intervals and its duration --------------------------
+
+def test_a_killed_recording_keeps_blocked_threads_blocked_and_ends_at_its_last_segment(tmp_path):
+    require_root()
+    target = subprocess.Popen(["sleep", "60"])
+    out = tmp_path / "t.parquet"
+    spool = tmp_path / "t.parquet.spool"
+    rec = subprocess.Popen([TRAINBPF, "record", "--pid", str(target.pid), "--gpu", "off", "-o", str(out)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        end = time.time() + 120
+        while not spool.exists():
+            assert time.time() < end, "the recorder never started"
+            time.sleep(0.05)
+        time.sleep(3.5)
+        rec.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic_ns()
+        rec.wait()
+    finally:
+        for p in (rec, target):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    trace = read_trace(spool)
+    start, stop = trace.meta["clock"]["start_mono_ns"], trace.meta["clock"]["end_mono_ns"]
+    # was max(ts + dur) over the rows: vmstat/psi rows carry their interval's end in ts,
+    # so the duration ran a flush interval past the last segment, and past the kill
+    assert stop <= killed_at, f"the trace ends {(stop - killed_at) / 1e9:.2f} s after the kill"
+    assert stop - start >= 2e9
+    report = json.loads(cli("analyze", str(spool), "--format", "json").stdout)
+    sleeper = next(t for t in report["threads"] if t["tid"] == target.pid)
+    seconds = sleeper["seconds"]
+    # was "running 5.14 of 5.14 s": the sleep, open at the kill, was never written
+    assert seconds.get("running", 0.0) < 0.1, seconds
+    assert sum(seconds.values()) - seconds.get("running", 0.0) >= 0.9 * report["trace"]["duration_s"], seconds
+    opened = trace.frame("offcpu")
+    assert (opened.loc[opened["tid"] == target.pid, "cpu"] == -1).all(), "cut intervals are marked open (cpu -1)"
+    assert cli("recover", str(spool)).returncode == 0
+    assert read_trace(out).meta["clock"]["end_mono_ns"] == stop
+    assert set(read_trace(out).table["kind"].to_pylist()).isdisjoint({"offcpu_open", "segment"})

@@ -300,6 +300,12 @@ class Recorder:
         if gpu_batch is not None:
             batches.append(gpu_batch)
         batches += procsampler.take()
+        if not final:  # what a killed recording's last segment says was still blocked
+            segment_ns = time.monotonic_ns()
+            sched = next(c for c in collectors if isinstance(c, SchedCollector))
+            live = {tid for tid in self.threads if tid not in self.exited}
+            batches += sched.open_intervals(bpf, segment_ns, live, kind="offcpu_open")
+            batches.append(make_batch("segment", {"ts_ns": np.array([segment_ns], dtype=np.int64)}))
         for b in batches:
             writer.add(b)
         for tid in list(self.exited):  # drained: the map entries can go

@@ -278,11 +278,15 @@ def _derive_final_meta(rows: pa.Table | Iterable[pa.RecordBatch], meta: dict[str
     counts: dict[str, int] = dict(meta.get("lost") or {})
     lost: dict[str, int] = {}  # newest (largest) cumulative count per probe
     end: int | None = None
+    segment: int | None = None  # the newest segment's clock
     any_rows = False
     for batch in rows.to_batches() if isinstance(rows, pa.Table) else rows:
         if not batch.num_rows:
             continue
         any_rows = True
+        segments = pc.max(batch.filter(pc.equal(batch.column("kind"), "segment")).column("ts_ns")).as_py()
+        if segments is not None:
+            segment = segments if segment is None else max(segment, segments)
         lost_rows = batch.filter(pc.equal(batch.column("kind"), "lost"))
         for name, count in zip(lost_rows.column("name").to_pylist(), lost_rows.column("count").to_pylist()):
             if count is not None:
@@ -294,9 +298,33 @@ def _derive_final_meta(rows: pa.Table | Iterable[pa.RecordBatch], meta: dict[str
     meta["lost"] = counts
     clock = dict(meta.get("clock") or {})
     if not clock.get("end_mono_ns") and any_rows:
-        clock["end_mono_ns"] = int(end or clock.get("start_mono_ns", 0))
+        # A killed recording ends at its last segment; a spool of a version without
+        # segment rows, at its last row.
+        clock["end_mono_ns"] = int(segment or end or clock.get("start_mono_ns", 0))
     meta["clock"] = clock
     return meta
+
+
+def _settle(batches: Iterable[pa.RecordBatch], meta: Mapping[str, Any]) -> Iterator[pa.RecordBatch]:
+    """The spool's rows as the trace holds them: segment marks dropped, and the intervals
+    still open at a flush dropped too, except, for a recording that did not finish, those
+    cut at its end (its last segment), which become off-CPU intervals ending there."""
+    keep_end = None if meta.get("complete") else (meta.get("clock") or {}).get("end_mono_ns")
+    for batch in batches:
+        kind = batch.column("kind")
+        is_open = pc.fill_null(pc.equal(kind, "offcpu_open"), False)
+        drop = pc.or_(pc.fill_null(pc.equal(kind, "segment"), False), is_open)
+        if not pc.any(drop).as_py():
+            yield batch
+            continue
+        if keep_end is not None:
+            ends = pc.add(batch.column("ts_ns"), pc.fill_null(batch.column("dur_ns"), 0))
+            last = pc.and_(is_open, pc.fill_null(pc.equal(ends, keep_end), False))
+            drop = pc.and_(drop, pc.invert(last))
+            kind = pc.if_else(last, pa.scalar("offcpu"), kind)
+            batch = pa.RecordBatch.from_arrays([kind if n == "kind" else batch.column(n) for n in batch.schema.names],
+                                               schema=batch.schema)
+        yield batch.filter(pc.invert(drop))
 
 
 def finalize(spool: Path, output: Path, final_meta: Mapping[str, Any] | None = None) -> Path:
@@ -317,7 +345,7 @@ def finalize(spool: Path, output: Path, final_meta: Mapping[str, Any] | None = N
                                  use_dictionary=list(DICTIONARY_COLUMNS),
                                  column_encoding=dict.fromkeys(DELTA_COLUMNS, "DELTA_BINARY_PACKED")) as writer:
             groups = _KindRowGroups(writer)
-            for batch in _spool_batches(spool)[0]:
+            for batch in _settle(_spool_batches(spool)[0], meta):
                 groups.add(batch)
             groups.close()
         _chown_to_invoker(tmp)
@@ -590,6 +618,7 @@ def read_trace(path: str | os.PathLike) -> Trace:
     if magic == b"\xff\xff\xff\xff":  # Arrow IPC stream continuation marker
         table, meta = _read_spool(path)
         meta = _derive_final_meta(table, meta)
+        table = pa.Table.from_batches(list(_settle(table.to_batches(), meta)), schema=TRACE_SCHEMA)
         meta.setdefault("complete", False)
         return Trace(path, meta, table)
     if not magic:
