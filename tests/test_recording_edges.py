@@ -201,3 +201,15 @@ def test_a_killed_recording_keeps_blocked_threads_blocked_and_ends_at_its_last_s
     assert cli("recover", str(spool)).returncode == 0
     assert read_trace(out).meta["clock"]["end_mono_ns"] == stop
     assert set(read_trace(out).table["kind"].to_pylist()).isdisjoint({"offcpu_open", "segment"})
+
+
+# -- M6: bcc never takes its kheaders fallback (sh -c modprobe, stdout noise) ---------
+
+def test_an_empty_bcc_kernel_source_does_not_hide_the_running_kernels_headers(tmp_path, monkeypatch):
+    from trainbpf.tracer import kheaders
+
+    (tmp_path / "build" / "include").mkdir(parents=True)
+    monkeypatch.setattr(kheaders, "_running_build_dir", lambda: tmp_path / "build")
+    monkeypatch.setenv("BCC_KERNEL_SOURCE", "")  # bcc would compile against "" + /include
+    assert kheaders.use_headers().exact
+    assert "BCC_KERNEL_SOURCE" not in os.environ
