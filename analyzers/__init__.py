@@ -4,6 +4,7 @@ pieces of the trainer's time -> wake-up chains -> findings."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +125,11 @@ def _seen(frames: list[pd.DataFrame]) -> pd.DataFrame:
     return pd.DataFrame({"tid": as_int64(agg["tid"]), "pid": as_int64(agg["pid_max_max"]), "first_ns": as_int64(agg["ts_ns_min_min"], 0)})
 
 
+def display_path(path: Any) -> str:
+    """A path as text any report can carry: bytes of a non-UTF-8 name as \\xNN escapes."""
+    return os.fsencode(str(path)).decode("utf-8", "backslashreplace")
+
+
 def _wake_counts(trainer_states: pd.DataFrame, followed: np.ndarray, trainer: int | None) -> pd.Series:
     """Per waker tid, how many of the trainer's followed waits (not lock handoffs) it ended."""
     wakers = trainer_states["waker_tid"].to_numpy(np.int64)[followed]
@@ -234,7 +240,7 @@ def analyze(
     )
     findings = build_findings(starved, chains, chain_ends, ctx, trainer_tid=trainer)
     return Analysis(
-        path=str(getattr(trace, "path", "")), meta=meta, span=span, window=win, trainer_tid=trainer,
+        path=display_path(getattr(trace, "path", "")), meta=meta, span=span, window=win, trainer_tid=trainer,
         gpu_idle_threshold=float(gpu_idle_threshold), basis=basis, threads=threads, slots=slots, totals=totals,
         futex_waits=futex_waits, samples=samples, gpu=util, idle=idle, gpu_windows=gpu_windows, starved=starved, chains=chains, chain_ends=chain_ends,
         churn=churn, placement=placement, findings=findings, lost=lost_counts(meta, frame("lost")),

@@ -197,6 +197,10 @@ class Synth:
 
     # -- output -----------------------------------------------------------------------
     def write(self, path: Path) -> Path:
+        return finalize(self.write_spool(path), Path(path))
+
+    def write_spool(self, path: Path) -> Path:
+        """The spool a recorder of `path` would leave (killed before finalising)."""
         path = Path(path)
         meta = dict(self.meta)
         meta["gpu"] = dict(meta.get("gpu") or {})
@@ -210,7 +214,7 @@ class Synth:
             writer.add(make_batch(kind, {n: [row.get(n) for row in rows] for n in names}))
         writer.flush()
         writer.close()
-        return finalize(spool_path_for(path), path)
+        return spool_path_for(path)
 
     def read(self, folder: Path, name: str = "trace.parquet"):
         return read_trace(self.write(Path(folder) / name))

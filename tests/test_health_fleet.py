@@ -95,3 +95,15 @@ def test_cli(folder, tmp_path):
     proc = subprocess.run([*TRAINBPF, "fleet", str(tmp_path / "none")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("trainbpf: error:") and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("bad", [{"starved_ratio": "x"}, {"targets": "notalist"}, {"targets": [1]},
+                                 {"exit_code": "2"}, {"finished_timestamp": "yesterday"},
+                                 {"targets": [{"starved_ratio": "x"}]},
+                                 {"targets": [{"starved_ratio": 0.5, "findings": [{"share": "most"}]}]}])
+def test_one_bad_document_is_skipped_and_the_rest_ranked(folder, bad):
+    """issue 15 M2: a malformed document costs its own row, not the table."""
+    (folder / "bad.json").write_text(json.dumps({**document("node-x", "critical", 0.9, "other", share=0.5), **bad}))
+    text, skipped = run_fleet(source=str(folder), fmt="json")
+    assert [n["host"] for n in json.loads(text)["nodes"]] == ["node-b", "node-a", "node-f", "node-e", "node-d", "node-c"]
+    assert any("bad.json" in s and "malformed" in s for s in skipped), skipped

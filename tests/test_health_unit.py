@@ -109,6 +109,9 @@ def test_config_overrides_thresholds_partially_and_inf_turns_a_level_off():
     ({"thresholds": {"starved_ratio": {"warning": 0.6, "critical": 0.5}}}, "above critical"),
     ({"thresholds": {"starved_ratio": 0.5}}, "warning = N"),
     ({"lock_file": ""}, "expected a path"),
+    ({"duration_s": float("inf")}, "at most 86400"),  # issue 15 M3: was two OverflowError tracebacks
+    ({"time_limit_s": 1e12}, "at most"),
+    ({"thresholds": {"starved_ratio": {"warning": -0.5}}}, "not negative"),  # M5: was accepted
 ])
 def test_bad_config_is_one_line_usage_error(raw, message):
     with pytest.raises(UsageError, match=message) as err:
@@ -460,6 +463,8 @@ def test_backstop_ends_a_run_that_ignores_the_limit(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--duration", "abc"], "--duration"),
     (["--duration", "-2"], "duration_s must be positive"),
+    (["--duration", "1e12", "--pid", "1"], "at most 86400"),  # M3: OverflowError tracebacks, "no targets"
+    (["--duration", "nan"], "duration_s must be positive"),
     (["--bogus"], "No such option"),
     (["--config", "/nonexistent/health.toml"], "No such file"),
     (["--textfile-dir", "/nonexistent/dir"], "textfile folder /nonexistent/dir does not exist"),

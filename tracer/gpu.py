@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
+from trainbpf.errors import EnvironmentCheckError
 from trainbpf.tracefile import make_batch
 
 QUERY = "timestamp,index,uuid,pci.bus_id,utilization.gpu,utilization.memory,memory.used"
@@ -78,6 +79,22 @@ class GpuSampler:
         self._proc: subprocess.Popen | None = None
         self._smi_exe: str | None = None  # the nvidia-smi that answers, once started
         self._thread: threading.Thread | None = None
+
+    def check(self) -> None:
+        """Before anything is compiled: `--gpu nvml` needs NVML (libnvidia-ml) to load."""
+        if self.mode != "nvml":
+            return
+        try:
+            import pynvml  # type: ignore[import-not-found]
+        except ImportError:
+            raise EnvironmentCheckError("--gpu nvml: the NVML bindings (nvidia-ml-py) are not installed; "
+                                        "use --gpu nvidia-smi, auto or off") from None
+        try:
+            pynvml.nvmlInit()
+            pynvml.nvmlShutdown()
+        except Exception as exc:
+            raise EnvironmentCheckError(f"--gpu nvml: NVML cannot be loaded ({exc}); is the NVIDIA driver "
+                                        "(libnvidia-ml.so.1) installed? Use --gpu nvidia-smi, auto or off") from None
 
     def start(self) -> None:
         if self.mode == "off":

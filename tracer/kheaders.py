@@ -106,4 +106,9 @@ def use_headers() -> KernelHeaders:
         )
     if not headers.exact:
         os.environ["BCC_KERNEL_SOURCE"] = str(headers.path)
+    else:
+        # An empty or stale BCC_KERNEL_SOURCE would send bcc past the running kernel's
+        # headers to its fallback, which runs `sh -c "modprobe kheaders"` and prints
+        # "Unable to find kernel headers" on stdout (docs/security.md).
+        os.environ.pop("BCC_KERNEL_SOURCE", None)
     return headers

@@ -31,11 +31,11 @@ def _stat_fields(text: str) -> tuple[str, list[str]]:
     return text[start + 1 : end], text[end + 2 :].split()
 
 
-def process_state(pid: int) -> str | None:
-    """One-letter state of a process, None when it is gone.  Plain bytes, no pathlib:
-    the recorder asks ten times a second."""
+def process_state(pid: int, tid: int | None = None) -> str | None:
+    """One-letter state of a process (or of its thread `tid`), None when it is gone.
+    Plain bytes, no pathlib: the recorder asks ten times a second."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
+        with open(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat", "rb") as fh:
             text = fh.read()
     except OSError:
         return None
@@ -44,7 +44,16 @@ def process_state(pid: int) -> str | None:
 
 
 def is_alive(pid: int) -> bool:
-    return process_state(pid) not in (None, "Z", "X")
+    """Whether any thread of process `pid` still runs.  A main thread that called
+    pthread_exit stays a zombie (state Z) while the other threads work on."""
+    state = process_state(pid)
+    if state != "Z":
+        return state not in (None, "X")
+    try:
+        tids = [int(t) for t in os.listdir(PROC / str(pid) / "task") if t != str(pid)]
+    except OSError:
+        return False
+    return any(process_state(pid, tid) not in (None, "Z", "X") for tid in tids)
 
 
 def _children(pids: list[int]) -> dict[int, list[int]]:
@@ -92,9 +101,14 @@ def threads_of(pid: int) -> list[ThreadInfo]:
     return out
 
 
-def tree_threads(pid: int) -> list[ThreadInfo]:
-    """Every thread of `pid` and of its descendants."""
-    return [t for p in process_tree(pid) for t in threads_of(p)]
+def tree_threads(pid: int, *, exclude: int | None = None) -> list[ThreadInfo]:
+    """Every thread of `pid` and of its descendants, but none of process `exclude` and
+    its descendants (the recorder itself, when it runs below `pid`) outside `pid`'s own
+    subtree."""
+    skip = set(process_tree(exclude)) if exclude is not None else set()
+    if pid in skip:  # a target the recorder started: only what is not below the target
+        skip -= set(process_tree(pid))
+    return [t for p in process_tree(pid) if p not in skip for t in threads_of(p)]
 
 
 def all_threads() -> list[ThreadInfo]:

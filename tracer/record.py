@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf import doctor
-from trainbpf.errors import NotRootError, OutputError, TargetError
+from trainbpf.errors import NotRootError, OutputError, TargetError, UsageError
 from trainbpf.schema import SCHEMA_ID
 from trainbpf.safefile import check_output as safe_check_output
 from trainbpf.tracefile import SpoolWriter, check_spool_free, finalize, make_batch, spool_path_for
@@ -104,8 +104,11 @@ class Recorder:
         collectors = loader.select(self.probe_names, self.settings)
         wall_minus_mono = time.time_ns() - time.monotonic_ns()
         gpu = GpuSampler(mode=self.gpu_mode, wall_minus_mono_ns=wall_minus_mono)
+        gpu.check()
 
         seed = self._walk()
+        if self.trainer_tid is not None and self.trainer_tid not in {t.tid for t in seed}:
+            raise UsageError(f"--trainer-tid {self.trainer_tid} is not a thread of the traced processes")
         bpf = loader.load(collectors, self.settings)  # compile before the spool exists
         try:
             if self.pid is not None and not procs.is_alive(self.pid):
@@ -154,8 +157,8 @@ class Recorder:
         return [merged[k] for k in sorted(merged)]
 
     def _walk(self) -> list[procs.ThreadInfo]:
-        if self.pid is not None:
-            return procs.tree_threads(self.pid)
+        if self.pid is not None:  # never the recorder's own tree (--pid 1 holds it)
+            return procs.tree_threads(self.pid, exclude=os.getpid())
         return [t for t in procs.all_threads() if t.pid != os.getpid()]
 
     def _seed(self, bpf, writer: SpoolWriter, threads: list[procs.ThreadInfo]) -> None:
@@ -299,6 +302,12 @@ class Recorder:
         if gpu_batch is not None:
             batches.append(gpu_batch)
         batches += procsampler.take()
+        if not final:  # what a killed recording's last segment says was still blocked
+            segment_ns = time.monotonic_ns()
+            sched = next(c for c in collectors if isinstance(c, SchedCollector))
+            live = {tid for tid in self.threads if tid not in self.exited}
+            batches += sched.open_intervals(bpf, segment_ns, live, kind="offcpu_open")
+            batches.append(make_batch("segment", {"ts_ns": np.array([segment_ns], dtype=np.int64)}))
         for b in batches:
             writer.add(b)
         for tid in list(self.exited):  # drained: the map entries can go

@@ -134,9 +134,10 @@ class SchedCollector(Collector):
             # NOEXIST: a real switch-out since attach is more accurate than the seed
             _insert(table, t.tid, leaf)
 
-    def open_intervals(self, bpf, end_ns: int, live: set[int]) -> list[pa.RecordBatch]:
+    def open_intervals(self, bpf, end_ns: int, live: set[int], kind: str = "offcpu") -> list[pa.RecordBatch]:
         """Off-CPU intervals still open when tracing stops (a thread blocked to the end,
-        or never run again): they end at the stop, with cpu -1."""
+        or never run again): they end at the stop, with cpu -1.  At a flush, as
+        `kind` "offcpu_open" rows, they end at the flush."""
         woken = {k.value: v for k, v in bpf["woken_at"].items()}
         rows = []
         for k, so in bpf["switched_out_at"].items():
@@ -155,7 +156,7 @@ class SchedCollector(Collector):
             return []
         cols = list(zip(*rows))
         waker = np.array(cols[6], dtype=np.int32)
-        return [make_batch("offcpu", {
+        return [make_batch(kind, {
             "ts_ns": np.array(cols[0], dtype=np.int64),
             "dur_ns": np.array(cols[1], dtype=np.int64),
             "tid": np.array(cols[2], dtype=np.int32),

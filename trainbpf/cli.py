@@ -4,6 +4,7 @@ codes (trainbpf.errors); nothing below prints a traceback for a user's mistake."
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -96,8 +97,14 @@ def record(
             raise UsageError(f"--gpu {gpu}: choose auto, nvml, nvidia-smi or off")
         if ringbuf_pages < 1 or ringbuf_pages & (ringbuf_pages - 1):
             raise UsageError(f"--ringbuf-pages {ringbuf_pages}: must be a power of two")
-        if duration is not None and duration <= 0:
-            raise UsageError("--duration must be positive")
+        if duration is not None and not (math.isfinite(duration) and duration > 0):
+            raise UsageError(f"--duration {duration}: must be a positive number of seconds")
+        for option, value in (("--min-block-us", min_block_us), ("--min-futex-us", min_futex_us),
+                              ("--min-lock-us", min_lock_us)):
+            if not (math.isfinite(value) and value >= 0):
+                raise UsageError(f"{option} {value}: must be 0 or more microseconds")
+        if oncpu_hz < 1:
+            raise UsageError(f"--oncpu-hz {oncpu_hz}: must be at least 1 sample per second")
         settings = Settings(
             min_block_ns=int(min_block_us * 1000), min_futex_ns=int(min_futex_us * 1000),
             min_lock_ns=int(min_lock_us * 1000), oncpu_hz=oncpu_hz, ringbuf_pages=ringbuf_pages,

@@ -7,6 +7,7 @@ import csv
 import glob
 import io
 import json
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -58,10 +59,37 @@ def load_documents(files: list[Path]) -> tuple[list[tuple[Path, dict[str, Any]]]
         if not isinstance(doc, dict) or doc.get("schema") != HEALTH_SCHEMA:
             skipped.append(f"{path}: not a {HEALTH_SCHEMA} document")
             continue
+        problem = document_problem(doc)
+        if problem:
+            skipped.append(f"{path}: malformed {HEALTH_SCHEMA} document ({problem})")
+            continue
         host = str(doc.get("host"))
         if host not in newest or doc.get("finished_timestamp", 0) > newest[host][1].get("finished_timestamp", 0):
             newest[host] = (path, doc)
     return list(newest.values()), skipped
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def document_problem(doc: dict[str, Any]) -> str | None:
+    """What makes a health document unusable for the table (None: nothing)."""
+    for key in ("starved_ratio", "finished_timestamp"):
+        if doc.get(key) is not None and not _number(doc[key]):
+            return f"{key} is not a number"
+    if not isinstance(doc.get("exit_code", 3), int) or isinstance(doc.get("exit_code"), bool):
+        return "exit_code is not an integer"
+    targets = doc.get("targets", [])
+    if not isinstance(targets, list) or not all(isinstance(t, dict) for t in targets):
+        return "targets is not a list of objects"
+    for t in targets:
+        if t.get("starved_ratio") is not None and not _number(t["starved_ratio"]):
+            return "a target's starved_ratio is not a number"
+        findings = t.get("findings") or []
+        if not isinstance(findings, list) or not all(isinstance(f, dict) and _number(f.get("share")) for f in findings):
+            return "a target's findings are not a list of objects with a share"
+    return None
 
 
 def _top_share(doc: dict[str, Any]) -> float | None:

@@ -135,6 +135,7 @@ class HealthConfig:
         return self.time_limit_s if self.time_limit_s is not None else self.duration_s + 60.0
 
 
+MAX_SECONDS = 86_400  # a health check records for seconds; a day is surely a typo
 _PATH_KEYS = ("lock_file", "textfile_dir", "json_file", "trace_file")
 _NUMBER_KEYS = ("duration_s", "time_limit_s")
 # Keys older configurations may hold that no longer mean anything: accepted and ignored
@@ -162,6 +163,8 @@ def _thresholds(where: str, table: Any) -> dict[str, Threshold]:
         base = DEFAULT_THRESHOLDS[name]
         th = Threshold(_number(f"{where}.{name}.warning", levels.get("warning", base.warning)),
                        _number(f"{where}.{name}.critical", levels.get("critical", base.critical)))
+        if th.warning < 0 or th.critical < 0:
+            raise UsageError(f"{where}.{name}: thresholds are not negative, got {th.warning}/{th.critical}")
         if th.warning > th.critical:
             raise UsageError(f"{where}.{name}: warning {th.warning} is above critical {th.critical}")
         out[name] = th
@@ -197,10 +200,11 @@ def config_from_mapping(raw: Mapping[str, Any], *, source: str) -> HealthConfig:
 
 
 def validate_config(config: HealthConfig, *, source: str = "health") -> HealthConfig:
-    if not config.duration_s > 0:
-        raise UsageError(f"{source}: duration_s must be positive, got {config.duration_s}")
-    if not config.limit_s > 0:
-        raise UsageError(f"{source}: time_limit_s must be positive, got {config.time_limit_s}")
+    if not 0 < config.duration_s <= MAX_SECONDS:
+        raise UsageError(f"{source}: duration_s must be positive and at most {MAX_SECONDS} s, got {config.duration_s}")
+    if not 0 < config.limit_s <= MAX_SECONDS + 60:
+        raise UsageError(f"{source}: time_limit_s must be positive and at most {MAX_SECONDS + 60} s, "
+                         f"got {config.time_limit_s}")
     if config.gpu not in GPU_MODES:
         raise UsageError(f"{source}: gpu {config.gpu!r}: choose {', '.join(GPU_MODES)}")
     for key in _PATTERN_KEYS:

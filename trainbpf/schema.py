@@ -75,6 +75,17 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
         "ts_ns", "dur_ns", "tid", "pid", "cpu", "state", "runq_ns", "peer_tid", "peer_pid",
         "kstack_id", "ustack_id", "peer_kstack_id", "peer_ustack_id",
     ),
+    # While recording, at each flush of the spool: an off-CPU interval still open then,
+    # cut at the flush (ts_ns + dur_ns = that segment's clock), cpu -1.  Only a recording
+    # killed before it finished keeps any: those of its last segment become "offcpu" rows
+    # (still marked open by cpu -1) when the spool is read or recovered; the rest go.
+    "offcpu_open": (
+        "ts_ns", "dur_ns", "tid", "pid", "cpu", "state", "runq_ns", "peer_tid", "peer_pid",
+        "kstack_id", "ustack_id", "peer_kstack_id", "peer_ustack_id",
+    ),
+    # The end of a spool segment: ts_ns is the clock up to which the segment's rows are
+    # complete; a killed recording's duration ends at its last one.  Spool only.
+    "segment": ("ts_ns",),
     # Off-CPU intervals below min_block_ns, summed in the kernel per (tid, state) and
     # flushed as deltas: count intervals, dur_ns total off-CPU, runq_ns total runnable.
     # ts_ns is the flush time.

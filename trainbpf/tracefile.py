@@ -224,16 +224,52 @@ def _read_spool(fd: int, path: Path) -> tuple[pa.Table, dict[str, Any]]:
 # a crash deep inside the analysis.
 META_OBJECTS = ("clock", "topology", "thresholds", "gpu", "lost", "stacks")
 META_COUNTERS = ("lost", "stacks")
+# The single values the analysis computes with: clock instants (nanoseconds, int64) and
+# thread ids (kernel pids, int32); each may be absent or null.
+META_INSTANTS = ("start_mono_ns", "end_mono_ns", "wall_minus_mono_ns")
+META_IDS = ("target_pid", "trainer_tid")
+INT64_MAX = 2**63 - 1
+PID_MAX = 2**31 - 1  # tid/pid columns are int32
 
 
-def _check_meta_shape(meta: Mapping[str, Any], path: Path) -> None:
+def _is_int(value: Any, lo: int, hi: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
+def _check_meta_shape(meta: Any, path: Path) -> None:
+    def corrupt(what: str) -> TraceReadError:
+        return TraceReadError(f"{path}: corrupt trainbpf metadata: {what}")
+
+    if not isinstance(meta, dict):
+        raise corrupt(f"a JSON {type(meta).__name__}, not an object")
     for key in META_OBJECTS:
         if meta.get(key) is not None and not isinstance(meta[key], dict):
-            raise TraceReadError(f"{path}: corrupt trainbpf metadata: {key!r} is not an object")
+            raise corrupt(f"{key!r} is not an object")
     for key in META_COUNTERS:
         for name, value in (meta.get(key) or {}).items():
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TraceReadError(f"{path}: corrupt trainbpf metadata: {key}.{name} is not an integer")
+            if not _is_int(value, -INT64_MAX, INT64_MAX):
+                raise corrupt(f"{key}.{name} is not an integer")
+    clock = meta.get("clock") or {}
+    for key in META_INSTANTS:
+        if clock.get(key) is not None and not _is_int(clock[key], -INT64_MAX, INT64_MAX):
+            raise corrupt(f"clock.{key} is not a 64-bit integer of nanoseconds")
+    start, end = clock.get("start_mono_ns"), clock.get("end_mono_ns")
+    if start is not None and end is not None and end < start:
+        raise corrupt("clock.end_mono_ns is before clock.start_mono_ns (a negative duration)")
+    for key in META_IDS:
+        if meta.get(key) is not None and not _is_int(meta[key], 0, PID_MAX):
+            raise corrupt(f"{key} is not a process id")
+    topology = meta.get("topology") or {}
+    nodes = topology.get("nodes")
+    if nodes is not None and not (isinstance(nodes, dict) and all(
+            str(n).isdigit() and isinstance(cpus, list) and all(_is_int(c, 0, PID_MAX) for c in cpus)
+            for n, cpus in nodes.items())):
+        raise corrupt('topology.nodes is not {"NODE": [cpus]}')
+    if topology.get("gpu_node") is not None and not _is_int(topology["gpu_node"], 0, PID_MAX):
+        raise corrupt("topology.gpu_node is not a node number")
+    processes = (meta.get("gpu") or {}).get("processes")
+    if processes is not None and not (isinstance(processes, list) and all(isinstance(p, dict) for p in processes)):
+        raise corrupt("gpu.processes is not a list of objects")
 
 
 def _decode_meta(raw: Mapping[bytes, bytes] | None, path: Path) -> dict[str, Any]:
@@ -243,6 +279,8 @@ def _decode_meta(raw: Mapping[bytes, bytes] | None, path: Path) -> dict[str, Any
         meta = json.loads(raw[METADATA_KEY])
     except ValueError as exc:
         raise TraceReadError(f"{path}: corrupt trainbpf metadata") from exc
+    if not isinstance(meta, dict):
+        _check_meta_shape(meta, path)
     schema = str(meta.get("schema", ""))
     name, _, version = schema.partition("/")
     if name != SCHEMA_NAME:
@@ -262,11 +300,15 @@ def _derive_final_meta(rows: pa.Table | Iterable[pa.RecordBatch], meta: dict[str
     counts: dict[str, int] = dict(meta.get("lost") or {})
     lost: dict[str, int] = {}  # newest (largest) cumulative count per probe
     end: int | None = None
+    segment: int | None = None  # the newest segment's clock
     any_rows = False
     for batch in rows.to_batches() if isinstance(rows, pa.Table) else rows:
         if not batch.num_rows:
             continue
         any_rows = True
+        segments = pc.max(batch.filter(pc.equal(batch.column("kind"), "segment")).column("ts_ns")).as_py()
+        if segments is not None:
+            segment = segments if segment is None else max(segment, segments)
         lost_rows = batch.filter(pc.equal(batch.column("kind"), "lost"))
         for name, count in zip(lost_rows.column("name").to_pylist(), lost_rows.column("count").to_pylist()):
             if count is not None:
@@ -278,9 +320,33 @@ def _derive_final_meta(rows: pa.Table | Iterable[pa.RecordBatch], meta: dict[str
     meta["lost"] = counts
     clock = dict(meta.get("clock") or {})
     if not clock.get("end_mono_ns") and any_rows:
-        clock["end_mono_ns"] = int(end or clock.get("start_mono_ns", 0))
+        # A killed recording ends at its last segment; a spool of a version without
+        # segment rows, at its last row.
+        clock["end_mono_ns"] = int(segment or end or clock.get("start_mono_ns", 0))
     meta["clock"] = clock
     return meta
+
+
+def _settle(batches: Iterable[pa.RecordBatch], meta: Mapping[str, Any]) -> Iterator[pa.RecordBatch]:
+    """The spool's rows as the trace holds them: segment marks dropped, and the intervals
+    still open at a flush dropped too, except, for a recording that did not finish, those
+    cut at its end (its last segment), which become off-CPU intervals ending there."""
+    keep_end = None if meta.get("complete") else (meta.get("clock") or {}).get("end_mono_ns")
+    for batch in batches:
+        kind = batch.column("kind")
+        is_open = pc.fill_null(pc.equal(kind, "offcpu_open"), False)
+        drop = pc.or_(pc.fill_null(pc.equal(kind, "segment"), False), is_open)
+        if not pc.any(drop).as_py():
+            yield batch
+            continue
+        if keep_end is not None:
+            ends = pc.add(batch.column("ts_ns"), pc.fill_null(batch.column("dur_ns"), 0))
+            last = pc.and_(is_open, pc.fill_null(pc.equal(ends, keep_end), False))
+            drop = pc.and_(drop, pc.invert(last))
+            kind = pc.if_else(last, pa.scalar("offcpu"), kind)
+            batch = pa.RecordBatch.from_arrays([kind if n == "kind" else batch.column(n) for n in batch.schema.names],
+                                               schema=batch.schema)
+        yield batch.filter(pc.invert(drop))
 
 
 def finalize(spool: Path, output: Path, final_meta: Mapping[str, Any] | None = None, *,
@@ -309,7 +375,7 @@ def finalize(spool: Path, output: Path, final_meta: Mapping[str, Any] | None = N
                                   use_dictionary=list(DICTIONARY_COLUMNS),
                                   column_encoding=dict.fromkeys(DELTA_COLUMNS, "DELTA_BINARY_PACKED")) as writer:
                 groups = _KindRowGroups(writer)
-                for batch in _spool_batches(fd, spool)[0]:
+                for batch in _settle(_spool_batches(fd, spool)[0], meta):
                     groups.add(batch)
                 groups.close()
 
@@ -433,7 +499,7 @@ class Trace:
     def table(self) -> pa.Table:
         """The whole long table (every kind, every column)."""
         if self._table is None:
-            self._table = self._read(lambda pf: pf.read(columns=list(COLUMNS))).cast(TRACE_SCHEMA)
+            self._table = self._read(lambda pf: pf.read(columns=list(COLUMNS)).cast(TRACE_SCHEMA))
         return self._table
 
     @property
@@ -462,7 +528,9 @@ class Trace:
         if kind in self._frames:
             whole = self._frames[kind]
             return whole if columns is None else whole[names]
-        out = _frame_of(self._rows_of(kind, names), names)
+        rows = self._rows_of(kind, names)
+        _check_rows(kind, rows, self.path)
+        out = _frame_of(rows, names)
         if columns is None:
             self._frames[kind] = out
         release_unused_memory()  # the reader's scratch
@@ -470,7 +538,7 @@ class Trace:
 
     @property
     def duration_ns(self) -> int:
-        clock = self.meta.get("clock", {})
+        clock = self.meta.get("clock") or {}
         return max(0, int(clock.get("end_mono_ns") or 0) - int(clock.get("start_mono_ns") or 0))
 
     def _rows_of(self, kind: str, names: list[str]) -> pa.Table:
@@ -478,8 +546,10 @@ class Trace:
         if self._table is None and not mixed:
             groups = by_kind.get(kind, [])
             schema = pa.schema([TRACE_SCHEMA.field(n) for n in names])
-            rows = self._read(lambda pf: pf.read_row_groups(groups, columns=names)) if groups else schema.empty_table()
-            return rows if rows.schema.equals(schema) else rows.cast(schema)
+            if not groups:
+                return schema.empty_table()
+            rows = self._read(lambda pf: pf.read_row_groups(groups, columns=names))
+            return rows if rows.schema.equals(schema) else self._read(lambda _: rows.cast(schema))
         # A spool, a table given, or a file written before row groups held one kind each.
         if self._kind_chunks is None:
             # Encode the kind column once: one pass over its strings, not one per kind.
@@ -507,8 +577,28 @@ class Trace:
     def _read(self, read):
         try:
             return read(self._parquet)
-        except (pa.ArrowInvalid, OSError) as exc:
+        except (pa.ArrowException, OSError) as exc:  # a value its column's type cannot hold, too
             raise TraceReadError(f"{self.path}: truncated or corrupt Parquet file ({exc})") from exc
+
+
+# Columns a recorder always fills in a row of a kind that has them, and those that are
+# never negative (thread ids, nanoseconds).
+REQUIRED_COLUMNS = ("ts_ns", "tid")
+NON_NEGATIVE_COLUMNS = ("ts_ns", "tid", "pid", "dur_ns", "runq_ns")
+
+
+def _check_rows(kind: str, rows: pa.Table, path: Path) -> None:
+    """A row no recorder writes (a null thread id, a negative duration) is a damaged
+    trace: a one-line TraceReadError, not a wrong answer or a crash further on."""
+    for name in rows.column_names:
+        col = rows[name]
+        if name in REQUIRED_COLUMNS and col.null_count:
+            raise TraceReadError(f"{path}: corrupt trace: {col.null_count} {kind} rows have no {name}")
+        if name in NON_NEGATIVE_COLUMNS and len(col) > col.null_count:
+            low = pc.min(col).as_py()
+            if low is not None and low < 0:
+                bad = pc.sum(pc.less(col, 0)).as_py()
+                raise TraceReadError(f"{path}: corrupt trace: {bad} {kind} rows have a negative {name} ({low})")
 
 
 def release_unused_memory() -> None:
@@ -538,6 +628,26 @@ def _frame_of(sub: pa.Table, names: list[str]) -> pd.DataFrame:
     return pd.DataFrame(out, columns=names, copy=False)
 
 
+def _type_family(typ: pa.DataType) -> str:
+    if pa.types.is_dictionary(typ):
+        typ = typ.value_type
+    for family, test in (("integer", pa.types.is_integer), ("float", pa.types.is_floating),
+                         ("string", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t))):
+        if test(typ):
+            return family
+    return str(typ)
+
+
+def _check_column_types(schema: pa.Schema, path: Path) -> None:
+    """Each column holds what TRACE_SCHEMA says (integers of another width pass: they
+    are cast as they are read, and a value out of range is a TraceReadError then)."""
+    for field in TRACE_SCHEMA:
+        found = schema.field(field.name).type
+        if not pa.types.is_null(found) and _type_family(found) != _type_family(field.type):
+            raise TraceReadError(f"{path}: not a trainbpf trace (column {field.name} holds {found}, "
+                                 f"expected {field.type})")
+
+
 def read_trace(path: str | os.PathLike) -> Trace:
     """Open a finished trace or, if given (or if only it exists), a recording's spool.
     A Parquet trace's rows are read as they are asked for (Trace.frame).  Only a regular
@@ -558,10 +668,12 @@ def read_trace(path: str | os.PathLike) -> Trace:
             missing = [c for c in COLUMNS if c not in pf.schema_arrow.names]
             if missing:
                 raise TraceReadError(f"{path}: not a trainbpf trace (missing columns {missing})")
+            _check_column_types(pf.schema_arrow, path)
             return Trace(path, meta, parquet=pf)
         if magic == b"\xff\xff\xff\xff":  # Arrow IPC stream continuation marker
             table, meta = _read_spool(fd, path)
             meta = _derive_final_meta(table, meta)
+            table = pa.Table.from_batches(list(_settle(table.to_batches(), meta)), schema=TRACE_SCHEMA)
             meta.setdefault("complete", False)
             return Trace(path, meta, table)
     finally:

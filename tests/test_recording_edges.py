@@ -1,0 +1,215 @@
+"""Recording edge cases from issue 15: options refused before anything is compiled (M5),
+a thread group followed until its last thread ends (D4), the recorder never tracing
+itself (--pid 1), and a killed recording's open intervals and duration (D3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kernel_env import require_root
+from trainbpf.errors import EnvironmentCheckError, UsageError
+from trainbpf.tracefile import read_trace
+from trainbpf.tracer.record import record
+
+TRAINBPF = str(Path(sys.executable).with_name("trainbpf"))
+
+
+def cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([TRAINBPF, *args], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                          timeout=180, **kw)
+
+
+def one_line_error(res: subprocess.CompletedProcess, code: int, words: str) -> None:
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == code and len(lines) == 1, (res.returncode, res.stderr)
+    assert lines[0].startswith("trainbpf: error: ") and words in lines[0], lines[0]
+
+
+# -- M5: bad option values, refused at once ----------------------------------------------
+
+@pytest.mark.parametrize("args, words", [
+    (["--oncpu-hz", "0"], "--oncpu-hz"),  # was exit 12 "run doctor" after compiling the probes
+    (["--oncpu-hz", "-1"], "--oncpu-hz"),
+    (["--duration", "nan"], "--duration"),  # was a recording that never stopped
+    (["--min-block-us", "-5"], "--min-block-us"),  # were accepted
+    (["--min-futex-us", "nan"], "--min-futex-us"),
+    (["--min-lock-us", "-1"], "--min-lock-us"),
+])
+def test_bad_values_are_refused_before_anything_runs(args, words, tmp_path):
+    start = time.monotonic()
+    res = cli("record", "--pid", str(os.getpid()), "-o", str(tmp_path / "t.parquet"), *args)
+    one_line_error(res, UsageError.exit_code, words)
+    assert time.monotonic() - start < 20, "refused only after compiling the probes"
+    assert not list(tmp_path.iterdir())
+
+
+def test_gpu_nvml_without_nvml_and_a_foreign_trainer_tid_are_refused(tmp_path):
+    require_root()
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+        pytest.skip("NVML loads on this machine")
+    except Exception:
+        pass
+    target = subprocess.Popen(["sleep", "30"])
+    try:
+        res = cli("record", "--pid", str(target.pid), "-o", str(tmp_path / "t.parquet"), "-d", "1", "--gpu", "nvml")
+        one_line_error(res, EnvironmentCheckError.exit_code, "--gpu nvml")  # was: recorded without GPU samples
+        res = cli("record", "--pid", str(target.pid), "-o", str(tmp_path / "t.parquet"), "-d", "1",
+                  "--trainer-tid", "1")
+        one_line_error(res, UsageError.exit_code, "--trainer-tid 1")  # was: accepted
+    finally:
+        target.kill()
+        target.wait()
+    assert not list(tmp_path.iterdir())
+
+
+# -- D4: a thread group is followed until its last thread ends -------------------------
+
+# The main thread leaves with pthread_exit (the process shows state Zl) while a worker
+# works on; after "go" on stdin the worker works WORK seconds, the main thread MAIN.
+MAIN_EXITS = r"""
+import ctypes, sys, threading, time
+work, main = float(sys.argv[1]), float(sys.argv[2])
+go = threading.Event()
+def worker():
+    ctypes.CDLL(None).prctl(15, b"tb_worker", 0, 0, 0)
+    go.wait()
+    end = time.time() + work
+    while time.time() < end:
+        time.sleep(0.005)
+threading.Thread(target=worker).start()
+print("ready", flush=True)
+sys.stdin.readline()
+go.set()
+time.sleep(main)
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def _main_exits(work: float, main: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", MAIN_EXITS, str(work), str(main)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _state(pid: int) -> str:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2]
+
+
+def test_a_process_whose_main_thread_exited_is_recorded(tmp_path):
+    require_root()
+    proc = _main_exits(30, 0)
+    try:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        end = time.time() + 10
+        while _state(proc.pid) != "Z":
+            assert time.time() < end, "the main thread did not exit"
+            time.sleep(0.05)
+        result = record(pid=proc.pid, output=tmp_path / "t.parquet", duration=1.5, gpu="off", handle_signals=False)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert result.stop_reason == "duration"  # was TargetError "no such process"
+    comms = set(read_trace(tmp_path / "t.parquet").frame("thread")["comm"])
+    assert "tb_worker" in comms, comms
+
+
+def test_recording_follows_the_threads_that_outlive_the_main_thread(tmp_path):
+    require_root()
+    proc = _main_exits(4, 0.5)
+    try:
+        def go() -> None:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+
+        result = record(pid=proc.pid, output=tmp_path / "t.parquet", duration=30, gpu="off", handle_signals=False,
+                        on_attached=go)
+    finally:
+        proc.kill()
+        proc.wait()
+    # Main exits after 0.5 s, the worker after 4 s: was "target exited" at about 0.5 s.
+    assert result.stop_reason == "target exited"
+    assert result.duration_s >= 3.5, result.duration_s
+
+
+# -- --pid 1: the recorder never traces itself -----------------------------------------
+
+def test_pid_1_leaves_out_the_recorders_own_process_tree(tmp_path):
+    require_root()
+    out = tmp_path / "t.parquet"
+    rec = subprocess.Popen([TRAINBPF, "record", "--pid", "1", "-d", "1", "--probes", "sched", "--gpu", "off",
+                            "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, err = rec.communicate(timeout=180)
+    assert rec.returncode == 0, err
+    trace = read_trace(out)
+    seen = {int(p) for kind in ("thread", "offcpu", "offcpu_short") for p in trace.frame(kind)["pid"].dropna()}
+    assert len(seen) > 1, "--pid 1 traces the machine's processes"
+    assert rec.pid not in seen, "the recorder traced itself"
+
+
+# -- D3: a killed recording's open intervals and its duration --------------------------
+
+def test_a_killed_recording_keeps_blocked_threads_blocked_and_ends_at_its_last_segment(tmp_path):
+    require_root()
+    target = subprocess.Popen(["sleep", "60"])
+    out = tmp_path / "t.parquet"
+    spool = tmp_path / "t.parquet.spool"
+    rec = subprocess.Popen([TRAINBPF, "record", "--pid", str(target.pid), "--gpu", "off", "-o", str(out)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        end = time.time() + 120
+        while not spool.exists():
+            assert time.time() < end, "the recorder never started"
+            time.sleep(0.05)
+        time.sleep(3.5)
+        rec.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic_ns()
+        rec.wait()
+    finally:
+        for p in (rec, target):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    trace = read_trace(spool)
+    start, stop = trace.meta["clock"]["start_mono_ns"], trace.meta["clock"]["end_mono_ns"]
+    # was max(ts + dur) over the rows: vmstat/psi rows carry their interval's end in ts,
+    # so the duration ran a flush interval past the last segment, and past the kill
+    assert stop <= killed_at, f"the trace ends {(stop - killed_at) / 1e9:.2f} s after the kill"
+    assert stop - start >= 2e9
+    report = json.loads(cli("analyze", str(spool), "--format", "json").stdout)
+    sleeper = next(t for t in report["threads"] if t["tid"] == target.pid)
+    seconds = sleeper["seconds"]
+    # was "running 5.14 of 5.14 s": the sleep, open at the kill, was never written
+    assert seconds.get("running", 0.0) < 0.1, seconds
+    assert sum(seconds.values()) - seconds.get("running", 0.0) >= 0.9 * report["trace"]["duration_s"], seconds
+    opened = trace.frame("offcpu")
+    assert (opened.loc[opened["tid"] == target.pid, "cpu"] == -1).all(), "cut intervals are marked open (cpu -1)"
+    assert cli("recover", str(spool)).returncode == 0
+    assert read_trace(out).meta["clock"]["end_mono_ns"] == stop
+    assert set(read_trace(out).table["kind"].to_pylist()).isdisjoint({"offcpu_open", "segment"})
+
+
+# -- M6: bcc never takes its kheaders fallback (sh -c modprobe, stdout noise) ---------
+
+def test_an_empty_bcc_kernel_source_does_not_hide_the_running_kernels_headers(tmp_path, monkeypatch):
+    from trainbpf.tracer import kheaders
+
+    (tmp_path / "build" / "include").mkdir(parents=True)
+    monkeypatch.setattr(kheaders, "_running_build_dir", lambda: tmp_path / "build")
+    monkeypatch.setenv("BCC_KERNEL_SOURCE", "")  # bcc would compile against "" + /include
+    assert kheaders.use_headers().exact
+    assert "BCC_KERNEL_SOURCE" not in os.environ
