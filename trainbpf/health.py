@@ -425,6 +425,7 @@ def node_metrics(trace: Any, *, gpu_idle_threshold: float) -> dict[str, Any]:
     local, other = float(vm_sum.get("numa_local", 0.0)), float(vm_sum.get("numa_other", 0.0))
 
     gpu = trace.frame("gpu")
+    gpu = gpu[gpu["pid"].isna()]  # device samples; rows with a pid are one process's share
     gpu_idle = {}
     for index, rows in gpu.groupby("op"):
         util = _as_float(rows["value"])

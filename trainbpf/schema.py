@@ -115,9 +115,14 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # A block request issued for a traced thread: dur_ns = issue -> completion,
     # size = bytes, name = rwbs, op = device number, addr = sector.
     "block_rq": ("ts_ns", "dur_ns", "tid", "pid", "size", "name", "op", "addr"),
-    # GPU sample: op = GPU index, value = utilization.gpu percent, count = memory.used
-    # MiB, size = utilization.memory percent, name = uuid.
-    "gpu": ("ts_ns", "op", "value", "count", "size", "name"),
+    # GPU utilisation sample: ts_ns = the END of the period it describes; op = GPU
+    # index, name = uuid, value = utilisation percent, size = memory utilisation percent,
+    # count = memory used MiB (null in process rows).  pid null: the whole device
+    # (utilization.gpu); pid set: that process's share (NVML smUtil).  dur_ns = the
+    # period's length where the source says so (NVML driver samples: since the GPU's
+    # previous driver sample; process rows: since the previous query's newest sample),
+    # else null (nvidia-smi, NVML rates: the spacing of the samples tells).
+    "gpu": ("ts_ns", "dur_ns", "op", "value", "count", "size", "name", "pid"),
     # /proc/vmstat counter delta over dur_ns: name = key, count = delta.
     "vmstat": ("ts_ns", "dur_ns", "name", "count"),
     # Pressure stall information delta: name = "cpu.some", "memory.full", ...;
