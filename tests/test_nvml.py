@@ -310,6 +310,9 @@ def test_record_with_gpu_nvml(tmp_path):
     assert (device["dur_ns"] == 167 * MS).all()
     # 50 ms busy, then 50 ms idle (and a little Python): just under half of each period.
     assert device["value"].between(30, 61).all(), device["value"].tolist()
+    # All the work was the target's: over one driver period its share is the device's.
+    one = mine[mine["dur_ns"] == 167 * MS].merge(device, on="ts_ns", suffixes=("", "_device"))
+    assert len(one) >= 1 and (one["value"] == one["value_device"]).all()
     report = subprocess.run([str(trainbpf_cli()), "analyze", str(out), "--format", "json"],
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr

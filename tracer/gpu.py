@@ -95,8 +95,8 @@ class GpuSampler:
         self.smi = smi
         self.source: str | None = None
         self.gpus: list[dict] = []  # index, uuid, bus_id
-        self.count = 0  # device samples
-        self.process_count = 0  # per-process samples (NVML)
+        self.count = 0  # device rows taken
+        self.process_count = 0  # per-process rows taken (NVML)
         self._nvml: NvmlSource | None = None
         self._samples: list[tuple] = []
         self._lock = threading.Lock()
@@ -194,15 +194,16 @@ class GpuSampler:
     def _add(self, sample: tuple) -> None:
         with self._lock:
             self._samples.append(sample)
-            if len(sample) > 8 and sample[8] is not None:
-                self.process_count += 1
-            else:
-                self.count += 1
         self._first.set()
 
     def take(self) -> pa.RecordBatch | None:
+        """The rows since the last take; the counts are of rows taken, so that they
+        match the trace however late the sampler thread stops."""
         with self._lock:
             samples, self._samples = self._samples, []
+        procs = sum(1 for s in samples if len(s) > 8 and s[8] is not None)
+        self.process_count += procs
+        self.count += len(samples) - procs
         return samples_batch(samples) if samples else None
 
     def stop(self) -> None:
