@@ -38,8 +38,9 @@ fi
 APT_PACKAGES=(python3-bpfcc bpfcc-tools libbpfcc python3-venv python3-dev bpftool linux-headers-amd64)
 if [ "$WITH_TEST" -eq 1 ]; then
   # node_exporter for the health-check test, chromium for the HTML screenshot test,
-  # sudo for the documented `sudo .venv/bin/trainbpf` invocation
-  APT_PACKAGES+=(prometheus-node-exporter chromium sudo)
+  # sudo for the documented `sudo .venv/bin/trainbpf` invocation, gcc for the stand-in
+  # NVML library (scripts/fake-nvml)
+  APT_PACKAGES+=(prometheus-node-exporter chromium sudo gcc)
 fi
 if [ "$WITH_BENCH" -eq 1 ]; then
   # scripts/bench_*.py: gcc builds the context-switch storm, perf is a comparator

@@ -4,14 +4,16 @@ JSON report for the test to judge.
 
 Each workload (scripts/workloads/<name>.py) drives a simulated GPU that the nvidia-smi
 stand-in (scripts/fake-nvidia-smi) samples; the harness puts the stand-in first on PATH
-for the recorder.  Some scenarios need the machine bent for the run: lower dirty-page
-limits, a memory-limited cgroup.  Every such change is undone on the way out, whatever
-happens in between.
+for the recorder (fake_nvml_env: the stand-in NVML library, scripts/fake-nvml, first on
+LD_LIBRARY_PATH instead).  Some scenarios need the machine bent for the run: lower
+dirty-page limits, a memory-limited cgroup.  Every such change is undone on the way out,
+whatever happens in between.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import secrets
@@ -28,6 +30,7 @@ from trainbpf.tracefile import spool_path_for
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "scripts" / "workloads"
 FAKE_SMI = ROOT / "scripts" / "fake-nvidia-smi"
+FAKE_NVML_BUILD = ROOT / "scripts" / "fake-nvml" / "build.py"
 REPORT_SCHEMA = "trainbpf.report/1"
 
 RECORD_SECONDS = 6
@@ -134,6 +137,28 @@ def fake_gpu_env(workdir: Path) -> dict[str, str]:
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     env["TRAINBPF_SIM_GPU"] = str(workdir / "sim-gpu")
     return env
+
+
+def fake_nvml_env(workdir: Path) -> dict[str, str]:
+    """Environment for workload and recorder with the same simulated GPU behind NVML:
+    the stand-in libnvidia-ml.so.1 (scripts/fake-nvml) built into workdir/nvml and first
+    on LD_LIBRARY_PATH, and no nvidia-smi on PATH, so that `--gpu auto` can only take
+    NVML."""
+    lib_dir = build_fake_nvml(workdir / "nvml").parent
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep)
+                                  if d and not os.access(os.path.join(d, "nvidia-smi"), os.X_OK))
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(lib_dir), env.get("LD_LIBRARY_PATH")]))
+    env["TRAINBPF_SIM_GPU"] = str(workdir / "sim-gpu")
+    return env
+
+
+def build_fake_nvml(out_dir: Path) -> Path:
+    """Compile the stand-in NVML library into `out_dir`; its path."""
+    spec = importlib.util.spec_from_file_location("fake_nvml_build", FAKE_NVML_BUILD)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build(out_dir)
 
 
 # --- machine settings a scenario bends, always restored -------------------------------

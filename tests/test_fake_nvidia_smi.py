@@ -59,6 +59,13 @@ def test_tail_reading_skips_partial_lines_and_reaches_back_far_enough(tmp_path):
     assert smi.read_busy_intervals(str(tmp_path / "missing"), since_ns=0) == []
 
 
+def test_a_third_field_naming_the_process_is_ignored(tmp_path):
+    path = tmp_path / "sim"
+    # "start end pid" lines are the NVML stand-in's per-process work: the same busy time.
+    path.write_text("100 200\n300 400 4242\n500 600 1 2\n")
+    assert smi.read_busy_intervals(str(path), since_ns=0) == [(100, 200), (300, 400)]
+
+
 def run_smi(args, env_extra, *, seconds=None):
     env = {**os.environ, **env_extra}
     if seconds is None:

@@ -1,7 +1,8 @@
-"""GPU utilisation sampling: NVML when importable, else `nvidia-smi -lms`.
+"""GPU utilisation sampling: NVML when it answers (tracer/nvml.py: the driver's own
+timestamped samples, and each process's share), else `nvidia-smi -lms`.
 
-nvidia-smi prints local wall-clock timestamps; each is converted to the trace clock
-(CLOCK_MONOTONIC) with the offset measured at start."""
+NVML and nvidia-smi stamp samples with the wall clock; each is converted to the trace
+clock (CLOCK_MONOTONIC) with the offset measured at start."""
 
 from __future__ import annotations
 
@@ -16,10 +17,24 @@ import pyarrow as pa
 
 from trainbpf.errors import EnvironmentCheckError
 from trainbpf.tracefile import make_batch
+from trainbpf.tracer.nvml import NvmlSource
 
 QUERY = "timestamp,index,uuid,pci.bus_id,utilization.gpu,utilization.memory,memory.used"
 APPS_QUERY = "pid,gpu_uuid"
 APPS_TIMEOUT_S = 10
+
+
+def wall_minus_mono_ns() -> int:
+    """CLOCK_REALTIME minus CLOCK_MONOTONIC, from the tightest of a few brackets: a
+    preemption between two reads would shift every converted sample by its length."""
+    best = None
+    for _ in range(5):
+        before = time.monotonic_ns()
+        wall = time.time_ns()
+        after = time.monotonic_ns()
+        if best is None or after - before < best[0]:
+            best = (after - before, wall - (before + after) // 2)
+    return best[1]
 
 
 def parse_smi_line(line: str, wall_minus_mono_ns: int) -> tuple | None:
@@ -46,7 +61,10 @@ def parse_smi_line(line: str, wall_minus_mono_ns: int) -> tuple | None:
 
 
 def samples_batch(samples: list[tuple]) -> pa.RecordBatch:
-    cols = list(zip(*samples)) if samples else [[]] * 7
+    """Rows (mono_ns, index, uuid, bus_id, util, mem_util, mem_mib[, dur_ns, pid]) ->
+    `gpu` rows; dur_ns and pid (None where unknown / for a device sample) come from
+    NVML only."""
+    cols = list(zip(*(s + (None, None)[: 9 - len(s)] for s in samples))) if samples else [[]] * 9
     return make_batch(
         "gpu",
         {
@@ -54,10 +72,17 @@ def samples_batch(samples: list[tuple]) -> pa.RecordBatch:
             "op": np.array(cols[1], dtype=np.int32),
             "name": list(cols[2]),
             "value": np.array(cols[4], dtype=np.float64),
-            "size": np.array(cols[5], dtype=np.int64),
-            "count": np.array(cols[6], dtype=np.int64),
+            "size": _ints(cols[5]),
+            "count": _ints(cols[6]),
+            "dur_ns": _ints(cols[7]),
+            "pid": _ints(cols[8]),
         },
     )
+
+
+def _ints(values) -> list:
+    """Whole numbers with None kept (null in the trace)."""
+    return [None if v is None else int(round(v)) for v in values]
 
 
 class GpuSampler:
@@ -71,7 +96,9 @@ class GpuSampler:
         self.smi = smi
         self.source: str | None = None
         self.gpus: list[dict] = []  # index, uuid, bus_id
-        self.count = 0
+        self.count = 0  # device rows taken
+        self.process_count = 0  # per-process rows taken (NVML)
+        self._nvml: NvmlSource | None = None
         self._samples: list[tuple] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -105,29 +132,17 @@ class GpuSampler:
             self._start_smi()
 
     def _start_nvml(self) -> bool:
-        try:
-            import pynvml  # type: ignore[import-not-found]
-
-            pynvml.nvmlInit()
-            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        except Exception:
+        nvml = NvmlSource(self.offset)
+        if not nvml.open():
             return False
-        for i, h in enumerate(handles):
-            uuid = pynvml.nvmlDeviceGetUUID(h)
-            bus = pynvml.nvmlDeviceGetPciInfo(h).busId
-            self.gpus.append({"index": i, "uuid": _text(uuid), "bus_id": _text(bus)})
+        self._nvml = nvml
+        self.gpus = list(nvml.gpus)
         self.source = "nvml"
 
         def loop() -> None:
             while not self._stop.wait(self.interval_ms / 1000):
-                now = time.monotonic_ns()
-                for g, h in zip(self.gpus, handles):
-                    try:
-                        u = pynvml.nvmlDeviceGetUtilizationRates(h)
-                        mem = pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**20
-                    except Exception:
-                        continue
-                    self._add((now, g["index"], g["uuid"], g["bus_id"], float(u.gpu), float(u.memory), mem))
+                for row in nvml.poll():
+                    self._add(row)
 
         self._thread = threading.Thread(target=loop, name="trainbpf-gpu", daemon=True)
         self._thread.start()
@@ -161,21 +176,25 @@ class GpuSampler:
         self._thread.start()
         self._first.wait(timeout=1.5)  # the first lines name the GPUs for the topology
 
+    def meta(self) -> dict:
+        """What the trace metadata says about the sampling (the counts are added at the
+        stop)."""
+        nvml = self._nvml
+        return {
+            "source": self.source,
+            # driver_samples: one row per driver sample, with its own time and period;
+            # rates: the driver's running average read at each poll (nvidia-smi too).
+            "sampling": nvml.sampling if nvml else ("rates" if self.source else None),
+            "sample_period_ns": nvml.period_ns if nvml else None,
+        }
+
     def processes(self, pids: set[int]) -> list[dict]:
         """Which GPUs the processes `pids` hold a context on: [{pid, uuid}] (the compute
         processes NVML or nvidia-smi list, as the driver sees their pids).  Empty when
         nothing is known; never raises."""
         found: set[tuple[int, str]] = set()
-        if self.source == "nvml":
-            try:
-                import pynvml  # type: ignore[import-not-found]
-
-                for i in range(pynvml.nvmlDeviceGetCount()):
-                    h = pynvml.nvmlDeviceGetHandleByIndex(i)
-                    uuid = _text(pynvml.nvmlDeviceGetUUID(h))
-                    found |= {(int(p.pid), uuid) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
-            except Exception:
-                pass
+        if self._nvml is not None:
+            found = self._nvml.processes()
         elif self._smi_exe is not None:
             try:
                 out = subprocess.run([self._smi_exe, f"--query-compute-apps={APPS_QUERY}", "--format=csv,noheader,nounits"],
@@ -192,12 +211,16 @@ class GpuSampler:
     def _add(self, sample: tuple) -> None:
         with self._lock:
             self._samples.append(sample)
-            self.count += 1
         self._first.set()
 
     def take(self) -> pa.RecordBatch | None:
+        """The rows since the last take; the counts are of rows taken, so that they
+        match the trace however late the sampler thread stops."""
         with self._lock:
             samples, self._samples = self._samples, []
+        procs = sum(1 for s in samples if len(s) > 8 and s[8] is not None)
+        self.process_count += procs
+        self.count += len(samples) - procs
         return samples_batch(samples) if samples else None
 
     def stop(self) -> None:
@@ -211,7 +234,5 @@ class GpuSampler:
                 self._proc.wait()
         if self._thread is not None:
             self._thread.join(timeout=2)
-
-
-def _text(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+        if self._nvml is not None and not (self._thread and self._thread.is_alive()):
+            self._nvml.close()

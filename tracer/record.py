@@ -24,7 +24,7 @@ from trainbpf.tracefile import SpoolWriter, check_spool_free, finalize, make_bat
 from trainbpf.tracer import loader, procs, procfs, taskstats
 from trainbpf.tracer.addrs import AddressDescriber, ProcMaps, futex_pairs
 from trainbpf.tracer.collector import Settings
-from trainbpf.tracer.gpu import GpuSampler
+from trainbpf.tracer.gpu import GpuSampler, wall_minus_mono_ns
 from trainbpf.tracer.ringbuf import open_rings
 from trainbpf.tracer.sched import TASK_EXEC, TASK_EXIT, SchedCollector
 from trainbpf.tracer.stacks import StackSymbolizer, drop_irq_wakers, stack_refs
@@ -102,7 +102,7 @@ class Recorder:
         hz = procfs.kernel_hz()
         self.settings = Settings(**{**self.settings.__dict__, "hz": hz})
         collectors = loader.select(self.probe_names, self.settings)
-        wall_minus_mono = time.time_ns() - time.monotonic_ns()
+        wall_minus_mono = wall_minus_mono_ns()
         gpu = GpuSampler(mode=self.gpu_mode, wall_minus_mono_ns=wall_minus_mono)
         gpu.check()
 
@@ -144,7 +144,7 @@ class Recorder:
             "topology": procfs.topology(gpu.gpus, self.topology_file),
             "probes": [c.name for c in collectors],
             "thresholds": self.settings.thresholds(),
-            "gpu": {"source": gpu.source, "processes": self.gpu_processes},
+            "gpu": {**gpu.meta(), "processes": self.gpu_processes},
             "delayacct": taskstats.delayacct_enabled(),
             "system_wide": self.settings.trace_all,
             "complete": False,
@@ -260,7 +260,8 @@ class Recorder:
             "stop_reason": self.stop_reason,
             "lost": lost,
             "clock": {**self.meta["clock"], "start_mono_ns": self.start_ns, "end_mono_ns": end_ns},
-            "gpu": {"source": gpu.source, "samples": gpu.count, "processes": self._gpu_processes(gpu, tgids)},
+            "gpu": {**gpu.meta(), "samples": gpu.count, "process_samples": gpu.process_count,
+                    "processes": self._gpu_processes(gpu, tgids)},
             "stacks": {"frames": self.settings.stack_frames, "entries": self.settings.stack_entries,
                        **loader.stack_counts(bpf)},
         }

@@ -128,12 +128,15 @@ def check_uprobes() -> Check:
 
 
 def check_gpu() -> Check:
-    try:
-        import pynvml  # type: ignore[import-not-found]  # noqa: F401
+    from trainbpf.tracer.nvml import NvmlSource
 
-        return Check("gpu sampling", OK, "NVML (pynvml) importable")
-    except ImportError:
-        pass
+    # pynvml is always installed; NVML answers only where the driver's library loads.
+    nvml = NvmlSource(0)
+    if nvml.open():
+        detail = f"NVML: {len(nvml.gpus)} GPU(s), " + (
+            "the driver's own samples" if nvml.sampling == "driver_samples" else "utilisation rates (no driver samples)")
+        nvml.close()
+        return Check("gpu sampling", OK, detail)
     smi = shutil.which("nvidia-smi")
     if smi:
         return Check("gpu sampling", OK, f"nvidia-smi at {smi}")

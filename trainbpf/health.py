@@ -437,6 +437,7 @@ def node_metrics(trace: Any) -> dict[str, Any]:
 
     gpu = trace.frame("gpu")
     span = trace_span(trace.meta, trace.chunks(["ts_ns", "dur_ns"]))
+    # gpu_utilisation takes the device's rows: rows with a pid are one process's share
     gpu_idle = {}
     for index, rows in gpu.groupby("op"):
         idle = idle_fraction(gpu_utilisation(rows, span), span)  # 1 - mean utilisation, time-weighted

@@ -126,11 +126,13 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # A block request issued for a traced thread: dur_ns = issue -> completion,
     # size = bytes, name = rwbs, op = device number, addr = sector.
     "block_rq": ("ts_ns", "dur_ns", "tid", "pid", "size", "name", "op", "addr"),
-    # GPU sample: the utilisation over the period ending at ts_ns.  dur_ns = that period
-    # where the source says so (NVML's driver samples), null where the analysis takes the
-    # time since the GPU's previous sample (nvidia-smi); op = GPU index, name = uuid,
-    # value = utilisation percent, size = memory utilisation percent, count = memory.used
-    # MiB; pid null for the device, a process id for that process's own utilisation.
+    # GPU utilisation sample: ts_ns = the END of the period it describes; op = GPU
+    # index, name = uuid, value = utilisation percent, size = memory utilisation percent,
+    # count = memory used MiB (null in process rows).  pid null: the whole device
+    # (utilization.gpu); pid set: that process's share (NVML smUtil).  dur_ns = the
+    # period's length where the source says so (NVML driver samples: since the GPU's
+    # previous driver sample; process rows: since the previous query's newest sample),
+    # else null (nvidia-smi, NVML rates: the spacing of the samples tells).
     "gpu": ("ts_ns", "dur_ns", "op", "value", "count", "size", "name", "pid"),
     # /proc/vmstat counter delta over dur_ns: name = key, count = delta.
     "vmstat": ("ts_ns", "dur_ns", "name", "count"),
