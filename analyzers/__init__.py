@@ -13,7 +13,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trainbpf.analyzers.attribution import RunSplit, attribute_states, churn_threads, sample_classes
+from trainbpf.analyzers.attribution import EXACT_RUN_KINDS, RunSplit, attribute_states, churn_threads, sample_classes
 from trainbpf.analyzers.categories import CATEGORIES, STATES, codes
 from trainbpf.analyzers.chains import followed_waits, is_followed, wait_chains
 from trainbpf.analyzers.findings import EvidenceContext, attribute_starved, build_findings
@@ -202,7 +202,7 @@ def analyze(
         writer_tids=np.unique(as_int64(frame("dirty_pause")["tid"])),
     )
     samples = sample_classes(frame("oncpu"), stacks)
-    run_split = RunSplit(samples)
+    run_split = RunSplit(samples, exact={kind: frames[kind] for kind, _ in EXACT_RUN_KINDS})
     totals = state_totals(slots, win)
 
     util = gpu_utilisation(frame("gpu"), span, uuids=job_gpus(meta), pids=frozenset(int(p) for p in base["pid"].unique()))

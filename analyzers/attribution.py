@@ -12,7 +12,9 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.categories import FUTEX_CLASS_DTYPE, FUTEX_CODE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes
-from trainbpf.analyzers.intervals import Span, as_int64, best_overlap, dense_rank, pair_ids, run_parallel, stable_order
+from trainbpf.analyzers.intervals import (
+    Span, as_int64, best_overlap, dense_rank, merge_intervals, pair_ids, run_parallel, stable_order,
+)
 from trainbpf.analyzers.stacks import CLASS_CODE, stack_class_codes
 
 # Evidence rows of the same thread that name a blocked interval's cause, strongest last
@@ -275,32 +277,69 @@ def sample_classes(oncpu: pd.DataFrame, stacks: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values("ts_ns", kind="stable")[list(SAMPLE_COLUMNS)].reset_index(drop=True)
 
 
-class RunSplit:
-    """How a thread's running time divides between RUN_CLASSES, from its on-CPU samples:
-    the samples inside a window when there are some, the thread's overall mix otherwise."""
+# Evidence rows whose intervals say exactly what a running thread was doing: reclaim and
+# compaction run on the CPU inside the thread that needed the memory.
+EXACT_RUN_KINDS: tuple[tuple[str, str], ...] = (("reclaim", "memory_reclaim"), ("compaction", "memory_reclaim"))
 
-    def __init__(self, samples: pd.DataFrame):
+
+class RunSplit:
+    """How a thread's running time divides between RUN_CLASSES.  Where evidence rows
+    (`exact`: kind -> frame, EXACT_RUN_KINDS) cover part of a window, that part is their
+    class exactly; the rest follows the thread's on-CPU samples outside those rows: the
+    samples inside the window when there are some, the thread's overall mix otherwise."""
+
+    def __init__(self, samples: pd.DataFrame, exact: Mapping[str, pd.DataFrame] | None = None):
         self._by_tid: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._exact: dict[int, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = {}
+        for kind, cls in EXACT_RUN_KINDS:
+            frame = (exact or {}).get(kind)
+            if frame is None or not len(frame):
+                continue
+            iv = evidence_intervals(frame)
+            for tid, rows in iv.groupby("tid"):
+                start, end = merge_intervals(rows["start_ns"].to_numpy(np.int64), rows["end_ns"].to_numpy(np.int64))
+                covered = np.concatenate([[0], np.cumsum(end - start)])
+                self._exact.setdefault(int(tid), []).append((RUN_CLASSES.index(cls), start, end, covered))
         codes = samples["cls"].cat.codes.to_numpy()
         k = len(RUN_CLASSES)
         for tid, idx in samples.groupby("tid").indices.items():
             ts = samples["ts_ns"].to_numpy()[idx]
+            outside = np.ones(len(idx), bool)
+            for _, start, end, _ in self._exact.get(int(tid), ()):
+                at = np.searchsorted(start, ts, side="right") - 1
+                outside &= ~((at >= 0) & (ts < end[np.maximum(at, 0)]))
+            ts, idx = ts[outside], idx[outside]
             onehot = np.zeros((len(idx) + 1, k), dtype=np.int64)
             onehot[np.arange(1, len(idx) + 1), codes[idx]] = 1
             self._by_tid[int(tid)] = (ts, np.cumsum(onehot, axis=0))
 
+    @staticmethod
+    def _covered_upto(t: np.ndarray, start: np.ndarray, end: np.ndarray, covered: np.ndarray) -> np.ndarray:
+        """Length of the (sorted, disjoint) intervals before each time `t`."""
+        at = np.searchsorted(start, t, side="right") - 1
+        inside = np.clip(t - start[np.maximum(at, 0)], 0, (end - start)[np.maximum(at, 0)])
+        return np.where(at >= 0, covered[np.maximum(at, 0)] + inside, 0)
+
     def fractions(self, tid: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """(len(a), len(RUN_CLASSES)) fractions of running time per class in each [a, b)."""
         k = len(RUN_CLASSES)
+        a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
         out = np.zeros((len(a), k))
         out[:, 0] = 1.0
-        if tid not in self._by_tid:
-            return out
-        ts, cum = self._by_tid[tid]
-        counts = cum[np.searchsorted(ts, b, side="left")] - cum[np.searchsorted(ts, a, side="left")]
-        total = counts.sum(axis=1, keepdims=True)
-        overall = cum[-1] / max(1, cum[-1].sum())
-        return np.where(total > 0, counts / np.maximum(total, 1), overall[None, :])
+        exact = np.zeros((len(a), k))
+        for cls, start, end, covered in self._exact.get(tid, ()):
+            exact[:, cls] += self._covered_upto(b, start, end, covered) - self._covered_upto(a, start, end, covered)
+        exact_share = exact / np.maximum(b - a, 1)[:, None]
+        exact_share /= np.maximum(exact_share.sum(axis=1, keepdims=True), 1.0)  # kinds may overlap
+        known = exact_share.sum(axis=1)
+        if tid in self._by_tid:
+            ts, cum = self._by_tid[tid]
+            counts = cum[np.searchsorted(ts, b, side="left")] - cum[np.searchsorted(ts, a, side="left")]
+            total = counts.sum(axis=1, keepdims=True)
+            overall = cum[-1] / max(1, cum[-1].sum())
+            if cum[-1].sum():
+                out = np.where(total > 0, counts / np.maximum(total, 1), overall[None, :])
+        return exact_share + out * (1.0 - known)[:, None]
 
 
 def churn_threads(mm_syscall: pd.DataFrame, faults: pd.DataFrame, span: Span) -> pd.DataFrame:

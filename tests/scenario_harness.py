@@ -62,14 +62,26 @@ class Scenario:
     memory_limit: int | None = None  # run inside a cgroup with this memory limit
     declares_topology: bool = False  # the workload writes the topology for --topology
     requires: str | None = None  # a module the workload imports beyond numpy
+    step_ms: float | None = None  # the GPU step (None: the workloads' default, 40 ms)
+    min_starved_fraction: float = 0.0  # starved seconds per recorded second, at least
 
     @property
     def healthy(self) -> bool:
         return not self.expected
 
+    @property
+    def id(self) -> str:
+        return self.name if self.step_ms is None else f"{self.name}@{self.step_ms:g}ms"
 
+
+# Every workload runs at step scale: GPU steps of 40 ms, an injected stall of about a
+# step (shorter than one GPU sample), the GPU partly busy in every sample.
 SCENARIOS = (
+    # Issue 10's case: half of every 30-60 ms step waiting for the dataloader.
+    Scenario("interleaved_steps", ("input_pipeline",), min_starved_fraction=0.4),
     Scenario("decode_threads", ("input_pipeline",)),
+    # The slow variant: 150 ms steps, stalls longer than a sample.
+    Scenario("decode_threads", ("input_pipeline",), step_ms=150),
     Scenario("decode_processes", ("input_pipeline",)),
     Scenario("decode_torch", ("input_pipeline",), requires="torch"),
     Scenario("cpu_oversubscribed", ("cpu_contention",)),
@@ -78,12 +90,14 @@ SCENARIOS = (
     # The GIL, named by its address in _PyRuntime: lock_contention would be the wrong answer.
     Scenario("gil_threads", ("gil_contention",)),
     Scenario("mmap_churn", ("allocator_churn", "page_faults")),
-    Scenario("checkpoint_dirty", ("dirty_throttling",), dirty_limits=(16 * MiB, 4 * MiB)),
-    Scenario("reclaim_cgroup", ("memory_reclaim",), memory_limit=768 * MiB),
+    Scenario("checkpoint_dirty", ("dirty_throttling",), dirty_limits=(8 * MiB, 2 * MiB)),
+    Scenario("reclaim_cgroup", ("memory_reclaim",), memory_limit=256 * MiB),
     Scenario("numa_wrong_node", ("numa_remote",), declares_topology=True),
     Scenario("demo_trainer", ("input_pipeline",)),
     Scenario("healthy"),
 )
+# The GPU sampling each scenario runs under (the same simulated GPU behind both).
+GPU_SOURCES = ("nvidia-smi", "nvml")
 
 
 class ScenarioError(RuntimeError):
@@ -93,6 +107,7 @@ class ScenarioError(RuntimeError):
 @dataclass
 class ScenarioResult:
     scenario: Scenario
+    gpu_source: str
     report: dict
     trace: Path
     workdir: Path
@@ -113,7 +128,7 @@ class ScenarioResult:
         gpu = self.report.get("gpu") or {}
         parts = [f"{f['category']} {f['share']:.2f} ({f['severity']}, {f['seconds']:.2f} s)"
                  for f in self.findings]
-        return (f"{self.scenario.name}: GPU idle {gpu.get('idle_fraction')} over "
+        return (f"{self.scenario.id} ({self.gpu_source}): GPU idle {gpu.get('idle_fraction')} over "
                 f"{gpu.get('samples')} samples, starved {self.report.get('starved_s')} s; "
                 f"findings: {'; '.join(parts) or 'none'} "
                 f"[machine busy {self.busy_cores_before:.1f} cores before the run; "
@@ -382,18 +397,21 @@ def _tail(path: Path, n: int = 2000) -> str:
         return "(no log)"
 
 
-def run_scenario(scenario: Scenario, workdir: Path) -> ScenarioResult:
-    """Record the scenario's workload for RECORD_SECONDS and analyse the trace."""
+def run_scenario(scenario: Scenario, workdir: Path, gpu_source: str = "nvidia-smi") -> ScenarioResult:
+    """Record the scenario's workload for RECORD_SECONDS, sampling the simulated GPU
+    through `gpu_source` ("nvidia-smi" or "nvml"), and analyse the trace."""
     cli = trainbpf_cli()
-    env = fake_gpu_env(workdir)
+    env = fake_gpu_env(workdir) if gpu_source == "nvidia-smi" else fake_nvml_env(workdir)
+    record_args = ["--gpu", gpu_source]
     trace = workdir / f"{scenario.name}.parquet"
-    record_args = []
     # The spool appears once the probes are compiled and attaching: start the load then.
     workload_args: tuple[str, ...] = ("--hold-until", str(spool_path_for(trace)))
+    if scenario.step_ms is not None:
+        workload_args += ("--step-ms", str(scenario.step_ms))
     if scenario.declares_topology:
         topology = workdir / "topology.json"
         workload_args += ("--topology-out", str(topology))
-        record_args = ["--topology", str(topology)]
+        record_args += ["--topology", str(topology)]
     busy_before = wait_for_quiet()
     with contextlib.ExitStack() as bent:
         if scenario.dirty_limits:
@@ -428,4 +446,4 @@ def run_scenario(scenario: Scenario, workdir: Path) -> ScenarioResult:
         report = json.loads(analyzed.stdout)
     except json.JSONDecodeError as exc:
         raise ScenarioError(f"trainbpf analyze --format json printed no JSON: {exc}") from exc
-    return ScenarioResult(scenario, report, trace, workdir, busy_before, neighbour_cores)
+    return ScenarioResult(scenario, gpu_source, report, trace, workdir, busy_before, neighbour_cores)

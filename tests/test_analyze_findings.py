@@ -7,7 +7,7 @@ import pytest
 
 from synth import (
     BLOCK_STACK, DIRTY_STACK, FAULT_IO_STACK, FAULT_STACK, FUTEX_STACK, GIL_USTACK, LOCK_USTACK,
-    RECLAIM_STACK, SLEEP_STACK, TRAINER, WORKER, Synth, healthy, input_pipeline, periodic,
+    RECLAIM_STACK, SLEEP_STACK, TRAINER, WORKER, Synth, d, healthy, input_pipeline, periodic, t,
 )
 from trainbpf.analyzers import CATEGORIES, analyze
 from trainbpf.analyzers.categories import CATEGORY_DTYPE
@@ -388,3 +388,19 @@ def test_findings_columns_and_dtypes(tmp_path):
     assert a.findings["share"].dtype == "float64"
     assert a.starved["category"].dtype == CATEGORY_DTYPE
     assert (a.findings["share"].diff().dropna() <= 0).all()  # sorted, largest first
+
+
+def test_running_reclaim_is_known_exactly_from_reclaim_rows(tmp_path):
+    """A trainer that never blocks but runs memcg reclaim 30 ms in every 100 ms, with no
+    on-CPU sample to say so: the reclaim rows alone name that running time, and in
+    samples half idle it is the starved time (30 of each 50 ms idle)."""
+    s = Synth()
+    s.thread(TRAINER, "python")
+    for x in periodic(0.0, s.duration_s, 0.1):
+        s.add("reclaim", ts_ns=t(x + 0.02), dur_ns=d(0.03), tid=TRAINER, pid=TRAINER, state="memcg", count=512)
+    s.gpu_series(lambda ts: 50.0)
+    a = analyze(s.read(tmp_path))
+    f = top(a)
+    assert f.category == "memory_reclaim"
+    assert f.share == pytest.approx(1.0)
+    assert a.starved_ns == pytest.approx(3.0e9, rel=0.01)

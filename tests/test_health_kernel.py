@@ -58,11 +58,12 @@ def trainbpf_cmd() -> list[str]:
     return [TRAINBPF] if TRAINBPF else [sys.executable, "-m", "trainbpf.cli"]
 
 
-def write_config(folder: Path, *, thresholds: dict[str, tuple[float, float]] | None = None, **keys) -> Path:
+def write_config(folder: Path, *, thresholds: dict[str, tuple[float, float]] | None = None, gpu: str = "off",
+                 **keys) -> Path:
     """A config in `folder` with its own lock; node checks off unless `thresholds` names them."""
     levels = {name: (float("inf"), float("inf")) for name in NODE_CHECKS}
     levels.update(thresholds or {})
-    lines = [f'lock_file = "{folder / "health.lock"}"', 'gpu = "off"']
+    lines = [f'lock_file = "{folder / "health.lock"}"', f'gpu = "{gpu}"']
     keys.setdefault("device_glob", str(folder / "no-device*"))
     keys.setdefault("command_patterns", [NO_MATCH])
     for key, value in keys.items():

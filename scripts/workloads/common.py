@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import shutil
@@ -32,10 +33,11 @@ import numpy as np  # noqa: E402  (after the thread-count settings above)
 SIM_GPU_ENV = "TRAINBPF_SIM_GPU"
 DEFAULT_SIM_GPU_PATH = "/tmp/trainbpf-sim-gpu"
 DATALOADER_COMM = "pt_data_worker"  # what torch names its DataLoader workers
-# One GPU step.  GPU samples average utilisation over 100 ms, so a stall is seen as GPU
-# idleness only where it spans most of a sample: each workload's injected stall is
-# about one step long or longer, not a few ms between steps.
-STEP_S = 0.15
+# One GPU step, as real training has them (tens of ms; --step-ms changes it).  Each
+# workload sizes its injected stall from it: about a step, so shorter than one GPU sample
+# (100 ms nvidia-smi, 167 ms NVML), and the GPU is partly busy in every sample.
+DEFAULT_STEP_S = 0.04
+STEP_S = DEFAULT_STEP_S
 # Where the background threads of the lock and reclaim scenarios run: away from the
 # trainer, so that its stall is the injected one and not a wait for a core they hog.
 BACKGROUND_CPUS = {1}
@@ -96,6 +98,9 @@ def parse_args(description: str | None, add_arguments=None) -> argparse.Namespac
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--seconds", type=float, default=30.0,
                         help="how long to train once started (30)")
+    parser.add_argument("--step-ms", type=float, default=DEFAULT_STEP_S * 1000,
+                        help=f"length of one GPU step in ms ({DEFAULT_STEP_S * 1000:g}); the injected "
+                        "stall scales with it")
     parser.add_argument("--hold-until", metavar="FILE",
                         help="create the threads at once but start the load only when FILE "
                         "exists (the scenario tests pass the recorder's spool file, so the "
@@ -103,9 +108,12 @@ def parse_args(description: str | None, add_arguments=None) -> argparse.Namespac
     if add_arguments is not None:
         add_arguments(parser)
     args = parser.parse_args()
+    if not 1 <= args.step_ms <= 10_000:
+        parser.error("--step-ms must be between 1 and 10000")
     exit_on_sigterm()
-    global _hold_path
+    global _hold_path, STEP_S
     _hold_path = args.hold_until
+    STEP_S = args.step_ms / 1000  # read by the workloads after parse_args
     return args
 
 
@@ -209,6 +217,19 @@ def burn_cpu(seconds: float, matrix_n: int = _DEFAULT_MATRIX_N) -> None:
         np.matmul(matrix, matrix, out=out)
 
 
+def repeat_for(seconds: float, action) -> int:
+    """Call `action()` at least once and again until `seconds` of wall time have passed;
+    how many times.  An injected stall sized in time, not work: as long on a slow disk or
+    a fast CPU, so it stays shorter than one GPU sample on any machine."""
+    deadline = time.monotonic() + seconds
+    n = 0
+    while True:
+        action()
+        n += 1
+        if time.monotonic() >= deadline:
+            return n
+
+
 def touch_fresh_mapping(nbytes: int, *, huge_pages: bool = False) -> None:
     """Map `nbytes` of anonymous memory, fault in every page and unmap it again: what an
     allocator without pooling does for each block above its mmap threshold."""
@@ -221,12 +242,13 @@ def touch_fresh_mapping(nbytes: int, *, huge_pages: bool = False) -> None:
 
 
 def rewrite_file_forever(path: str, file_bytes: int, write_bytes: int,
-                         stop: threading.Event) -> None:
+                         stop: threading.Event, *, in_place: bool = False) -> None:
     """Write `path` again and again through the page cache (buffered, no fsync) until
-    `stop` is set.  Rewriting one file (O_TRUNC) keeps disk use bounded."""
+    `stop` is set.  Rewriting one file (O_TRUNC) keeps disk use bounded; `in_place`
+    overwrites it instead, so its cached pages are dirtied again, never freed."""
     chunk = bytes(write_bytes)
     while not stop.is_set():
-        with open(path, "wb") as f:
+        with open(path, "r+b" if in_place and os.path.exists(path) else "wb") as f:
             for _ in range(file_bytes // write_bytes):
                 if stop.is_set():
                     return
@@ -235,7 +257,7 @@ def rewrite_file_forever(path: str, file_bytes: int, write_bytes: int,
 
 @contextlib.contextmanager
 def file_rewriters(name: str, paths: list[str], file_bytes: int, write_bytes: int, *,
-                   cpus: set[int] | None = None):
+                   cpus: set[int] | None = None, in_place: bool = False):
     """Threads named `name`, one per path, running rewrite_file_forever (pinned to `cpus`
     when given); stopped and joined on exit (before anyone removes their folder, or they
     may recreate a file)."""
@@ -243,8 +265,8 @@ def file_rewriters(name: str, paths: list[str], file_bytes: int, write_bytes: in
     threads = []
     try:
         for path in paths:
-            threads.append(start_thread(name, rewrite_file_forever, path, file_bytes,
-                                        write_bytes, stop, cpus=cpus))
+            rewrite = functools.partial(rewrite_file_forever, in_place=in_place)
+            threads.append(start_thread(name, rewrite, path, file_bytes, write_bytes, stop, cpus=cpus))
         yield threads
     finally:
         stop.set()
@@ -275,12 +297,13 @@ def decode_batch(cpu_seconds: float, batch_bytes: int = 1 << 20) -> np.ndarray:
     return np.ones(batch_bytes // 8, dtype=np.float64)
 
 
-def train(seconds: float, next_batch=None, *, step_s: float = STEP_S, before_step=None) -> None:
+def train(seconds: float, next_batch=None, *, step_s=None, before_step=None) -> None:
     """Announce readiness, wait for the go (--hold-until), run the trainer loop for
-    `seconds`, report on stderr.  Without `next_batch` batches are at hand at once."""
+    `seconds`, report on stderr.  Without `next_batch` batches are at hand at once.
+    `step_s`: the GPU step's length, or a function giving each step's (default STEP_S)."""
     announce_ready()
     wait_for_go()
-    report(run_trainer(seconds, next_batch or (lambda: None), step_s=step_s,
+    report(run_trainer(seconds, next_batch or (lambda: None), step_s=step_s or STEP_S,
                        before_step=before_step))
 
 
@@ -307,7 +330,7 @@ def run_trainer(seconds: float, next_batch, *, step_s: float, before_step=None) 
         batch = next_batch()
         if before_step is not None:
             before_step(batch)
-        gpu.step(step_s)
+        gpu.step(step_s() if callable(step_s) else step_s)
     return gpu
 
 

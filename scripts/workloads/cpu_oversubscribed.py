@@ -10,7 +10,7 @@ import itertools
 
 import common
 
-COLLATE_CPU_S = 0.04  # alone on a core this leaves the GPU ~80 % busy
+COLLATE_STEPS = 0.25  # a quarter of a step: alone on a core this leaves the GPU ~80 % busy
 N_AUGMENTERS = 8
 # Long GIL-free chunks (~50 ms for the augmenters, ~1 ms for the trainer): the threads
 # seldom need the interpreter lock, so the trainer waits for a core, not for the GIL.
@@ -24,7 +24,7 @@ def augment_forever() -> None:
 
 
 def collate(batch) -> None:
-    common.burn_cpu(COLLATE_CPU_S, matrix_n=COLLATE_MATRIX_N)
+    common.burn_cpu(COLLATE_STEPS * common.STEP_S, matrix_n=COLLATE_MATRIX_N)
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ Expected top finding: input_pipeline.
 import multiprocessing
 
 import common
-from decode_threads import DECODE_CPU_S, N_WORKERS
+from decode_threads import DECODE_STEPS, N_WORKERS
 
 
 def worker_main(batches) -> None:
@@ -18,7 +18,7 @@ def worker_main(batches) -> None:
     common.die_with_parent()
     common.wait_for_go()
     while True:
-        batches.put(common.decode_batch(DECODE_CPU_S))
+        batches.put(common.decode_batch(DECODE_STEPS * common.STEP_S))
 
 
 def main() -> None:

@@ -10,9 +10,10 @@ import queue
 
 import common
 
-# CPU seconds per batch per worker: two workers deliver two batches about every 0.6 s,
-# enough for two steps, so the GPU idles about half the time.
-DECODE_CPU_S = 0.6
+# CPU time per batch per worker, in GPU steps: two workers deliver two batches every
+# four steps' time, enough for two steps, so the trainer waits about a step for every
+# batch and the GPU idles about half of every sample.
+DECODE_STEPS = 4
 N_WORKERS = 2
 
 
@@ -20,7 +21,7 @@ def main() -> None:
     args = common.parse_args(__doc__)
     batches: queue.Queue = queue.Queue(maxsize=2)
     for i in range(N_WORKERS):
-        common.start_dataloader(i, batches, DECODE_CPU_S)
+        common.start_dataloader(i, batches, DECODE_STEPS * common.STEP_S)
     common.train(args.seconds, batches.get)
 
 

@@ -13,8 +13,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 BATCH_SIZE = 8
-# CPU seconds per sample: 0.6 s per batch per worker, as in decode_threads.
-DECODE_CPU_S = 0.075
+# Decode time per batch per worker, in GPU steps (an eighth of it per sample): two
+# workers, 2.5 steps each, so the trainer waits about a quarter of a step for every
+# batch, plus torch's own per-batch work (collating, the result queue).
+DECODE_STEPS = 2.5
 SAMPLE_ELEMENTS = 1 << 15
 
 
@@ -23,7 +25,7 @@ class SlowDecodeDataset(Dataset):
         return 1 << 30  # never exhausted within a run
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        common.burn_cpu(DECODE_CPU_S)
+        common.burn_cpu(DECODE_STEPS * common.STEP_S / BATCH_SIZE)
         return torch.ones(SAMPLE_ELEMENTS)
 
 

@@ -13,8 +13,9 @@ import threading
 
 import common
 
-# CPU seconds per batch: worker 0 keeps up easily, worker 1 takes four steps' time.
-DECODE_CPU_S = (0.05, 0.6)
+# CPU time per batch, in GPU steps: worker 0 keeps up easily, worker 1 takes two and a
+# half, so every other step waits about half a step for it.
+DECODE_STEPS = (0.33, 2.5)
 CHECKPOINT_EVERY_S = 3.0
 CHECKPOINT_BYTES = 128 << 20
 CHECKPOINT_WRITE_BYTES = 8 << 20
@@ -30,9 +31,9 @@ def checkpoint_periodically(path: str, stop: threading.Event) -> None:
 
 def main() -> None:
     args = common.parse_args(__doc__, common.add_dir_argument)
-    worker_queues = [queue.Queue(maxsize=2) for _ in DECODE_CPU_S]
-    for i, (decode_cpu_s, batches) in enumerate(zip(DECODE_CPU_S, worker_queues)):
-        common.start_dataloader(i, batches, decode_cpu_s)
+    worker_queues = [queue.Queue(maxsize=2) for _ in DECODE_STEPS]
+    for i, (decode_steps, batches) in enumerate(zip(DECODE_STEPS, worker_queues)):
+        common.start_dataloader(i, batches, decode_steps * common.STEP_S)
     step = 0
 
     def next_batch():

@@ -8,14 +8,14 @@ import queue
 
 import common
 
-DECODE_CPU_S = 0.03  # a fifth of the step: the queue stays full
+DECODE_STEPS = 0.2  # a fifth of a step per batch: the queue stays full
 PREFETCH = 4
 
 
 def main() -> None:
     args = common.parse_args(__doc__)
     batches: queue.Queue = queue.Queue(maxsize=PREFETCH)
-    common.start_dataloader(0, batches, DECODE_CPU_S)
+    common.start_dataloader(0, batches, DECODE_STEPS * common.STEP_S)
     common.train(args.seconds, batches.get)
 
 

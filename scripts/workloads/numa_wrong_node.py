@@ -18,8 +18,9 @@ import common
 
 TOPOLOGY = {"nodes": {"0": [0], "1": [1]}, "gpus": [{"index": 0, "node": 0}]}
 REMOTE_NODE_CPUS = {1}
-# A batch every 0.45 s for a 0.15 s step: the GPU idles about two thirds of the time.
-DECODE_CPU_S = 0.45
+# A batch every three steps' time for a one-step step: the GPU idles about two thirds
+# of every sample.
+DECODE_STEPS = 3
 
 
 def add_arguments(parser) -> None:
@@ -35,7 +36,7 @@ def main() -> None:
         with open(args.topology_out, "w") as f:
             json.dump(TOPOLOGY, f)
     batches: queue.Queue = queue.Queue(maxsize=2)
-    common.start_dataloader(0, batches, DECODE_CPU_S, cpus=REMOTE_NODE_CPUS)
+    common.start_dataloader(0, batches, DECODE_STEPS * common.STEP_S, cpus=REMOTE_NODE_CPUS)
     common.train(args.seconds, batches.get)
 
 
