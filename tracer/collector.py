@@ -93,6 +93,7 @@ class Collector:
     # Bare tracepoints (no tracefs entry), attached as raw tracepoints when present.
     optional_raw_tracepoints: ClassVar[tuple[str, ...]] = ()
     ringbufs: ClassVar[tuple[str, ...]] = ()
+    uprobes: ClassVar[bool] = False  # attaches uprobes (to libraries found while recording), no tracepoints
     lost_names: ClassVar[tuple[str, ...]] = ()  # keys of PROBE_IDS this probe counts
     notice: Callable[[str], None] | None = None  # one-line news for the user (record sets it)
 

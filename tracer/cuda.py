@@ -9,7 +9,6 @@ fires in every process mapping it, forked workers included, so each library file
 
 from __future__ import annotations
 
-import ctypes
 import re
 
 import numpy as np
@@ -72,6 +71,7 @@ class CudaCollector(Collector):
     source = "cuda.bpf.c"
     ringbufs = ("cuda_events",)
     lost_names = ("cuda",)
+    uprobes = True
 
     def __init__(self, settings):
         super().__init__(settings)
