@@ -7,12 +7,17 @@
  * Waits, copies, allocations and frees lasting at least MIN_CUDA_NS are streamed with
  * their start, duration, stream (or pointer) argument, bytes, return value and the user
  * stack at the call.  The runtime calls the driver inside its own calls, so entries are
- * kept per (tid, layer) and a driver call made inside a runtime call is marked nested. */
+ * kept per (tid, layer) and a driver call made inside a runtime call is marked nested.
+ * Launches have no return probe (a uretprobe costs several times the uprobe): a runtime
+ * launch leaves a mark that the driver launch it makes within CUDA_NEST_NS consumes. */
 #ifndef MIN_CUDA_NS
 #define MIN_CUDA_NS 20000
 #endif
 #ifndef CUDA_BUCKET_NS
 #define CUDA_BUCKET_NS 10000000
+#endif
+#ifndef CUDA_NEST_NS
+#define CUDA_NEST_NS 1000000
 #endif
 #ifndef CUDA_LAUNCH_ENTRIES
 #define CUDA_LAUNCH_ENTRIES 65536
@@ -51,9 +56,7 @@ struct cuda_call {
     u64 arg;
     u64 bytes;
     u32 call;
-    u32 kind;
     u32 nested;
-    u32 pad;
 };
 
 struct cuda_launch_key {
@@ -67,6 +70,7 @@ struct cuda_launch_key {
 BPF_RINGBUF_OUTPUT(cuda_events, RINGBUF_PAGES);
 BPF_HASH(cuda_calls, struct cuda_key, struct cuda_call, MAX_THREADS);
 BPF_HASH(cuda_launches, struct cuda_launch_key, u64, CUDA_LAUNCH_ENTRIES);
+BPF_HASH(cuda_launching, u32, u64, MAX_THREADS); /* tid -> time of its last runtime launch */
 
 /* Register arguments by the x86-64 calling convention; none of the calls read here has
  * what we need beyond the sixth (cuLaunchKernel's stream, the 9th, is on the stack, but
@@ -91,7 +95,13 @@ static __always_inline int cuda_enter(struct pt_regs *ctx, u32 call, u32 layer, 
         return 0;
     u64 now = bpf_ktime_get_ns();
     u32 nested = 0;
-    if (layer == LAYER_DRIVER) {
+    if (layer == LAYER_DRIVER && kind == CUDA_LAUNCH) {
+        u64 *mark = cuda_launching.lookup(&tid);
+        if (mark && *mark) {
+            nested = now - *mark < CUDA_NEST_NS;
+            *mark = 0; /* consumed in place: a hash delete and re-insert per launch cost more */
+        }
+    } else if (layer == LAYER_DRIVER) {
         struct cuda_key outer = {.tid = tid, .layer = LAYER_RUNTIME};
         nested = cuda_calls.lookup(&outer) != NULL;
     }
@@ -105,11 +115,17 @@ static __always_inline int cuda_enter(struct pt_regs *ctx, u32 call, u32 layer, 
             return 0;
         }
         __sync_fetch_and_add(n, 1);
-        if (layer == LAYER_DRIVER) /* nothing nests inside a driver launch: no return probe */
-            return 0;
+        if (layer == LAYER_RUNTIME) {
+            u64 *mark = cuda_launching.lookup(&tid);
+            if (mark)
+                *mark = now;
+            else
+                cuda_launching.update(&tid, &now);
+        }
+        return 0;
     }
     struct cuda_key key = {.tid = tid, .layer = layer};
-    struct cuda_call c = {.ts_ns = now, .arg = arg, .bytes = bytes, .call = call, .kind = kind, .nested = nested};
+    struct cuda_call c = {.ts_ns = now, .arg = arg, .bytes = bytes, .call = call, .nested = nested};
     cuda_calls.update(&key, &c);
     return 0;
 }
@@ -123,7 +139,7 @@ static __always_inline int cuda_return(struct pt_regs *ctx, u32 layer)
     struct cuda_call c = *found;
     cuda_calls.delete(&key);
     u64 dur = bpf_ktime_get_ns() - c.ts_ns;
-    if (c.kind == CUDA_LAUNCH || dur < MIN_CUDA_NS)
+    if (dur < MIN_CUDA_NS)
         return 0;
     struct cuda_event *e = cuda_events.ringbuf_reserve(sizeof(*e));
     if (!e) {

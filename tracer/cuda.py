@@ -116,10 +116,10 @@ class CudaCollector(Collector):
         except Exception:  # unreadable or not an ELF file: nothing to probe
             calls = []
         for sym, base in calls:
-            _, layer, kind = CALLS[CALL_INDEX[base]]
+            kind = CALLS[CALL_INDEX[base]][2]
             try:
                 bpf.attach_uprobe(name=opened, sym=sym, fn_name=f"enter_{base}")
-                if not (kind == 0 and layer == 1):  # driver launches are only counted at entry
+                if KINDS[kind] != "launch":  # launches are only counted, at entry
                     bpf.attach_uretprobe(name=opened, sym=sym, fn_name=f"return_{base}")
                 probed.append(sym)
             except Exception:  # bcc raises bare Exception

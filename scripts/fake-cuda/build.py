@@ -23,9 +23,12 @@ class BuildError(RuntimeError):
 
 def _gcc(gcc: str, out: Path, source: Path, *extra: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    # -fno-ipa-icf: aliases with the same body must stay distinct functions (addresses)
+    # -fno-ipa-icf: aliases with the same body must stay distinct functions (addresses);
+    # frame pointers: every function starts with push %rbp, as most library code does,
+    # which the kernel emulates under a uprobe (a `sub $n,%rsp` first would be
+    # single-stepped, several times slower), and user stacks walk.
     done = subprocess.run(
-        [gcc, "-O2", "-fno-ipa-icf", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC",
+        [gcc, "-O2", "-fno-ipa-icf", "-fno-omit-frame-pointer", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC",
          f"-Wl,-soname,{out.name}", "-o", str(out), str(source), *extra],
         capture_output=True, text=True,
     )
