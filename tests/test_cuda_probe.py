@@ -162,3 +162,41 @@ def test_record_says_which_libraries_it_probed(fake, tmp_path):
         for p in (with_cuda, without):
             p.kill()
             p.wait()
+
+
+def test_library_only_visible_in_the_process_mount_namespace(fake, tmp_path):
+    """A container's library: its path exists only in the process's mount namespace, so
+    the recorder must open it through /proc/PID/root."""
+    hidden = tmp_path / "ns"
+    hidden.mkdir()
+    runtime = hidden / Path(fake.runtime).relative_to(Path(fake.runtime).parents[4])
+    script = (
+        f"import ctypes, sys, time; sys.path.insert(0, {str(ROOT / 'tests')!r}); "
+        "from kernel_workloads import wait_for_uprobes; "
+        f"rt = ctypes.CDLL({str(runtime)!r}); print(flush=True); "
+        "wait_for_uprobes(rt, ['cudaGraphLaunch'], timeout=30); "
+        "[rt.cudaGraphLaunch(None, None) for _ in range(7)]; print(flush=True); time.sleep(60)"
+    )
+    setup = (f"mount -t tmpfs none {hidden} && cp -r {Path(fake.runtime).parents[4]}/site-packages {hidden}/ "
+             f"&& exec {sys.executable} -c \"{script}\"")
+    proc = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", setup],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "\n"  # loaded
+        assert not runtime.exists()  # not from here
+        trainbpf = Path(sys.executable).with_name("trainbpf")
+        out = tmp_path / "trace.parquet"
+        rec = subprocess.Popen([str(trainbpf), "record", "--pid", str(proc.pid), "--duration", "4", "--gpu", "off",
+                                "--probes", "cuda", "-o", str(out)], stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "\n"  # launched
+        _, err = rec.communicate(timeout=120)
+        assert rec.returncode == 0, err
+    finally:
+        proc.kill()
+        proc.wait()
+    from trainbpf.tracefile import read_trace
+
+    trace = read_trace(out)
+    assert [lib["path"] for lib in trace.meta["cuda"]["libraries"] if "cudart" in lib["path"]] == [str(runtime)]
+    launches = trace.frame("cuda_launch")
+    assert int(launches[(launches.name == "runtime") & (launches.op == 0)]["count"].sum()) == 7
