@@ -101,6 +101,8 @@ class CudaCollector(Collector):
             if self._maps_seen.get(pid) == digest:
                 continue
             self._maps_seen[pid] = digest
+            if "/libcud" not in text:  # most processes: no need to parse
+                continue
             for path, file in cuda_libraries(text):
                 if file not in self.libraries:
                     self._attach(bpf, pid, path, file)
