@@ -44,7 +44,8 @@
 #define PROBE_MM 5
 #define PROBE_WRITEBACK 6
 #define PROBE_BLOCK 7
-#define PROBE_COUNT 8
+#define PROBE_CUDA 8
+#define PROBE_COUNT 9
 
 /* tid -> tgid of every traced thread: seeded from /proc at start, extended at fork.
  * Kept in a map because sched_switch's incoming task is not `current`. */

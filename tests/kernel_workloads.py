@@ -136,7 +136,95 @@ def sleeper(seconds: str) -> dict:
     return {"main": threading.get_native_id()}
 
 
-WORKLOADS = {"basic": basic, "dirty": dirty, "reclaim": reclaim, "sleeper": sleeper}
+class Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+
+
+def wait_for_uprobes(lib: ctypes.CDLL, names: list[str], timeout: float = 10.0) -> None:
+    """Until a uprobe sits on each function: the kernel writes a breakpoint (int3, 0xcc)
+    over its first instruction.  The recorder probes a library loaded after the start at
+    its next flush."""
+    addrs = [ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names]
+    end = time.monotonic() + timeout
+    while not all(ctypes.string_at(a, 1) == b"\xcc" for a in addrs):
+        if time.monotonic() > end:
+            raise SystemExit(f"no uprobes on {names} after {timeout} s")
+        time.sleep(0.05)
+
+
+CUDA_LAUNCHES = {"runtime": 300, "runtime_ptsz": 200, "driver_thread": 250, "child": 150}
+CUDA_WAIT_MS = (2, 5, 8, 12, 20)
+
+
+def cuda_fake(runtime: str) -> dict:
+    """Loads the stand-in CUDA runtime (scripts/fake-cuda) only now, after the recorder
+    started; launches CUDA_LAUNCHES kernels from the main thread (plain and _ptsz), a
+    thread (straight through the driver) and a forked child; then synchronises on
+    kernels of CUDA_WAIT_MS each, copies and allocates.  Reports each wait's span."""
+    rt = ctypes.CDLL(runtime)
+    drv = ctypes.CDLL(os.path.join(os.path.dirname(runtime), "../../cuda_driver/lib/libcuda.so.1"))
+    wait_for_uprobes(rt, ["cudaLaunchKernel", "cudaLaunchKernel_ptsz", "cudaStreamSynchronize_ptsz",
+                          "cudaDeviceSynchronize", "cudaMemcpyAsync_ptsz", "cudaMalloc"])
+    wait_for_uprobes(drv, ["cuLaunchKernel", "cuStreamSynchronize_ptsz", "cuMemAlloc_v2"])
+    one = Dim3(1, 1, 1)
+    out: dict = {"main": threading.get_native_id(), "waits": []}
+    drv.fakecuda_set_kernel_ns(ctypes.c_uint64(10_000))
+    for _ in range(CUDA_LAUNCHES["runtime"]):
+        rt.cudaLaunchKernel(None, one, one, None, ctypes.c_size_t(0), None)
+    for _ in range(CUDA_LAUNCHES["runtime_ptsz"]):
+        rt.cudaLaunchKernel_ptsz(None, one, one, None, ctypes.c_size_t(0), None)
+
+    def driver_thread() -> None:
+        out["driver_thread"] = threading.get_native_id()
+        for _ in range(CUDA_LAUNCHES["driver_thread"]):
+            drv.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)
+
+    t = threading.Thread(target=driver_thread)
+    t.start()
+    t.join()
+    child = os.fork()
+    if child == 0:
+        for _ in range(CUDA_LAUNCHES["child"]):
+            rt.cudaLaunchKernel(None, one, one, None, ctypes.c_size_t(0), None)
+        os._exit(0)
+    os.waitpid(child, 0)
+    out["child"] = child
+    rt.cudaDeviceSynchronize()
+    stream = ctypes.c_void_p(0x5757)
+    for i, ms in enumerate(CUDA_WAIT_MS):
+        drv.fakecuda_set_kernel_ns(ctypes.c_uint64(ms * 1_000_000))
+        rt.cudaLaunchKernel_ptsz(None, one, one, None, ctypes.c_size_t(0), stream)
+        sync = rt.cudaStreamSynchronize_ptsz if i % 2 == 0 else rt.cudaDeviceSynchronize
+        t0 = time.monotonic_ns()
+        sync(stream) if i % 2 == 0 else sync()
+        out["waits"].append([t0, time.monotonic_ns()])
+    ptr = ctypes.c_void_p()
+    out["malloc"] = rt.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(1 << 20))
+    rt.cudaMemcpy(ptr, None, ctypes.c_size_t(20_000_000), 1)  # 2 ms at the stand-in's 10 GB/s
+    rt.cudaMemcpyAsync_ptsz(ptr, None, ctypes.c_size_t(1 << 20), 1, stream)
+    rt.cudaFree(ptr)
+    return out
+
+
+def cuda_real(runtime: str) -> dict:
+    """Loads a real libcudart after the recorder started and makes calls that fail
+    without a driver; reports their return values."""
+    rt = ctypes.CDLL(runtime)
+    wait_for_uprobes(rt, ["cudaMalloc", "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaFree"])
+    ptr = ctypes.c_void_p()
+    count = ctypes.c_int()
+    return {
+        "main": threading.get_native_id(),
+        "cudaGetDeviceCount": rt.cudaGetDeviceCount(ctypes.byref(count)),
+        "cudaMalloc": rt.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(1 << 20)),
+        "cudaDeviceSynchronize": rt.cudaDeviceSynchronize(),
+        "cudaStreamSynchronize": rt.cudaStreamSynchronize(ctypes.c_void_p(0x5757)),
+        "cudaFree": rt.cudaFree(None),
+    }
+
+
+WORKLOADS = {"basic": basic, "dirty": dirty, "reclaim": reclaim, "sleeper": sleeper, "cuda_fake": cuda_fake,
+             "cuda_real": cuda_real}
 
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]

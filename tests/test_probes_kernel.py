@@ -237,8 +237,9 @@ def test_decoded_event_sizes_match_the_c_structs():
             assert dtype.itemsize == ctypes.sizeof(cls), rb
             assert seen[rb] <= {dtype.itemsize}, f"{rb}: kernel delivered {seen[rb]}, dtype {dtype.itemsize}"
         triggered = {rb for rb, s in seen.items() if s}
-        # writeback needs dirty pressure; it is covered by its own test
-        assert triggered >= set(dtypes) - {"writeback_events"}, f"not triggered: {set(dtypes) - triggered}"
+        # writeback needs dirty pressure, cuda a CUDA library: each is covered by its own test
+        untriggered = {"writeback_events", "cuda_events"}
+        assert triggered >= set(dtypes) - untriggered, f"not triggered: {set(dtypes) - triggered}"
     finally:
         bpf.cleanup()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +25,7 @@ PROBE_IDS = {
     "mm": 5,
     "writeback": 6,
     "block": 7,
+    "cuda": 8,
 }
 
 
@@ -37,6 +38,8 @@ class Settings:
     min_lock_ns: int = 10_000
     oncpu_hz: int = 199
     fault_bucket_ns: int = 100_000_000
+    min_cuda_ns: int = 20_000  # CUDA waits, copies and allocations streamed from this long
+    cuda_bucket_ns: int = 10_000_000  # CUDA launches counted per thread and bucket this wide
     ringbuf_pages: int = 512
     stack_frames: int = 32  # frames kept per stack: the kernel walks no deeper (probes/common.h)
     stack_entries: int = 65536  # stacks the kernel's stack map holds
@@ -50,6 +53,8 @@ class Settings:
             "min_lock_ns": self.min_lock_ns,
             "oncpu_hz": self.oncpu_hz,
             "fault_bucket_ns": self.fault_bucket_ns,
+            "min_cuda_ns": self.min_cuda_ns,
+            "cuda_bucket_ns": self.cuda_bucket_ns,
             "ringbuf_pages": self.ringbuf_pages,
             "stack_frames": self.stack_frames,
             "stack_entries": self.stack_entries,
@@ -88,7 +93,9 @@ class Collector:
     # Bare tracepoints (no tracefs entry), attached as raw tracepoints when present.
     optional_raw_tracepoints: ClassVar[tuple[str, ...]] = ()
     ringbufs: ClassVar[tuple[str, ...]] = ()
+    uprobes: ClassVar[bool] = False  # attaches uprobes (to libraries found while recording), no tracepoints
     lost_names: ClassVar[tuple[str, ...]] = ()  # keys of PROBE_IDS this probe counts
+    notice: Callable[[str], None] | None = None  # one-line news for the user (record sets it)
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -105,6 +112,13 @@ class Collector:
     def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
         """Read and reset in-kernel aggregates; `final` at the end of the recording."""
         return []
+
+    def seeded(self, bpf, tgids: list[int]) -> None:
+        """The traced processes at the start, once the tree is seeded."""
+
+    def meta(self) -> dict:
+        """What the probe adds to the trace metadata when the recording ends."""
+        return {}
 
 
 def drain_hash(table) -> list[tuple]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from trainbpf.errors import EnvironmentCheckError
 from trainbpf.tracer.block import BlockCollector
 from trainbpf.tracer.collector import Collector, Settings, ctypes_to_dtype
+from trainbpf.tracer.cuda import CudaCollector
 from trainbpf.tracer.faults import FaultsCollector
 from trainbpf.tracer.futex import FutexCollector
 from trainbpf.tracer.kheaders import use_headers
@@ -28,7 +29,7 @@ from trainbpf.tracer.writeback import WritebackCollector
 
 ALL_COLLECTORS: tuple[type[Collector], ...] = (
     SchedCollector, FutexCollector, FaultsCollector, OnCpuCollector, MmCollector,
-    WritebackCollector, BlockCollector,
+    WritebackCollector, BlockCollector, CudaCollector,
 )
 PROBE_NAMES = tuple(c.name for c in ALL_COLLECTORS)
 TRACEFS = Path(os.environ.get("TRAINBPF_TRACEFS", "/sys/kernel/tracing"))  # where tracefs lives or is mounted

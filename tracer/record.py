@@ -44,6 +44,8 @@ class RecordResult:
     threads: int
     gpu_source: str | None
     bytes: int
+    probes: tuple[str, ...] = ()
+    cuda_libraries: int = 0  # CUDA library files probed
 
 
 def check_root() -> None:
@@ -67,7 +69,8 @@ class Recorder:
     def __init__(self, *, pid: int | None, output: Path, duration: float | None, settings: Settings,
                  probes: list[str] | None, gpu: str, topology_file: Path | None,
                  status: Callable[[str], None] | None, trainer_tid: int | None = None,
-                 on_attached: Callable[[], None] | None = None, force: bool = False):
+                 on_attached: Callable[[], None] | None = None, force: bool = False,
+                 notice: Callable[[str], None] | None = None):
         self.pid = pid
         self.force = force
         self.output = output
@@ -79,6 +82,7 @@ class Recorder:
         self.status = status
         self.trainer_tid = trainer_tid
         self.on_attached = on_attached
+        self.notice = notice
         self.stop_reason = ""
         self._stop = threading.Event()
         self._rings = None  # the ring-buffer readers, once open
@@ -102,6 +106,8 @@ class Recorder:
         hz = procfs.kernel_hz()
         self.settings = Settings(**{**self.settings.__dict__, "hz": hz})
         collectors = loader.select(self.probe_names, self.settings)
+        for c in collectors:
+            c.notice = self.notice
         wall_minus_mono = wall_minus_mono_ns()
         gpu = GpuSampler(mode=self.gpu_mode, wall_minus_mono_ns=wall_minus_mono)
         gpu.check()
@@ -194,6 +200,8 @@ class Recorder:
         sched = next(c for c in collectors if isinstance(c, SchedCollector))
         sched.seed_blocked(bpf, walked, self.start_ns)
         tgids = sorted(set(self.threads.values()))
+        for c in collectors:
+            c.seeded(bpf, tgids)
         for batch in (procfs.numa_maps_batch(tgids, "start"), taskstats.snapshot(dict(self.threads), "start")):
             if batch is not None:
                 writer.add(batch)
@@ -265,6 +273,8 @@ class Recorder:
             "stacks": {"frames": self.settings.stack_frames, "entries": self.settings.stack_entries,
                        **loader.stack_counts(bpf)},
         }
+        for c in collectors:
+            final.update(c.meta())
         try:
             finalize(writer.spool, self.output, final, spool_fd=writer.fd, force=self.force)
         except OutputError as exc:
@@ -272,7 +282,8 @@ class Recorder:
         finally:
             writer.release()
         return RecordResult(self.output, duration, total_rows, lost, self.stop_reason,
-                            len(self.threads), gpu.source, self.output.stat().st_size)
+                            len(self.threads), gpu.source, self.output.stat().st_size,
+                            tuple(c.name for c in collectors), len(final.get("cuda", {}).get("libraries", ())))
 
     def _flush(self, bpf, collectors, rings, owner, symbolizer, writer, gpu, procsampler, *, final: bool) -> int:
         now_ns = time.monotonic_ns()
@@ -327,14 +338,15 @@ def record(*, pid: int | None, output: Path, duration: float | None = None,
            settings: Settings | None = None, probes: list[str] | None = None, gpu: str = "auto",
            topology_file: Path | None = None, status: Callable[[str], None] | None = None,
            trainer_tid: int | None = None, handle_signals: bool = True,
-           on_attached: Callable[[], None] | None = None, force: bool = False) -> RecordResult:
+           on_attached: Callable[[], None] | None = None, force: bool = False,
+           notice: Callable[[str], None] | None = None) -> RecordResult:
     """Record `pid`'s process tree (or, with pid None and settings.trace_all, the whole
     machine) into `output` until `duration` passes, the target exits, or SIGINT/SIGTERM.
     `on_attached` runs once the probes are live and the tree is seeded.  An existing
     `output` is replaced only with `force`."""
     rec = Recorder(pid=pid, output=Path(output), duration=duration, settings=settings or Settings(),
                    probes=probes, gpu=gpu, topology_file=topology_file, status=status,
-                   trainer_tid=trainer_tid, on_attached=on_attached, force=force)
+                   trainer_tid=trainer_tid, on_attached=on_attached, force=force, notice=notice)
     previous = {}
     if handle_signals and threading.current_thread() is threading.main_thread():
         for sig, name in ((signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")):

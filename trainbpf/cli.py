@@ -76,8 +76,9 @@ def record(
     min_block_us: float = typer.Option(20.0, help="Off-CPU intervals at least this long stream out with stacks; shorter ones are summed in the kernel."),
     min_futex_us: float = typer.Option(20.0, help="Futex waits at least this long are recorded."),
     min_lock_us: float = typer.Option(10.0, help="mmap_lock waits at least this long are recorded."),
+    min_cuda_us: float = typer.Option(20.0, help="CUDA waits, copies and allocations at least this long are recorded (launches are all counted)."),
     oncpu_hz: int = typer.Option(199, help="On-CPU sampling frequency per CPU."),
-    probes: Optional[str] = typer.Option(None, help="Comma-separated subset of probes: sched,futex,faults,oncpu,mm,writeback,block (default all)."),
+    probes: Optional[str] = typer.Option(None, help="Comma-separated subset of probes: sched,futex,faults,oncpu,mm,writeback,block,cuda (default all)."),
     gpu: str = typer.Option("auto", help="GPU sampling: auto (NVML, else nvidia-smi), nvml, nvidia-smi, off."),
     topology: Optional[Path] = typer.Option(None, help='Declared topology JSON {"nodes": {"0": [cpus]}, "gpus": [{"index": 0, "node": 0}]} overriding /sys.'),
     trainer_tid: Optional[int] = typer.Option(None, help="The thread that feeds the GPU (default: the target's main thread)."),
@@ -100,14 +101,15 @@ def record(
         if duration is not None and not (math.isfinite(duration) and duration > 0):
             raise UsageError(f"--duration {duration}: must be a positive number of seconds")
         for option, value in (("--min-block-us", min_block_us), ("--min-futex-us", min_futex_us),
-                              ("--min-lock-us", min_lock_us)):
+                              ("--min-lock-us", min_lock_us), ("--min-cuda-us", min_cuda_us)):
             if not (math.isfinite(value) and value >= 0):
                 raise UsageError(f"{option} {value}: must be 0 or more microseconds")
         if oncpu_hz < 1:
             raise UsageError(f"--oncpu-hz {oncpu_hz}: must be at least 1 sample per second")
         settings = Settings(
             min_block_ns=int(min_block_us * 1000), min_futex_ns=int(min_futex_us * 1000),
-            min_lock_ns=int(min_lock_us * 1000), oncpu_hz=oncpu_hz, ringbuf_pages=ringbuf_pages,
+            min_lock_ns=int(min_lock_us * 1000), min_cuda_ns=int(min_cuda_us * 1000),
+            oncpu_hz=oncpu_hz, ringbuf_pages=ringbuf_pages,
             trace_all=system_wide,
         )
         status = _status_printer()
@@ -115,6 +117,7 @@ def record(
             pid=pid, output=output, duration=duration, settings=settings,
             probes=[p.strip() for p in probes.split(",") if p.strip()] if probes else None,
             gpu=gpu, topology_file=topology, status=status, trainer_tid=trainer_tid, force=force,
+            notice=lambda line: typer.echo(("\n" if status else "") + line, err=True),
         )
     except TrainbpfError as exc:
         if sys.stderr.isatty():
@@ -129,6 +132,8 @@ def record(
         f"{result.gpu_source or 'nowhere (no nvidia-smi/NVML)'}; stopped: {result.stop_reason}",
         err=True,
     )
+    if result.cuda_libraries == 0 and "cuda" in result.probes:
+        typer.echo("cuda: no CUDA library (libcudart/libcuda) was mapped by the traced processes", err=True)
     if lost:
         typer.echo(f"trainbpf: warning: {lost} events lost ({result.lost}); "
                    "try a larger --ringbuf-pages or higher thresholds", err=True)

@@ -103,6 +103,8 @@ def check_tracepoints() -> list[Check]:
 
     out = []
     for c in ALL_COLLECTORS:
+        if c.uprobes:  # needs no tracepoint: check_uprobes
+            continue
         missing = [tp for tp in c.tracepoints if not tracepoint_exists(tp, TRACEFS)]
         optional = [tp for tp in c.optional_tracepoints if not tracepoint_exists(tp, TRACEFS)]
         optional += [tp for tp in c.optional_raw_tracepoints if not raw_tracepoint_exists(tp)]
@@ -122,9 +124,23 @@ def check_tracepoints() -> list[Check]:
 def check_uprobes() -> Check:
     from trainbpf.tracer.loader import TRACEFS
 
-    if (TRACEFS / "uprobe_events").exists():
-        return Check("uprobes", OK, "supported (kprobes/fentry are not needed)")
-    return Check("uprobes", WARN, "uprobe_events missing", "not needed by the current probes")
+    if Path("/sys/bus/event_source/devices/uprobe").is_dir() or (TRACEFS / "uprobe_events").exists():
+        return Check("uprobes", OK, "supported: CUDA calls are traced where a traced process maps "
+                                    "libcudart/libcuda (kprobes/fentry are not needed)")
+    return Check("uprobes", WARN, "no uprobe PMU and no uprobe_events",
+                 "a kernel with CONFIG_UPROBE_EVENTS; without it CUDA calls are not traced, the rest works")
+
+
+def check_uprobe_attach(bpf) -> Check:
+    """Attach the cuda probe's entry program to libc's getppid (never a traced thread's,
+    so it records nothing) and detach it: what attaching to libcudart needs."""
+    try:
+        bpf.attach_uprobe(name="c", sym="getppid", fn_name="enter_cudaDeviceSynchronize")
+        bpf.detach_uprobe(name="c", sym="getppid")
+    except Exception as exc:  # bcc raises bare Exception
+        return Check("uprobes attach", WARN, f"attaching a uprobe to libc failed: {exc}",
+                     "CUDA calls will not be traced; the rest works")
+    return Check("uprobes attach", OK, "a uprobe attached to libc's getppid and detached")
 
 
 def check_gpu() -> Check:
@@ -159,20 +175,23 @@ def check_psi() -> Check:
     return Check("pressure (PSI)", WARN, "PSI disabled", "boot with psi=1")
 
 
-def check_probes_load() -> Check:
-    """The real test: compile and load every probe, then detach."""
+def check_probes_load() -> list[Check]:
+    """The real test: compile and load every probe, attach a uprobe, then detach."""
     if os.geteuid() != 0:
-        return Check("probes load", WARN, "not tried without root", "run doctor with sudo")
+        return [Check("probes load", WARN, "not tried without root", "run doctor with sudo")]
     from trainbpf.tracer import loader
     from trainbpf.tracer.collector import Settings
 
     try:
         bpf = loader.load(loader.select(None, Settings()), Settings())
     except TrainbpfError as exc:
-        return Check("probes load", FAIL, str(exc).replace("; run `trainbpf doctor`", ""),
-                     "see the checks above")
-    bpf.cleanup()
-    return Check("probes load", OK, f"all {len(loader.ALL_COLLECTORS)} probes compiled, loaded and detached")
+        return [Check("probes load", FAIL, str(exc).replace("; run `trainbpf doctor`", ""),
+                      "see the checks above")]
+    try:
+        uprobe = check_uprobe_attach(bpf)
+    finally:
+        bpf.cleanup()
+    return [Check("probes load", OK, f"all {len(loader.ALL_COLLECTORS)} probes compiled, loaded and detached"), uprobe]
 
 
 def run_checks(*, load_probes: bool = True) -> list[Check]:
@@ -180,7 +199,7 @@ def run_checks(*, load_probes: bool = True) -> list[Check]:
     checks += check_tracepoints()
     checks += [check_uprobes(), check_gpu(), check_delayacct(), check_psi()]
     if load_probes and not any(c.status == FAIL for c in checks):
-        checks.append(check_probes_load())
+        checks += check_probes_load()
     return checks
 
 

@@ -126,6 +126,21 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # A block request issued for a traced thread: dur_ns = issue -> completion,
     # size = bytes, name = rwbs, op = device number, addr = sector.
     "block_rq": ("ts_ns", "dur_ns", "tid", "pid", "size", "name", "op", "addr"),
+    # CUDA launches (cudaLaunchKernel*, cudaLaunchCooperativeKernel, cudaGraphLaunch,
+    # cuLaunchKernel*, cuGraphLaunch and their _ptsz/_ptds/_v2 aliases) counted in the
+    # kernel per (tid, bucket of dur_ns = thresholds.cuda_bucket_ns, layer, nesting):
+    # ts_ns = bucket start, name = layer "runtime" (libcudart) / "driver" (libcuda),
+    # op = 1 for driver launches made inside a runtime call (the runtime's own
+    # cudaLaunchKernel -> cuLaunchKernel), else 0: the launches issued are the op = 0 rows.
+    "cuda_launch": ("ts_ns", "dur_ns", "tid", "pid", "name", "op", "count"),
+    # A CUDA wait, copy, allocation or free >= thresholds.min_cuda_ns: name = the call's
+    # base name ("cudaStreamSynchronize", "cuMemAlloc"; aliases map to it; layer runtime
+    # for cuda*, driver for cu*), state = "wait"/"copy"/"alloc"/"free", op = 1 for a
+    # driver call inside a runtime call, addr = the stream argument (the event for event
+    # waits, the pointer for frees without a stream; 0 where the call has none),
+    # size = bytes for copies and allocations, count = return value (cudaError_t /
+    # CUresult, 0 = success), ustack_id = caller's user stack.
+    "cuda_call": ("ts_ns", "dur_ns", "tid", "pid", "name", "state", "op", "addr", "size", "count", "ustack_id"),
     # GPU utilisation sample: ts_ns = the END of the period it describes; op = GPU
     # index, name = uuid, value = utilisation percent, size = memory utilisation percent,
     # count = memory used MiB (null in process rows).  pid null: the whole device

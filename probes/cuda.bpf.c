@@ -1,0 +1,204 @@
+/* CUDA runtime and driver calls of traced threads, from uprobes on libcudart/libcuda
+ * (attached by tracer/cuda.py to whichever of these symbols, and their _v2/_ptsz/_ptds
+ * aliases, a library exports).
+ *
+ * Launches are counted per (thread, CUDA_BUCKET_NS bucket, layer, nesting) in a hash the
+ * collector drains: training issues tens of thousands a second, so none is streamed.
+ * Waits, copies, allocations and frees lasting at least MIN_CUDA_NS are streamed with
+ * their start, duration, stream (or pointer) argument, bytes, return value and the user
+ * stack at the call.  The runtime calls the driver inside its own calls, so entries are
+ * kept per (tid, layer) and a driver call made inside a runtime call is marked nested.
+ * Launches have no return probe (a uretprobe costs several times the uprobe): a runtime
+ * launch leaves a mark that the driver launch it makes within CUDA_NEST_NS consumes. */
+#ifndef MIN_CUDA_NS
+#define MIN_CUDA_NS 20000
+#endif
+#ifndef CUDA_BUCKET_NS
+#define CUDA_BUCKET_NS 10000000
+#endif
+#ifndef CUDA_NEST_NS
+#define CUDA_NEST_NS 1000000
+#endif
+#ifndef CUDA_LAUNCH_ENTRIES
+#define CUDA_LAUNCH_ENTRIES 65536
+#endif
+
+#define LAYER_RUNTIME 0
+#define LAYER_DRIVER 1
+
+#define CUDA_LAUNCH 0
+#define CUDA_WAIT 1
+#define CUDA_COPY 2
+#define CUDA_ALLOC 3
+#define CUDA_FREE 4
+
+struct cuda_event {
+    u64 ts_ns;
+    u64 dur_ns;
+    u64 arg; /* the stream (event for event waits, pointer for frees), 0 when none */
+    u64 bytes;
+    s64 ret;
+    u32 tid;
+    u32 pid;
+    u32 call; /* index into tracer/cuda.py CALLS */
+    u32 nested; /* a driver call made inside a runtime call */
+    s32 ustack_id;
+    u32 layer;
+};
+
+struct cuda_key {
+    u32 tid;
+    u32 layer;
+};
+
+struct cuda_call {
+    u64 ts_ns;
+    u64 arg;
+    u64 bytes;
+    u32 call;
+    u32 nested;
+};
+
+struct cuda_launch_key {
+    u64 bucket;
+    u32 tid;
+    u32 pid;
+    u32 layer;
+    u32 nested;
+};
+
+BPF_RINGBUF_OUTPUT(cuda_events, RINGBUF_PAGES);
+BPF_HASH(cuda_calls, struct cuda_key, struct cuda_call, MAX_THREADS);
+BPF_HASH(cuda_launches, struct cuda_launch_key, u64, CUDA_LAUNCH_ENTRIES);
+BPF_HASH(cuda_launching, u32, u64, MAX_THREADS); /* tid -> time of its last runtime launch */
+
+/* Register arguments by the x86-64 calling convention; none of the calls read here has
+ * what we need beyond the sixth (cuLaunchKernel's stream, the 9th, is on the stack, but
+ * launches are only counted). */
+static __always_inline u64 cuda_arg(struct pt_regs *ctx, int n)
+{
+    switch (n) {
+    case 1: return PT_REGS_PARM1(ctx);
+    case 2: return PT_REGS_PARM2(ctx);
+    case 3: return PT_REGS_PARM3(ctx);
+    case 4: return PT_REGS_PARM4(ctx);
+    case 5: return PT_REGS_PARM5(ctx);
+    case 6: return PT_REGS_PARM6(ctx);
+    }
+    return 0;
+}
+
+static __always_inline int cuda_enter(struct pt_regs *ctx, u32 call, u32 layer, u32 kind, u64 arg, u64 bytes)
+{
+    u32 tid = current_tid();
+    if (!is_traced(tid))
+        return 0;
+    u64 now = bpf_ktime_get_ns();
+    u32 nested = 0;
+    if (layer == LAYER_DRIVER && kind == CUDA_LAUNCH) {
+        u64 *mark = cuda_launching.lookup(&tid);
+        if (mark && *mark) {
+            nested = now - *mark < CUDA_NEST_NS;
+            *mark = 0; /* consumed in place: a hash delete and re-insert per launch cost more */
+        }
+    } else if (layer == LAYER_DRIVER) {
+        struct cuda_key outer = {.tid = tid, .layer = LAYER_RUNTIME};
+        nested = cuda_calls.lookup(&outer) != NULL;
+    }
+    if (kind == CUDA_LAUNCH) {
+        struct cuda_launch_key lk = {.bucket = now / CUDA_BUCKET_NS, .tid = tid, .pid = current_tgid(),
+                                     .layer = layer, .nested = nested};
+        u64 zero = 0;
+        u64 *n = cuda_launches.lookup_or_try_init(&lk, &zero);
+        if (!n) {
+            count_lost(PROBE_CUDA);
+            return 0;
+        }
+        __sync_fetch_and_add(n, 1);
+        if (layer == LAYER_RUNTIME) {
+            u64 *mark = cuda_launching.lookup(&tid);
+            if (mark)
+                *mark = now;
+            else
+                cuda_launching.update(&tid, &now);
+        }
+        return 0;
+    }
+    struct cuda_key key = {.tid = tid, .layer = layer};
+    struct cuda_call c = {.ts_ns = now, .arg = arg, .bytes = bytes, .call = call, .nested = nested};
+    cuda_calls.update(&key, &c);
+    return 0;
+}
+
+static __always_inline int cuda_return(struct pt_regs *ctx, u32 layer)
+{
+    struct cuda_key key = {.tid = current_tid(), .layer = layer};
+    struct cuda_call *found = cuda_calls.lookup(&key);
+    if (!found)
+        return 0;
+    struct cuda_call c = *found;
+    cuda_calls.delete(&key);
+    u64 dur = bpf_ktime_get_ns() - c.ts_ns;
+    if (dur < MIN_CUDA_NS)
+        return 0;
+    struct cuda_event *e = cuda_events.ringbuf_reserve(sizeof(*e));
+    if (!e) {
+        count_lost(PROBE_CUDA);
+        return 0;
+    }
+    e->ts_ns = c.ts_ns;
+    e->dur_ns = dur;
+    e->arg = c.arg;
+    e->bytes = c.bytes;
+    e->ret = (s32)PT_REGS_RC(ctx); /* cudaError_t / CUresult: a C enum */
+    e->tid = key.tid;
+    e->pid = current_tgid();
+    e->call = c.call;
+    e->nested = c.nested;
+    e->layer = layer;
+    e->ustack_id = stack_id(ctx, BPF_F_USER_STACK); /* at the return: the caller's stack */
+    cuda_events.ringbuf_submit(e, submit_flags(PROBE_CUDA));
+    return 0;
+}
+
+/* One entry/return pair per call: CALL(symbol, index, layer, kind, argument number of the
+ * stream or pointer, argument number of the byte count), 0 = none. */
+#define CALL(sym, call, layer, kind, arg_n, bytes_n)                                          \
+    int enter_##sym(struct pt_regs *ctx)                                                       \
+    {                                                                                          \
+        return cuda_enter(ctx, call, layer, kind, cuda_arg(ctx, arg_n), cuda_arg(ctx, bytes_n)); \
+    }                                                                                          \
+    int return_##sym(struct pt_regs *ctx) { return cuda_return(ctx, layer); }
+
+CALL(cudaLaunchKernel, 0, LAYER_RUNTIME, CUDA_LAUNCH, 0, 0)
+CALL(cudaLaunchKernelExC, 1, LAYER_RUNTIME, CUDA_LAUNCH, 0, 0)
+CALL(cudaLaunchCooperativeKernel, 2, LAYER_RUNTIME, CUDA_LAUNCH, 0, 0)
+CALL(cudaGraphLaunch, 3, LAYER_RUNTIME, CUDA_LAUNCH, 0, 0)
+CALL(cudaStreamSynchronize, 4, LAYER_RUNTIME, CUDA_WAIT, 1, 0)
+CALL(cudaDeviceSynchronize, 5, LAYER_RUNTIME, CUDA_WAIT, 0, 0)
+CALL(cudaEventSynchronize, 6, LAYER_RUNTIME, CUDA_WAIT, 1, 0)
+CALL(cudaMemcpy, 7, LAYER_RUNTIME, CUDA_COPY, 0, 3)
+CALL(cudaMemcpyAsync, 8, LAYER_RUNTIME, CUDA_COPY, 5, 3)
+CALL(cudaMalloc, 9, LAYER_RUNTIME, CUDA_ALLOC, 0, 2)
+CALL(cudaFree, 10, LAYER_RUNTIME, CUDA_FREE, 1, 0)
+CALL(cuLaunchKernel, 11, LAYER_DRIVER, CUDA_LAUNCH, 0, 0)
+CALL(cuLaunchKernelEx, 12, LAYER_DRIVER, CUDA_LAUNCH, 0, 0)
+CALL(cuGraphLaunch, 13, LAYER_DRIVER, CUDA_LAUNCH, 0, 0)
+CALL(cuStreamSynchronize, 14, LAYER_DRIVER, CUDA_WAIT, 1, 0)
+CALL(cuCtxSynchronize, 15, LAYER_DRIVER, CUDA_WAIT, 0, 0)
+CALL(cuEventSynchronize, 16, LAYER_DRIVER, CUDA_WAIT, 1, 0)
+CALL(cuMemcpy, 17, LAYER_DRIVER, CUDA_COPY, 0, 3)
+CALL(cuMemcpyAsync, 18, LAYER_DRIVER, CUDA_COPY, 4, 3)
+CALL(cuMemcpyHtoD, 19, LAYER_DRIVER, CUDA_COPY, 0, 3)
+CALL(cuMemcpyHtoDAsync, 20, LAYER_DRIVER, CUDA_COPY, 4, 3)
+CALL(cuMemcpyDtoH, 21, LAYER_DRIVER, CUDA_COPY, 0, 3)
+CALL(cuMemcpyDtoHAsync, 22, LAYER_DRIVER, CUDA_COPY, 4, 3)
+CALL(cuMemcpyDtoD, 23, LAYER_DRIVER, CUDA_COPY, 0, 3)
+CALL(cuMemcpyDtoDAsync, 24, LAYER_DRIVER, CUDA_COPY, 4, 3)
+CALL(cuMemAlloc, 25, LAYER_DRIVER, CUDA_ALLOC, 0, 2)
+CALL(cuMemAllocAsync, 26, LAYER_DRIVER, CUDA_ALLOC, 3, 2)
+CALL(cuMemAllocHost, 27, LAYER_DRIVER, CUDA_ALLOC, 0, 2)
+CALL(cuMemAllocManaged, 28, LAYER_DRIVER, CUDA_ALLOC, 0, 2)
+CALL(cuMemFree, 29, LAYER_DRIVER, CUDA_FREE, 1, 0)
+CALL(cuMemFreeHost, 30, LAYER_DRIVER, CUDA_FREE, 1, 0)
+CALL(cuMemFreeAsync, 31, LAYER_DRIVER, CUDA_FREE, 2, 0)

@@ -1,0 +1,121 @@
+/* A stand-in for the CUDA driver (libcuda.so.1) on machines without a GPU, for the cuda
+ * probe's tests.  One simulated device with one queue: a launch enqueues a kernel of
+ * fakecuda_set_kernel_ns() nanoseconds ($FAKECUDA_KERNEL_NS, default 1 ms) behind what
+ * is queued; a synchronisation sleeps until the queue is empty; a synchronous copy waits
+ * for the queue, then takes bytes / 10 GB/s.  Exported names are the real ones, with a
+ * few of the versioned aliases libcuda exports (_v2, _ptsz); each is its own function,
+ * and none calls another exported one, so a call is one uprobe hit (build.py keeps gcc
+ * from folding identical bodies into one address). */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
+
+typedef int CUresult;
+typedef void *CUstream;
+typedef void *CUevent;
+typedef void *CUfunction;
+typedef void *CUgraphExec;
+typedef uint64_t CUdeviceptr;
+
+#define NOINLINE __attribute__((noinline, used))
+
+static uint64_t busy_until; /* CLOCK_MONOTONIC ns at which the queued work is done */
+static uint64_t kernel_ns = 1000000;
+static uint64_t next_ptr = 0x700000000000ull;
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void sleep_until(uint64_t t)
+{
+    struct timespec ts = {.tv_sec = (time_t)(t / 1000000000ull), .tv_nsec = (long)(t % 1000000000ull)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) != 0) {
+    }
+}
+
+static void enqueue(uint64_t ns)
+{
+    uint64_t now = now_ns(), old, start;
+    do { /* lock-free: workers in other threads launch too */
+        old = __atomic_load_n(&busy_until, __ATOMIC_ACQUIRE);
+        start = old > now ? old : now;
+    } while (!__atomic_compare_exchange_n(&busy_until, &old, start + ns, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+}
+
+static CUresult drain_queue(void)
+{
+    sleep_until(__atomic_load_n(&busy_until, __ATOMIC_ACQUIRE));
+    return 0;
+}
+
+static CUresult copy_sync(size_t bytes)
+{
+    drain_queue();
+    sleep_until(now_ns() + bytes / 10); /* 10 bytes per ns */
+    return 0;
+}
+
+static CUresult alloc(CUdeviceptr *p, size_t bytes)
+{
+    if (p)
+        *p = __atomic_fetch_add(&next_ptr, (bytes + 255) & ~255ull, __ATOMIC_RELAXED);
+    return 0;
+}
+
+NOINLINE void fakecuda_set_kernel_ns(uint64_t ns) { __atomic_store_n(&kernel_ns, ns, __ATOMIC_RELAXED); }
+
+__attribute__((constructor)) static void init(void)
+{
+    const char *env = getenv("FAKECUDA_KERNEL_NS");
+    if (env)
+        kernel_ns = strtoull(env, NULL, 10);
+}
+
+NOINLINE CUresult cuInit(unsigned flags) { (void)flags; return 0; }
+
+NOINLINE CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                                 unsigned bz, unsigned shmem, CUstream stream, void **params, void **extra)
+{
+    (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shmem; (void)stream;
+    (void)params; (void)extra;
+    enqueue(__atomic_load_n(&kernel_ns, __ATOMIC_RELAXED));
+    return 0;
+}
+
+NOINLINE CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                      unsigned by, unsigned bz, unsigned shmem, CUstream stream, void **params,
+                                      void **extra)
+{
+    (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shmem; (void)stream;
+    (void)params; (void)extra;
+    enqueue(__atomic_load_n(&kernel_ns, __ATOMIC_RELAXED));
+    return 0;
+}
+
+NOINLINE CUresult cuGraphLaunch(CUgraphExec g, CUstream s) { (void)g; (void)s; enqueue(kernel_ns); return 0; }
+NOINLINE CUresult cuStreamSynchronize(CUstream s) { (void)s; return drain_queue(); }
+NOINLINE CUresult cuStreamSynchronize_ptsz(CUstream s) { (void)s; return drain_queue(); }
+NOINLINE CUresult cuCtxSynchronize(void) { return drain_queue(); }
+NOINLINE CUresult cuEventSynchronize(CUevent e) { (void)e; return drain_queue(); }
+NOINLINE CUresult cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n) { (void)d; (void)s; return copy_sync(n); }
+NOINLINE CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { (void)d; (void)s; return copy_sync(n); }
+NOINLINE CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { (void)d; (void)s; return copy_sync(n); }
+NOINLINE CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st)
+{
+    (void)d; (void)s; (void)st;
+    enqueue(n / 10);
+    return 0;
+}
+NOINLINE CUresult cuMemcpyAsync_ptsz(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st)
+{
+    (void)d; (void)s; (void)st;
+    enqueue(n / 10);
+    return 0;
+}
+NOINLINE CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return alloc(p, n); }
+NOINLINE CUresult cuMemFree_v2(CUdeviceptr p) { (void)p; return 0; }

@@ -1,0 +1,46 @@
+"""The cuda collector's pure parts: symbol aliases, library discovery in maps, and the
+call table shared with probes/cuda.bpf.c."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from trainbpf.tracer.cuda import CALLS, KINDS, LAYERS, base_name, cuda_libraries
+
+PROBE = Path(__file__).resolve().parents[1] / "probes" / "cuda.bpf.c"
+
+
+def test_aliases_map_to_their_base_call():
+    assert base_name("cudaMemcpyAsync_ptsz") == "cudaMemcpyAsync"
+    assert base_name("cudaMemcpy_ptds") == "cudaMemcpy"
+    assert base_name("cuMemAlloc_v2") == "cuMemAlloc"
+    assert base_name("cuMemcpyHtoDAsync_v2") == "cuMemcpyHtoDAsync"
+    assert base_name("cuStreamSynchronize_ptsz") == "cuStreamSynchronize"
+    assert base_name("cudaGetDeviceCount") is None
+    assert base_name("cudaMallocHost") is None  # not cudaMalloc with a suffix
+
+
+def test_libraries_found_in_maps_once_per_file():
+    wheel = "/venv/lib/python3.11/site-packages/nvidia/cuda_runtime/lib/libcudart.so.12"
+    maps = "\n".join([
+        f"7f0000000000-7f0000001000 r--p 00000000 fd:01 111 {wheel}",
+        f"7f0000001000-7f0000002000 r-xp 00001000 fd:01 111 {wheel}",
+        "7f0000003000-7f0000004000 r-xp 00000000 fd:01 222 /usr/lib/x86_64-linux-gnu/libcuda.so.1",
+        "7f0000005000-7f0000006000 r-xp 00000000 fd:01 333 /usr/lib/libcudnn.so.9",
+        "7f0000007000-7f0000008000 r-xp 00000000 fd:01 444 /usr/local/cuda/lib64/libcudart.so",
+        "7f0000009000-7f000000a000 rw-p 00000000 00:00 0 ",
+    ])
+    assert cuda_libraries(maps) == [
+        (wheel, ("fd:01", 111)),
+        ("/usr/lib/x86_64-linux-gnu/libcuda.so.1", ("fd:01", 222)),
+        ("/usr/local/cuda/lib64/libcudart.so", ("fd:01", 444)),
+    ]
+
+
+def test_call_table_matches_the_probe():
+    """CALLS' positions are the call codes the C CALL list gives each symbol."""
+    calls = re.findall(r"^CALL\((\w+), (\d+), LAYER_(\w+), CUDA_(\w+),", PROBE.read_text(), re.M)
+    assert [(name, int(code), layer.lower(), kind.lower()) for name, code, layer, kind in calls] == [
+        (name, i, LAYERS[layer], KINDS[kind]) for i, (name, layer, kind) in enumerate(CALLS)
+    ]

@@ -1,0 +1,182 @@
+"""Collector for probes/cuda.bpf.c: CUDA runtime/driver launches (counted), waits,
+copies and allocations (streamed), from uprobes on the libraries the traced processes map.
+
+Libraries are found in /proc/PID/maps (pip wheels put them under
+site-packages/nvidia/*/lib), opened through /proc/PID/root so a container's copy is the
+one probed, and rescanned at every flush: torch loads CUDA lazily.  A uprobe on a file
+fires in every process mapping it, forked workers included, so each library file
+(device, inode) is attached once."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pyarrow as pa
+
+from trainbpf.tracefile import make_batch
+from trainbpf.tracer.addrs import parse_maps
+from trainbpf.tracer.collector import Collector, drain_hash, stack_ids
+
+LAYERS = ("runtime", "driver")
+KINDS = ("launch", "wait", "copy", "alloc", "free")
+# (symbol, layer, kind); the position is the call code of probes/cuda.bpf.c's CALL list.
+CALLS: tuple[tuple[str, int, int], ...] = (
+    ("cudaLaunchKernel", 0, 0), ("cudaLaunchKernelExC", 0, 0), ("cudaLaunchCooperativeKernel", 0, 0),
+    ("cudaGraphLaunch", 0, 0), ("cudaStreamSynchronize", 0, 1), ("cudaDeviceSynchronize", 0, 1),
+    ("cudaEventSynchronize", 0, 1), ("cudaMemcpy", 0, 2), ("cudaMemcpyAsync", 0, 2), ("cudaMalloc", 0, 3),
+    ("cudaFree", 0, 4),
+    ("cuLaunchKernel", 1, 0), ("cuLaunchKernelEx", 1, 0), ("cuGraphLaunch", 1, 0),
+    ("cuStreamSynchronize", 1, 1), ("cuCtxSynchronize", 1, 1), ("cuEventSynchronize", 1, 1),
+    ("cuMemcpy", 1, 2), ("cuMemcpyAsync", 1, 2), ("cuMemcpyHtoD", 1, 2), ("cuMemcpyHtoDAsync", 1, 2),
+    ("cuMemcpyDtoH", 1, 2), ("cuMemcpyDtoHAsync", 1, 2), ("cuMemcpyDtoD", 1, 2), ("cuMemcpyDtoDAsync", 1, 2),
+    ("cuMemAlloc", 1, 3), ("cuMemAllocAsync", 1, 3), ("cuMemAllocHost", 1, 3), ("cuMemAllocManaged", 1, 3),
+    ("cuMemFree", 1, 4), ("cuMemFreeHost", 1, 4), ("cuMemFreeAsync", 1, 4),
+)
+CALL_INDEX = {name: i for i, (name, _, _) in enumerate(CALLS)}
+# A base name and any exported versioned aliases of it.
+SYMBOL_RE = r"^(" + "|".join(n for n, _, _ in CALLS) + r")((_v2|_v3)?(_ptsz|_ptds)?)$"
+LIBRARY_RE = re.compile(r"/lib(cudart|cuda)\.so(\.\d+)*$")
+
+
+def base_name(symbol: str) -> str | None:
+    m = re.match(SYMBOL_RE, symbol)
+    return m.group(1) if m else None
+
+
+def cuda_libraries(maps_text: str) -> list[tuple[str, tuple[str, int]]]:
+    """(path, (device, inode)) of each libcudart/libcuda mapped, once each."""
+    seen: dict[tuple[str, int], str] = {}
+    for m in parse_maps(maps_text):
+        if LIBRARY_RE.search(m.path):
+            seen.setdefault(m.file, m.path)
+    return [(path, file) for file, path in seen.items()]
+
+
+def exported_calls(path: str) -> list[tuple[str, str]]:
+    """(symbol, base name) of the probed calls a library exports, one per address: an
+    alias at the address of another symbol would count every call twice."""
+    from bcc import BPF
+
+    by_addr: dict[int, str] = {}
+    for sym, addr in BPF.get_user_functions_and_addresses(path, SYMBOL_RE):
+        sym = sym.decode()
+        if addr not in by_addr or len(sym) < len(by_addr[addr]):  # the base name wins
+            by_addr[addr] = sym
+    return sorted((sym, base_name(sym)) for sym in by_addr.values())
+
+
+class CudaCollector(Collector):
+    name = "cuda"
+    source = "cuda.bpf.c"
+    ringbufs = ("cuda_events",)
+    lost_names = ("cuda",)
+    uprobes = True
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.libraries: dict[tuple[str, int], dict] = {}  # (device, inode) -> metadata
+        self._maps_seen: dict[int, int] = {}  # pid -> hash of its maps when last scanned
+        self._pids: set[int] = set()
+
+    def defines(self) -> dict[str, int]:
+        return {"MIN_CUDA_NS": self.settings.min_cuda_ns, "CUDA_BUCKET_NS": self.settings.cuda_bucket_ns}
+
+    def seeded(self, bpf, tgids) -> None:
+        self._pids.update(tgids)
+        self.scan(bpf)
+
+    def scan(self, bpf) -> None:
+        """Attach to CUDA libraries newly mapped by traced processes."""
+        self._pids.update(int(v.value) for v in bpf["traced"].values())
+        for pid in sorted(self._pids):
+            try:
+                with open(f"/proc/{pid}/maps") as fh:
+                    text = fh.read()
+            except OSError:
+                self._pids.discard(pid)
+                self._maps_seen.pop(pid, None)
+                continue
+            digest = hash(text)
+            if self._maps_seen.get(pid) == digest:
+                continue
+            self._maps_seen[pid] = digest
+            if "/libcud" not in text:  # most processes: no need to parse
+                continue
+            for path, file in cuda_libraries(text):
+                if file not in self.libraries:
+                    self._attach(bpf, pid, path, file)
+                lib = self.libraries[file]
+                if pid not in lib["pids"]:
+                    lib["pids"].append(pid)
+
+    def _attach(self, bpf, pid: int, path: str, file: tuple[str, int]) -> None:
+        opened = f"/proc/{pid}/root{path}"  # the process's own file, also in a container
+        probed, failed = [], []
+        try:
+            calls = exported_calls(opened)
+        except Exception:  # unreadable or not an ELF file: nothing to probe
+            calls = []
+        for sym, base in calls:
+            kind = CALLS[CALL_INDEX[base]][2]
+            try:
+                bpf.attach_uprobe(name=opened, sym=sym, fn_name=f"enter_{base}")
+                if KINDS[kind] != "launch":  # launches are only counted, at entry
+                    bpf.attach_uretprobe(name=opened, sym=sym, fn_name=f"return_{base}")
+                probed.append(sym)
+            except Exception:  # bcc raises bare Exception
+                failed.append(sym)
+        self.libraries[file] = {"path": path, "device": file[0], "inode": file[1], "symbols": probed,
+                                "failed": failed, "pids": []}
+        if self.notice:
+            self.notice(f"cuda: probing {len(probed)} symbols in {path} (process {pid})"
+                        + (f", {len(failed)} failed" if failed else ""))
+
+    def meta(self) -> dict:
+        return {"cuda": {"libraries": list(self.libraries.values())}}
+
+    def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
+        names = [CALLS[c][0] for c in r["call"].tolist()]
+        kinds = [KINDS[CALLS[c][2]] for c in r["call"].tolist()]
+        return [
+            make_batch(
+                "cuda_call",
+                {
+                    "ts_ns": r["ts_ns"].astype(np.int64),
+                    "dur_ns": r["dur_ns"].astype(np.int64),
+                    "tid": r["tid"].astype(np.int32),
+                    "pid": r["pid"].astype(np.int32),
+                    "name": names,
+                    "state": kinds,
+                    "op": r["nested"].astype(np.int32),
+                    "addr": r["arg"],
+                    "size": r["bytes"].astype(np.int64),
+                    "count": r["ret"].astype(np.int64),
+                    "ustack_id": stack_ids(r["ustack_id"]),
+                },
+            )
+        ]
+
+    def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
+        if not final:
+            self.scan(bpf)
+        counts = [(k.bucket, k.tid, k.pid, k.layer, k.nested, getattr(v, "value", v))
+                  for k, v in drain_hash(bpf["cuda_launches"])]
+        if not counts:
+            return []
+        bucket, tid, pid, layer, nested, count = (np.array(col, dtype=np.int64) for col in zip(*counts))
+        width = self.settings.cuda_bucket_ns
+        return [
+            make_batch(
+                "cuda_launch",
+                {
+                    "ts_ns": bucket * width,
+                    "dur_ns": np.full(len(counts), width, dtype=np.int64),
+                    "tid": tid.astype(np.int32),
+                    "pid": pid.astype(np.int32),
+                    "name": [LAYERS[x] for x in layer.tolist()],
+                    "op": nested.astype(np.int32),
+                    "count": count,
+                },
+            )
+        ]
