@@ -19,7 +19,7 @@ HEALTH_SECONDS = "5"
 def _health_of(name: str, tmp_path):
     scenario = next(s for s in SCENARIOS if s.name == name and s.step_ms is None)
     env = fake_gpu_env(tmp_path)
-    # starved_ratio at its defaults (warning 0.25, critical 0.5); node checks off.
+    # starved_ratio at its defaults (warning 0.2, critical 0.4); node checks off.
     config = write_config(tmp_path, gpu="nvidia-smi", thresholds={})
     wait_for_quiet()
     with running_workload(scenario, env, tmp_path) as workload:

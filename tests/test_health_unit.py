@@ -91,7 +91,7 @@ def test_config_overrides_thresholds_partially_and_inf_turns_a_level_off():
     config = config_from_mapping({"duration_s": 3, "thresholds": {"starved_ratio": {"critical": math.inf},
                                                                   "reclaim_ratio": {"warning": 0.2, "critical": 0.3}}}, source="t")
     assert config.duration_s == 3.0 and config.limit_s == 63.0
-    assert config.thresholds["starved_ratio"] == Threshold(0.25, math.inf)
+    assert config.thresholds["starved_ratio"] == Threshold(0.2, math.inf)
     assert config.thresholds["reclaim_ratio"] == Threshold(0.2, 0.3)
     assert config.thresholds["io_pressure_ratio"] == DEFAULT_THRESHOLDS["io_pressure_ratio"]
     assert grade(10.0, config.thresholds["starved_ratio"]) == WARNING
@@ -285,7 +285,7 @@ def test_assess_grades_each_target_from_the_analysis(tmp_path):
     report = json.loads(run_analyze(path=path, fmt="json", trainer_tid=100))
     assert t.starved_s == report["starved_s"] > 4.0
     assert t.starved_ratio == pytest.approx(report["starved_s"] / 10.0)
-    assert t.status == CRITICAL and result.status == CRITICAL and result.exit_code == 2  # 0.5 <= 0.7
+    assert t.status == CRITICAL and result.status == CRITICAL and result.exit_code == 2  # 0.4 <= 0.7
     assert t.top["category"] == "input_pipeline" and result.top_category() == "input_pipeline"
     roles = {role for role, _ in t.role_seconds}
     assert roles == {"trainer", "dataloader"}

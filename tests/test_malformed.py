@@ -61,7 +61,7 @@ def read_everything(path: Path, tmp: Path) -> list[int]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
-            node_metrics(read_trace(path), gpu_idle_threshold=10.0)
+            node_metrics(read_trace(path))
     except TrainbpfError:
         pass
     return codes

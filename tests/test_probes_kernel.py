@@ -160,8 +160,10 @@ def test_stack_map_collisions_are_counted_and_reported(tmp_path):
 
 def test_dirty_throttling_pauses_the_writer(tmp_path):
     require_root("changes vm.dirty_bytes")
-    with dirty_limits(dirty_bytes=8 << 20, background_bytes=4 << 20):
-        rec = record_workload(tmp_path / "trace.parquet", "dirty", str(tmp_path / "big.bin"), 1024)
+    # Limits far below what the writer dirties in a moment: throttled on any disk (with
+    # 8/4 MiB a fast writer on a slow disk met 6-11 pauses in 1 GB; with these, ~500).
+    with dirty_limits(dirty_bytes=2 << 20, background_bytes=1 << 20):
+        rec = record_workload(tmp_path / "trace.parquet", "dirty", str(tmp_path / "big.bin"), 256)
     pauses = rec.trace.frame("dirty_pause")
     mine = pauses[pauses.tid == rec.tids["writer"]]
     assert len(mine) >= 10, f"{len(mine)} balance_dirty_pages pauses for the writer"

@@ -41,6 +41,20 @@ def test_html_report_content(tmp_path):
     assert "What to do:" in html
 
 
+def test_timeline_draws_utilisation_and_the_stalls_under_it(tmp_path):
+    """The GPU lane: the utilisation as a line, and the idle time the trainer's stalls
+    explain hanging above it in the cause's colour, column by column (partial idleness
+    at step scale)."""
+    html = run_analyze(path=input_pipeline().write(tmp_path / "t.parquet"), fmt="html")
+    lane = html[html.index(">GPU utilisation<"):html.index(">trainer state<")]
+    assert "<polyline" in lane
+    explained = re.findall(r'<rect x="[\d.]+" y="[\d.]+" width="[\d.]+" height="([\d.]+)" fill="#1f77b4"', lane)
+    assert len(explained) > 100  # input_pipeline's colour, in most of the 400 columns
+    heights = np.array(explained, float)
+    assert ((heights > 0) & (heights < 110)).any()  # columns partly explained, not all or nothing
+    assert "idle 71.5% of the time (1 - mean utilisation)" in html
+
+
 def test_html_report_no_gpu_and_empty(tmp_path):
     html = run_analyze(path=healthy(gpu=False).write(tmp_path / "t.parquet"), fmt="html")
     _self_contained(html)
@@ -139,6 +153,8 @@ def test_html_report_renders_in_headless_chromium(tmp_path):
     assert not_white.mean() > 0.03, "the page looks blank"
     colours = np.unique(pixels.reshape(-1, 3)[::7], axis=0)
     assert len(colours) > 50, "too few colours for a timeline, bars and text"
-    # The timeline draws the idle shading and state colours in its upper part.
-    top = pixels[100:500]
-    assert ((top[:, :, 0] > 230) & (top[:, :, 1] > 190) & (top[:, :, 1] < 220)).any(), "no idle-window shading"
+    # The timeline's upper part: the starved time hanging in the GPU lane in the top
+    # cause's colour (dirty_throttling #e8702a at 75% over the lane's #fafafa).
+    top = pixels[100:500].astype(int)
+    orange = (top[:, :, 0] > 220) & (top[:, :, 1] > 125) & (top[:, :, 1] < 170) & (top[:, :, 2] < 130)
+    assert orange.any(), "no starved time drawn in the top cause's colour"

@@ -41,7 +41,7 @@ def _runnable(name: str) -> bool:
 
 
 def test_every_workload_is_a_scenario():
-    assert sorted(s.name for s in SCENARIOS) == _workload_names()
+    assert sorted({s.name for s in SCENARIOS}) == _workload_names()
 
 
 def test_workloads_run_announce_and_drive_the_simulated_gpu(tmp_path: Path):

@@ -85,7 +85,7 @@ class Threshold:
 # Every graded value, with its default levels.  Node values cover the traced threads
 # (the targets' tree, or every thread without targets); PSI and NUMA are machine-wide.
 DEFAULT_THRESHOLDS: dict[str, Threshold] = {
-    "starved_ratio": Threshold(0.25, 0.5),
+    "starved_ratio": Threshold(0.2, 0.4),  # a GPU idle 40% of the time for its own trainer's stalls is critical
     "runqueue_latency_p99_seconds": Threshold(0.01, 0.05),
     "reclaim_ratio": Threshold(0.01, 0.05),
     "dirty_throttle_ratio": Threshold(0.01, 0.05),
