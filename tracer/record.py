@@ -21,7 +21,7 @@ from trainbpf.errors import NotRootError, OutputError, TargetError, UsageError
 from trainbpf.schema import SCHEMA_ID
 from trainbpf.safefile import check_output as safe_check_output
 from trainbpf.tracefile import SpoolWriter, check_spool_free, finalize, make_batch, spool_path_for
-from trainbpf.tracer import loader, procs, procfs, taskstats
+from trainbpf.tracer import loader, proctree, procfs, taskstats
 from trainbpf.tracer.addrs import AddressDescriber, ProcMaps, futex_pairs
 from trainbpf.tracer.collector import Settings
 from trainbpf.tracer.gpu import GpuSampler, wall_minus_mono_ns
@@ -54,7 +54,7 @@ def check_root() -> None:
 
 
 def check_target(pid: int) -> None:
-    if pid <= 0 or not procs.is_alive(pid):
+    if pid <= 0 or not proctree.is_alive(pid):
         raise TargetError(f"no such process: {pid} (--pid takes a process id, the kernel's tgid)")
 
 
@@ -117,7 +117,7 @@ class Recorder:
             raise UsageError(f"--trainer-tid {self.trainer_tid} is not a thread of the traced processes")
         bpf = loader.load(collectors, self.settings)  # compile before the spool exists
         try:
-            if self.pid is not None and not procs.is_alive(self.pid):
+            if self.pid is not None and not proctree.is_alive(self.pid):
                 raise TargetError(f"process {self.pid} exited before the probes attached")
             gpu.start()
             self.gpu_processes = gpu.processes({t.pid for t in seed} | ({self.pid} if self.pid else set()))
@@ -140,7 +140,7 @@ class Recorder:
             "kernel": platform.release(),
             "argv": sys.argv,
             "target_pid": self.pid,
-            "target_cmdline": procs.cmdline(self.pid) if self.pid else [],
+            "target_cmdline": proctree.cmdline(self.pid) if self.pid else [],
             "trainer_tid": self.trainer_tid,
             "clock": {
                 "start_mono_ns": time.monotonic_ns(),
@@ -162,12 +162,12 @@ class Recorder:
         merged = {(p["pid"], p["uuid"]): p for p in self.gpu_processes + now}
         return [merged[k] for k in sorted(merged)]
 
-    def _walk(self) -> list[procs.ThreadInfo]:
+    def _walk(self) -> list[proctree.ThreadInfo]:
         if self.pid is not None:  # never the recorder's own tree (--pid 1 holds it)
-            return procs.tree_threads(self.pid, exclude=os.getpid())
-        return [t for t in procs.all_threads() if t.pid != os.getpid()]
+            return proctree.tree_threads(self.pid, exclude=os.getpid())
+        return [t for t in proctree.all_threads() if t.pid != os.getpid()]
 
-    def _seed(self, bpf, writer: SpoolWriter, threads: list[procs.ThreadInfo]) -> None:
+    def _seed(self, bpf, writer: SpoolWriter, threads: list[proctree.ThreadInfo]) -> None:
         new = [t for t in threads if t.tid not in self.threads]
         if not new:
             return
@@ -221,7 +221,7 @@ class Recorder:
             now = time.monotonic()
             if deadline and now >= deadline:
                 self.request_stop("duration")
-            if self.pid is not None and not procs.is_alive(self.pid):
+            if self.pid is not None and not proctree.is_alive(self.pid):
                 self.request_stop("target exited")
             # Read once: a signal arriving during the flush below must not end the loop
             # before the ring buffers are drained, so it takes effect next time round.
