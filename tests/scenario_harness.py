@@ -1,4 +1,4 @@
-"""Ground-truth scenarios (DESIGN §7): run a workload with one injected bottleneck under
+"""Ground-truth scenarios (docs/scenarios.md): run a workload with one injected bottleneck under
 the real recorder CLI, analyse the trace with the real analyzer CLI, and hand back the
 JSON report for the test to judge.
 

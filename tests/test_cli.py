@@ -19,11 +19,34 @@ from trainbpf.tracefile import read_trace
 TRAINBPF = str(Path(sys.executable).with_name("trainbpf"))
 
 
+COMMANDS = ("record", "analyze", "export", "doctor", "recover", "health", "fleet")
+
+
 def test_help_lists_every_command_with_help_text():
+    from trainbpf.cli import app
+
+    assert {c.name or c.callback.__name__ for c in app.registered_commands} == set(COMMANDS)
     res = subprocess.run([TRAINBPF, "--help"], capture_output=True, text=True, check=True)
-    for cmd in ("record", "analyze", "export", "doctor", "recover"):
+    for cmd in COMMANDS:
         line = next((ln for ln in res.stdout.splitlines() if f" {cmd} " in ln), "")
         assert len(line.split(cmd, 1)[1].strip(" │")) > 10, f"{cmd} has no help text: {line!r}"
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_every_command_and_option_has_help(cmd):
+    """`trainbpf CMD --help` exits 0, says what the command does, and every option
+    says what it is for (typer prints an option's help beside its name)."""
+    from trainbpf.cli import app
+    import typer.main
+
+    command = typer.main.get_command(app).commands[cmd]
+    assert len((command.help or "").strip()) > 20, f"{cmd}: no command help"
+    for param in command.params:
+        if param.param_type_name == "option" and param.name != "help":
+            assert len((param.help or "").strip()) > 10, f"{cmd} {param.opts}: no help text"
+    res = subprocess.run([TRAINBPF, cmd, "--help"], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert "Usage:" in res.stdout and (command.help or "").split()[0] in res.stdout
 
 
 def test_help_exits_0_and_no_arguments_prints_help():

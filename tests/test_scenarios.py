@@ -1,4 +1,4 @@
-"""Ground truth end to end (DESIGN §7): each workload injects one known bottleneck; the
+"""Ground truth end to end (docs/scenarios.md): each workload injects one known bottleneck; the
 real recorder and analyzer must name it as the top finding with a plausible share, and
 must find nothing critical in the healthy run.
 

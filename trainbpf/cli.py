@@ -11,12 +11,10 @@ from typing import Callable, Optional
 
 import typer
 
-try:  # newer typer vendors click; older ones use click itself
-    from typer._click.exceptions import ClickException
-except ImportError:  # pragma: no cover
-    from click.exceptions import ClickException
-
 from trainbpf.errors import TrainbpfError
+
+# typer (>= 0.29) vendors click; click's usage errors derive from the public TyperException.
+ClickException = typer.TyperException
 
 app = typer.Typer(
     name="trainbpf",

@@ -7,46 +7,29 @@ runtime's path."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from standin_build import BuildError, compile_library  # noqa: E402
+
 RUNTIME = Path("site-packages/nvidia/cuda_runtime/lib/libcudart.so.12")
 DRIVER = Path("site-packages/nvidia/cuda_driver/lib/libcuda.so.1")
-
-
-class BuildError(RuntimeError):
-    pass
-
-
-def _gcc(gcc: str, out: Path, source: Path, *extra: str) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # -fno-ipa-icf: aliases with the same body must stay distinct functions (addresses);
-    # frame pointers: every function starts with push %rbp, as most library code does,
-    # which the kernel emulates under a uprobe (a `sub $n,%rsp` first would be
-    # single-stepped, several times slower), and user stacks walk.
-    done = subprocess.run(
-        [gcc, "-O2", "-fno-ipa-icf", "-fno-omit-frame-pointer", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC",
-         f"-Wl,-soname,{out.name}", "-o", str(out), str(source), *extra],
-        capture_output=True, text=True,
-    )
-    if done.returncode != 0:
-        raise BuildError(f"gcc failed on {source.name}: {done.stderr.strip()}")
+# -fno-ipa-icf: aliases with the same body must stay distinct functions (addresses);
+# frame pointers: every function starts with push %rbp, as most library code does,
+# which the kernel emulates under a uprobe (a `sub $n,%rsp` first would be
+# single-stepped, several times slower), and user stacks walk.
+CFLAGS = ("-fno-ipa-icf", "-fno-omit-frame-pointer")
 
 
 def build(out_dir: Path) -> Path:
     """Compile both libraries under `out_dir` and return the runtime's path."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        raise BuildError("gcc not found: the stand-in CUDA libraries need it (scripts/setup.sh --test installs it)")
     out_dir = Path(out_dir)
     driver, runtime = out_dir / DRIVER, out_dir / RUNTIME
-    _gcc(gcc, driver, HERE / "libcuda.c")
-    _gcc(gcc, runtime, HERE / "libcudart.c", f"-L{driver.parent}", "-l:libcuda.so.1",
-         "-Wl,-rpath,$ORIGIN/../../cuda_driver/lib")
-    return runtime
+    compile_library(driver, [HERE / "libcuda.c"], *CFLAGS, what="CUDA driver")
+    return compile_library(runtime, [HERE / "libcudart.c"], *CFLAGS, f"-L{driver.parent}", "-l:libcuda.so.1",
+                           "-Wl,-rpath,$ORIGIN/../../cuda_driver/lib", what="CUDA runtime")
 
 
 if __name__ == "__main__":

@@ -4,35 +4,19 @@ DIR/libnvidia-ml.so.1, the name pynvml loads; point LD_LIBRARY_PATH at DIR."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().with_name("libnvidia-ml.c")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from standin_build import BuildError, compile_library  # noqa: E402
+
 SONAME = "libnvidia-ml.so.1"
-
-
-class BuildError(RuntimeError):
-    pass
 
 
 def build(out_dir: Path) -> Path:
     """Compile the stand-in into `out_dir` (created) and return the library's path."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        raise BuildError("gcc not found: the stand-in NVML library needs it (scripts/setup.sh --test installs it)")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / SONAME
-    done = subprocess.run(
-        [gcc, "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", f"-Wl,-soname,{SONAME}",
-         "-o", str(lib), str(SOURCE), "-lm"],
-        capture_output=True, text=True,
-    )
-    if done.returncode != 0:
-        raise BuildError(f"gcc failed on {SOURCE.name}: {done.stderr.strip()}")
-    return lib
+    return compile_library(Path(out_dir) / SONAME, [HERE / "libnvidia-ml.c"], "-lm", what="NVML library")
 
 
 if __name__ == "__main__":
