@@ -141,8 +141,9 @@ TRACEPOINT_PROBE(sched, sched_switch)
     struct wakeup wake = {};
     if (w && w->ts_ns >= so->ts_ns) {
         wake = *w;
+        /* A wake-up stamped after `now` raced this switch-in from another CPU: no queue. */
         if (!preempted)
-            runq = now - w->ts_ns;
+            runq = now > w->ts_ns ? now - w->ts_ns : 0;
     }
     s32 kstack = so->kstack_id, ustack = so->ustack_id;
     u32 pid = so->tgid;
