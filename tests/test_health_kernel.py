@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kernel_env import require_root, which_or_fail
-from test_health_unit import parse_exposition
+from test_health_outputs import parse_exposition
 from trainbpf.health import NODE_CHECKS, TEXTFILE_NAME
 
 pytestmark = pytest.mark.kernel

@@ -20,7 +20,7 @@ class ThreadInfo:
 
 def _read(path: Path) -> str | None:
     try:
-        return path.read_text()
+        return path.read_text(errors="replace")  # a name or argv need not be UTF-8
     except OSError:
         return None
 
@@ -119,3 +119,32 @@ def all_threads() -> list[ThreadInfo]:
 def cmdline(pid: int) -> list[str]:
     raw = _read(PROC / str(pid) / "cmdline") or ""
     return [a for a in raw.split("\0") if a]
+
+
+def processes() -> dict[int, ThreadInfo]:
+    """The main thread of every process on the machine (its parent in `parent_tid`),
+    one /proc/PID/stat read each."""
+    out = {}
+    for entry in os.scandir(PROC):
+        text = _read(PROC / entry.name / "stat") if entry.name.isdigit() else None
+        if text is not None and ")" in text:
+            comm, fields = _stat_fields(text)
+            pid = int(entry.name)
+            out[pid] = ThreadInfo(pid, pid, comm, int(fields[1]), fields[0])
+    return out
+
+
+def holds_open(pid: int, paths: set[str]) -> bool:
+    """Whether process `pid` has a file open whose resolved path is in `paths`."""
+    fd_dir = PROC / str(pid) / "fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd_dir / fd) in paths:
+                return True
+        except OSError:
+            continue
+    return False

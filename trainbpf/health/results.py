@@ -1,0 +1,119 @@
+"""What a health check found, graded: one Check per value compared with its thresholds,
+one TargetResult per training process, and the HealthResult of the run."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from trainbpf.health.config import CHECK_CATEGORY, CRITICAL, OK, UNKNOWN, WARNING, HealthConfig, Threshold
+from trainbpf.health.targets import Target
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    value: float | None
+    threshold: Threshold
+    status: int
+    pid: int | None = None
+
+
+def grade(value: float | None, threshold: Threshold) -> int:
+    if value is None:
+        return OK
+    if value >= threshold.critical:
+        return CRITICAL
+    if value >= threshold.warning:
+        return WARNING
+    return OK
+
+
+def make_check(name: str, value: float | None, thresholds: Mapping[str, Threshold], pid: int | None = None) -> Check:
+    th = thresholds[name]
+    return Check(name, value, th, grade(value, th), pid)
+
+
+@dataclass
+class TargetResult:
+    target: Target
+    status: int = UNKNOWN
+    starved_s: float | None = None
+    starved_ratio: float | None = None
+    gpu_idle_fraction: float | None = None
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    role_seconds: dict[tuple[str, str], float] = field(default_factory=dict)  # (role, state) -> s
+    error: str | None = None
+
+    @property
+    def top(self) -> dict[str, Any] | None:
+        return self.findings[0] if self.findings else None
+
+
+def grade_report(target: Target, report: Mapping[str, Any], *, tids: set[int],
+                 thresholds: Mapping[str, Threshold]) -> TargetResult:
+    """Grade one target from its `trainbpf analyze` report (trainbpf.report.build_report,
+    the JSON contract); `tids` are the threads of its process tree."""
+    result = TargetResult(target)
+    duration = float(report["trace"]["duration_s"] or 0.0)
+    result.starved_s = float(report["starved_s"])
+    result.starved_ratio = result.starved_s / duration if duration > 0 else None
+    result.gpu_idle_fraction = report["gpu"]["idle_fraction"]
+    result.findings = [{k: f[k] for k in ("category", "share", "seconds", "severity", "summary")} for f in report["findings"]]
+    for th in report["threads"]:
+        if th["tid"] in tids:
+            for state, seconds in th["seconds"].items():
+                key = (th["role"], state)
+                result.role_seconds[key] = round(result.role_seconds.get(key, 0.0) + float(seconds), 6)
+    result.status = make_check("starved_ratio", result.starved_ratio, thresholds, target.pid).status
+    return result
+
+
+@dataclass
+class HealthResult:
+    status: int
+    host: str
+    started: float  # unix time
+    finished: float
+    mode: str  # "targets" or "node"
+    targets: list[TargetResult] = field(default_factory=list)
+    node: dict[str, Any] | None = None
+    checks: list[Check] = field(default_factory=list)
+    error: str | None = None
+    config: HealthConfig | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return self.status
+
+    def worst_target(self) -> TargetResult | None:
+        graded = [t for t in self.targets if t.starved_ratio is not None]
+        return max(graded, key=lambda t: t.starved_ratio) if graded else None
+
+    def top_category(self) -> str | None:
+        """The worst target's top finding, else the category of the worst failing node
+        check."""
+        worst = self.worst_target()
+        if worst is not None and worst.top is not None:
+            return str(worst.top["category"])
+        failing = [c for c in self.checks if c.status and c.pid is None and c.name in CHECK_CATEGORY]
+        if not failing:
+            return None
+        top = max(failing, key=lambda c: (c.status, (c.value or 0.0) / c.threshold.warning if c.threshold.warning > 0 else math.inf))
+        return CHECK_CATEGORY[top.name]
+
+
+def overall_status(checks: list[Check], targets: list[TargetResult], error: str | None) -> int:
+    """3 when any part could not be checked, else the worst graded status."""
+    if error is not None or any(t.error for t in targets):
+        return UNKNOWN
+    return max([OK] + [c.status for c in checks] + [t.status for t in targets])
+
+
+def failed_result(*, config: HealthConfig, started: float, host: str, error: str,
+                  targets: list[Target] | None = None) -> HealthResult:
+    targets = targets or []
+    return HealthResult(UNKNOWN, host, started, time.time(), "targets" if targets else "node",
+                        [TargetResult(t, error="not checked") for t in targets], None, [], error, config)
