@@ -11,7 +11,7 @@ from typing import Mapping
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.categories import FUTEX_CLASS_DTYPE, FUTEX_CODE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes
+from trainbpf.analyzers.vocab import FUTEX_CLASS_DTYPE, FUTEX_CODE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes
 from trainbpf.analyzers.intervals import (
     Span, as_int64, best_overlap, dense_rank, merge_intervals, pair_ids, run_parallel, stable_order,
 )
@@ -353,8 +353,8 @@ def churn_threads(mm_syscall: pd.DataFrame, faults: pd.DataFrame, span: Span) ->
         return (ts >= lo) & (ts < hi)
 
     mm = mm_syscall[in_span(mm_syscall)] if len(mm_syscall) else mm_syscall
-    calls = pd.DataFrame({"tid": as_int64(mm["tid"]), "size": np.maximum(as_int64(mm["size"], 0), 0)})
-    name, names = pd.factorize(mm["name"])  # a few syscall names, decoded once each (-1: null)
+    calls = pd.DataFrame({"tid": as_int64(mm["tid"]), "size": np.maximum(as_int64(mm["length"], 0), 0)})
+    name, names = pd.factorize(mm["syscall"])  # a few syscall names, decoded once each (-1: null)
 
     def named(*syscalls: str) -> np.ndarray:
         return np.append(np.isin(np.asarray(names, dtype=object), syscalls), False)[name]
@@ -368,7 +368,7 @@ def churn_threads(mm_syscall: pd.DataFrame, faults: pd.DataFrame, span: Span) ->
          "median_size": calls.groupby("tid")["size"].median()}
     )
     fl = faults[in_span(faults)] if len(faults) else faults
-    fault_counts = pd.Series(np.maximum(as_int64(fl["count"], 0), 0), index=as_int64(fl["tid"])).groupby(level=0).sum()
+    fault_counts = pd.Series(np.maximum(as_int64(fl["faults"], 0), 0), index=as_int64(fl["tid"])).groupby(level=0).sum()
     per = per.reindex(per.index.union(fault_counts.index)).fillna(0)
     per["faults"] = fault_counts.reindex(per.index).fillna(0)
     per["calls_per_s"] = per["calls"] / seconds

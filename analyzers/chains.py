@@ -28,10 +28,8 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.attribution import RunSplit
-from trainbpf.analyzers.categories import (
-    CATEGORIES, CATEGORY_DTYPE, FOLLOWED_STATES, FUTEX_CLASSES, FUTEX_CODE, RUN_CLASSES, STATE_CATEGORY, STATE_CODE,
-    STATES, codes,
-)
+from trainbpf.analyzers.categories import CATEGORIES, CATEGORY_DTYPE, FUTEX_CATEGORY, RUN_CATEGORY, STATE_CATEGORY
+from trainbpf.analyzers.vocab import FOLLOWED_STATES, FUTEX_CLASSES, FUTEX_CODE, RUN_CLASSES, STATE_CODE, STATES, codes
 from trainbpf.analyzers.intervals import ClassTime, thread_ranges
 from trainbpf.analyzers.states import BLOCKED_PART, PART_CODES, SLOT_EDGES, as_slots
 
@@ -42,16 +40,12 @@ END_COLUMNS = ("wait", "depth", "tid", "state", "category", "weight", "cycle", "
 MIN_WEIGHT = 1e-6
 
 _RUNNING, _RUNNABLE, _BLOCKED = 0, 1, 2
-# Running stall classes, as categories.
-RUN_CATEGORY = {cls: ("input_pipeline" if cls == "user" else cls) for cls in RUN_CLASSES}
 
 
 def interval_category(state: str, futex_class: str) -> str:
     """The category a blocked or runnable interval stands for when not followed further."""
-    if state == "futex" and futex_class == "lock":
-        return "lock_contention"
-    if state == "futex" and futex_class == "gil":
-        return "gil_contention"
+    if state == "futex" and futex_class in FUTEX_CATEGORY:
+        return FUTEX_CATEGORY[futex_class]
     return STATE_CATEGORY.get(state, "other")
 
 
@@ -60,7 +54,7 @@ _INTERVAL_CATEGORY = np.array(
     [[CATEGORIES.index(interval_category(s, f)) for f in FUTEX_CLASSES] for s in STATES], dtype=np.int8
 )
 _FOLLOWED = np.array([STATE_CODE[s] for s in FOLLOWED_STATES])
-_HANDOFF = np.array([FUTEX_CODE["lock"], FUTEX_CODE["gil"]])
+_HANDOFF = np.array([FUTEX_CODE[cls] for cls in FUTEX_CATEGORY])
 
 
 def interval_category_codes(state: np.ndarray, futex_class: np.ndarray) -> np.ndarray:

@@ -5,26 +5,26 @@ Every starved piece carries exactly one category, so the shares of distinct find
 between categories on evidence about the thread at the root of a piece's chain: faults of
 a thread that churns mappings are allocator churn, and data production on a thread that
 mostly ran on a node other than the GPU's is (in that proportion) remote NUMA.
+
+A finding is numbers and names (share, seconds, severity, threads, chain, evidence); the
+report layer writes its summary and recommendation from the category's record
+(analyzers/categories.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.categories import (
-    CATEGORIES, CATEGORY_CODE, CATEGORY_DTYPE, FUTEX_CODE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes,
-)
-from trainbpf.analyzers.attribution import address_names
-from trainbpf.analyzers.chains import RUN_CATEGORY, interval_category_codes, is_followed
-from trainbpf.analyzers.intervals import NS_PER_S, Span, as_int64, pair_ids, run_parallel, thread_ranges
+from trainbpf.analyzers.categories import BY_NAME, CATEGORIES, CATEGORY_CODE, CATEGORY_DTYPE, RUN_CATEGORY
+from trainbpf.analyzers.chains import interval_category_codes, is_followed
+from trainbpf.analyzers.evidence import MAX_THREADS, EvidenceContext, contenders, numa_placement, trainer_waits
+from trainbpf.analyzers.intervals import NS_PER_S, run_parallel
 from trainbpf.analyzers.numa import REMOTE_MIN_FRACTION
-from trainbpf.analyzers.stacks import stack_excerpt
-from trainbpf.analyzers.states import PART_CODES, SLOT_EDGES, clipped_lengths
+from trainbpf.analyzers.vocab import RUN_CLASSES, STATE_DTYPE, codes
 
 # Severity: share of starved time, and how much of the analysed window that time is
 # (a large share of a few stray milliseconds is not worth fixing first).
@@ -32,51 +32,15 @@ CRITICAL_SHARE = 0.25
 WARNING_SHARE = 0.05
 CRITICAL_MIN_IMPACT = 0.05
 WARNING_MIN_IMPACT = 0.01
-MAX_THREADS = 5
 # Categories explaining less starved time than this are noise, not findings.
 MIN_FINDING_NS = 1_000_000
-
-RECOMMENDATIONS: dict[str, str] = {
-    "input_pipeline": "The trainer waits for data that is still being produced: add data-loader workers "
-    "(num_workers), make decoding cheaper or move it off the critical path (pre-decode, cache decoded "
-    "samples), and prefetch more batches (prefetch_factor, pin_memory).",
-    "cpu_contention": "Threads are runnable but get no CPU: run fewer threads (torch.set_num_threads, "
-    "OMP_NUM_THREADS, fewer workers), isolate cores for the trainer, and pin threads (taskset, "
-    "sched_setaffinity) so data workers do not preempt it.",
-    "lock_contention": "Threads queue on a shared lock: reduce sharing (per-thread queues and buffers); "
-    "if the lock is the allocator's (malloc/arena frames in the stack) use a thread-caching allocator "
-    "(tcmalloc or jemalloc via LD_PRELOAD) or tune MALLOC_ARENA_MAX; or run fewer threads.",
-    "gil_contention": "Python threads fight for the GIL: move CPU-heavy work to processes (DataLoader "
-    "workers) or to code that releases the GIL (numpy, torch ops), and cut the number of Python threads.",
-    "allocator_churn": "Memory is mapped and unmapped over and over, and every fresh page faults: pool and "
-    "reuse buffers (size-class pools, caching allocators), raise the mmap threshold "
-    "(MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, or tcmalloc/jemalloc), and use huge pages.",
-    "page_faults": "Time goes to page faults: pre-fault or pin buffers once (MAP_POPULATE, mlock, touching "
-    "them at start), reuse pooled memory, and use huge pages (fewer faults and TLB misses).",
-    "mmap_lock": "Threads wait for the process's mmap_lock: make fewer mmap/munmap/mprotect calls while "
-    "other threads fault (pool buffers, allocate up front, batch unmaps).",
-    "memory_reclaim": "Allocations wait for the kernel to reclaim or compact memory: raise or remove the "
-    "memory limit (cgroup memory.max/memory.high), reduce page-cache pressure (drop caches, O_DIRECT for "
-    "big reads) and pre-allocate memory before training.",
-    "dirty_throttling": "Writers are throttled for dirty pages (balance_dirty_pages): write checkpoints with "
-    "O_DIRECT or io_uring, lower or tune vm.dirty_bytes/dirty_background_bytes, put the writer in its own "
-    "cgroup/io class, or stream checkpoints to object storage.",
-    "block_io": "Threads wait for block I/O: use faster storage or a local cache, prefetch and read ahead, "
-    "and warm the page cache before training.",
-    "numa_remote": "Data-loading threads run on a NUMA node other than the GPU's: bind them and their "
-    "memory to the GPU's node (numactl --cpunodebind/--membind, sched_setaffinity in worker_init_fn).",
-    "other": "Time the trace cannot attribute (timer sleeps, short waits, untraced wakers): record with "
-    "more probes (futex, faults, mm, writeback, block) or a lower --min-block-us to see more.",
-}
 
 # RUN_CLASS_DTYPE code -> CATEGORY code (code 0, not running, is never looked up).
 _RUN_CLASS_CATEGORY = np.array([0] + [CATEGORIES.index(RUN_CATEGORY[c]) for c in RUN_CLASSES], dtype=np.int8)
 # interval: the trainer state interval (position among its states) the piece lies in;
 # end: the row of the chain ends that shared it out, -1 for pieces not followed.
 ATTRIBUTED_COLUMNS = ("start_ns", "end_ns", "ns", "state", "category", "root_tid", "interval", "end")
-FINDING_COLUMNS = (
-    "category", "share", "seconds", "severity", "threads", "chain", "summary", "evidence", "recommendation",
-)
+FINDING_COLUMNS = ("category", "share", "seconds", "severity", "threads", "chain", "evidence")
 
 
 def attribute_starved(
@@ -149,276 +113,9 @@ def attribute_starved(
     return out.sort_values("start_ns", kind="stable")[list(ATTRIBUTED_COLUMNS)].reset_index(drop=True)
 
 
-@dataclass
-class EvidenceContext:
-    """What findings quote as evidence: trace frames and analyzer tables, over `window`."""
-
-    window: Span
-    threads: pd.DataFrame
-    slots: pd.DataFrame  # every thread's attributed state slots
-    trainer_states: pd.DataFrame
-    futex_waits: pd.DataFrame
-    stacks: pd.DataFrame
-    frames: Mapping[str, pd.DataFrame]
-    churn: pd.DataFrame
-    placement: pd.DataFrame
-    memory_nodes: dict[int, int] = field(default_factory=dict)
-    gpu_node: int | None = None
-    _ranges: dict[int, tuple[int, int]] | None = field(default=None, repr=False)
-
-    def rows(self, kind: str, tids: Any) -> pd.DataFrame:
-        """Rows of `kind` by threads `tids` that start inside the window."""
-        frame = self.frames.get(kind)
-        if frame is None or not len(frame):
-            return pd.DataFrame(columns=["ts_ns", "dur_ns", "tid"])
-        ts = as_int64(frame["ts_ns"])
-        keep = (ts >= self.window.start_ns) & (ts < self.window.end_ns) & np.isin(as_int64(frame["tid"]), list(tids))
-        return frame[keep]
-
-    def intervals(self, state: str, tids: Any = None) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-        """State intervals in `state` of threads `tids` (default all), a thread at a time
-        in tid order: (tid, the slot of each, its length, its ns inside the window);
-        intervals wholly outside it left out.  The slots are sorted by tid, so a thread
-        is a slice of them."""
-        if self._ranges is None:
-            self._ranges = thread_ranges(self.slots["tid"].to_numpy())
-        code = STATE_CODE[state]
-        slot_state = codes(self.slots["state"])
-        edges = [self.slots[name].to_numpy() for name in SLOT_EDGES]
-        parts = [p for p, c in enumerate(PART_CODES) if c in (code, -1)]  # -1: the slot's own state
-        wanted = self._ranges if tids is None else {int(t) for t in tids}
-        for tid in sorted(t for t in wanted if t in self._ranges):
-            lo, hi = self._ranges[tid]
-            # A thread's slots tile its life: inside the window, nothing needs clipping.
-            inside = self.window.start_ns <= edges[0][lo] and edges[-1][hi - 1] <= self.window.end_ns
-            found = []
-            for part in parts:
-                start, end = edges[part][lo:hi], edges[part + 1][lo:hi]
-                ns = end - start if inside else clipped_lengths(start, end, self.window)
-                hit = np.flatnonzero((ns > 0) & ((PART_CODES[part] == code) | (slot_state[lo:hi] == code)))
-                found.append((lo + hit, end[hit] - start[hit], ns[hit]))
-            yield (tid, *(np.concatenate(v) for v in zip(*found)))
-
-    def thread(self, tid: int) -> dict[str, Any]:
-        row = self.threads.loc[self.threads["tid"] == tid]
-        if not len(row):
-            return {"tid": int(tid), "comm": "", "role": "other"}
-        return {"tid": int(tid), "comm": str(row["comm"].iloc[0]), "role": str(row["role"].iloc[0])}
-
-
-def _ms(values_ns: Any, prefix: str, *, reorder: bool = False) -> dict[str, float]:
-    """p50/p99 of durations in ms, keyed `<prefix>_p50_ms`, `<prefix>_p99_ms`; `reorder`:
-    the values are a float64 array of the caller's own that may be reordered in place."""
-    v = values_ns if reorder else np.array(values_ns, dtype=np.float64)
-    p50, p99 = (float(p) / 1e6 for p in np.percentile(v, (50, 99), overwrite_input=True)) if len(v) else (0.0, 0.0)
-    return {f"{prefix}_p50_ms": p50, f"{prefix}_p99_ms": p99}
-
-
-def _durations(rows: pd.DataFrame) -> np.ndarray:
-    return np.maximum(as_int64(rows["dur_ns"], 0), 0) if len(rows) else np.zeros(0)
-
-
-def _top_stack(ctx: EvidenceContext, ids: Any) -> str:
-    ids = as_int64(pd.Series(ids))
-    ids = ids[ids >= 0]
-    if not len(ids):
-        return ""
-    return stack_excerpt(ctx.stacks, int(pd.Series(ids).value_counts().idxmax()))
-
-
-def _futex_evidence(ctx: EvidenceContext, cls: str, roots: list[int]) -> dict[str, Any]:
-    fw = ctx.futex_waits
-    pid, tid, addr = fw["pid"].to_numpy(), fw["tid"].to_numpy(), fw["addr"].to_numpy()
-    start, end = fw["start_ns"].to_numpy(), fw["end_ns"].to_numpy()
-    waits = np.flatnonzero((codes(fw["cls"]) == FUTEX_CODE[cls]) & np.isin(tid, roots)
-                           & (start < ctx.window.end_ns) & (end > ctx.window.start_ns))
-    ns = end[waits] - start[waits]
-    by_addr = pd.Series(ns).groupby([pid[waits], addr[waits]]).sum()
-    top = by_addr.sort_values(ascending=False).index[:3]
-    addrs = [int(a) for _, a in top]
-    on_addrs = np.zeros(len(fw), bool)
-    for p, a in top:
-        on_addrs |= (pid == p) & (addr == a)
-    frame = ctx.frames.get("futex")
-    stack = _top_stack(ctx, frame["ustack_id"].to_numpy()[waits] if frame is not None and len(waits) else [])
-    # What the recorder found at each address: "_PyRuntime+0x1b0 [python3.11]", a /dev/shm path.
-    names = [str(n) for n in address_names(ctx.frames.get("futex_addr"), np.array([p for p, _ in top], np.int64),
-                                           np.array(addrs, np.uint64))]
-    allocator = (bool(stack) and any(k in stack for k in ("malloc", "free", "arena", "tcache"))) \
-        or any(n.startswith("main_arena+") for n in names)
-    return {
-        "futex_waits": int(len(waits)),
-        **_ms(ns, "futex_wait"),
-        "addresses": [hex(a) for a in addrs],
-        "address_names": names,
-        "waiting_threads": int(len(np.unique(tid[on_addrs]))),
-        "handoff_share": float(fw["handoff"].to_numpy()[waits].mean()) if len(waits) else 0.0,
-        "user_stack": stack,
-        "allocator_in_stack": allocator,
-    }
-
-
-def _contenders(ctx: EvidenceContext, category: str, roots: list[int]) -> list[int]:
-    """For lock and GIL findings: the other threads waiting on the same addresses."""
-    cls = {"lock_contention": "lock", "gil_contention": "gil"}.get(category)
-    if cls is None:
-        return []
-    waits = ctx.futex_waits[(ctx.futex_waits["cls"] == cls).to_numpy()]
-    key = pair_ids(waits["pid"].to_numpy(), waits["addr"].to_numpy().view(np.int64))
-    by_root = waits["tid"].isin(roots).to_numpy()
-    others = waits[np.isin(key, key[by_root]) & ~by_root]
-    by_time = (others["end_ns"] - others["start_ns"]).groupby(others["tid"]).sum().sort_values(ascending=False)
-    return [int(t) for t in by_time.index]
-
-
-def _evidence(category: str, ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
-    ev: dict[str, Any] = {}
-    # The trainer's own waits behind this finding (not its running time).
-    waits = pieces.loc[(pieces["state"] != "running").to_numpy(), "interval"].unique()
-    if len(waits):
-        ts = ctx.trainer_states
-        ev["trainer_waits"] = int(len(waits))
-        ev.update(_ms(ts["end_ns"].to_numpy()[waits] - ts["start_ns"].to_numpy()[waits], "wait"))
-    builder = _EVIDENCE.get(category)
-    if builder is not None:
-        ev.update(builder(ctx, pieces, roots))
-    return ev
-
-
-def _input_pipeline(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
-    by_root = pieces.groupby("root_tid")["ns"].sum().sort_values(ascending=False)
-    return {"producers": [{**ctx.thread(int(t)), "seconds": float(ns) / NS_PER_S} for t, ns in by_root.iloc[:MAX_THREADS].items()]}
-
-
-def _cpu_contention(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
-    runq, per, every = [], {}, 0
-    roots = set(roots)
-    for tid, _, length, ns in ctx.intervals("runnable"):
-        every += int(ns.sum())
-        if tid in roots and len(ns):
-            runq.append(length)
-            per[tid] = int(ns.sum())
-    by_thread = pd.Series(per, dtype=np.int64).sort_values(ascending=False)
-    return {
-        "runnable_intervals": int(sum(len(r) for r in runq)),
-        **_ms(np.concatenate(runq, dtype=np.float64) if runq else np.zeros(0), "runq", reorder=True),
-        "runnable_s": {str(int(t)): float(ns) / NS_PER_S for t, ns in by_thread.iloc[:MAX_THREADS].items()},
-        "all_threads_runnable_s": float(every) / NS_PER_S,
-        "threads_traced": int(len(ctx.threads)),
-    }
-
-
-def _churn(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
-    churn = ctx.churn[ctx.churn["tid"].isin(roots)]
-    calls = ctx.rows("mm_syscall", roots)
-    by_name = calls["name"].astype(str).value_counts() if len(calls) else pd.Series(dtype=np.int64)
-    return {
-        "mm_calls": int(churn["calls"].sum()),
-        "mm_calls_per_s": float(churn["calls_per_s"].sum()),
-        "calls_by_syscall": {str(k): int(v) for k, v in by_name.items()},
-        "mapped_bytes": int(churn["map_bytes"].sum()),
-        "unmapped_bytes": int(churn["unmap_bytes"].sum()),
-        "median_size_bytes": float(churn["median_size"].median()) if len(churn) else 0.0,
-        "faults": int(churn["faults"].sum()),
-        "faults_per_s": float(churn["faults_per_s"].sum()),
-    }
-
-
-def _page_faults(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
-    faults = ctx.rows("faults", roots)
-    count = int(np.maximum(as_int64(faults["count"], 0), 0).sum()) if len(faults) else 0
-    blocked = list(ctx.intervals("page_faults", roots))
-    slots = np.concatenate([slot for _, slot, _, _ in blocked]) if blocked else np.zeros(0, np.int64)
-    return {
-        "faults": count,
-        "faults_per_s": count / max(ctx.window.seconds, 1e-9),
-        "blocked_in_fault_path_s": float(sum(int(ns.sum()) for *_, ns in blocked)) / NS_PER_S,
-        "running_in_fault_path_s": float(pieces.loc[pieces["state"] == "running", "ns"].sum()) / NS_PER_S,
-        "kernel_stack": _top_stack(ctx, ctx.slots["kstack_id"].to_numpy()[slots]),
-    }
-
-
-def _interval_rows(kind: str, extra: Callable[[pd.DataFrame], dict[str, Any]] | None = None):
-    def build(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
-        rows = ctx.rows(kind, roots)
-        out = {f"{kind}_events": int(len(rows)), **_ms(_durations(rows), kind)}
-        if extra is not None and len(rows):
-            out.update(extra(rows))
-        return out
-
-    return build
-
-
-def _reclaim(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
-    out = _interval_rows("reclaim", lambda r: {
-        "pages_reclaimed": int(as_int64(r["count"], 0).sum()),
-        "kinds": {str(k): int(v) for k, v in r["state"].astype(str).value_counts().items()},
-    })(ctx, pieces, roots)
-    out["compaction_events"] = int(len(ctx.rows("compaction", roots)))
-    return out
-
-
-_EVIDENCE: dict[str, Callable[[EvidenceContext, pd.DataFrame, list[int]], dict[str, Any]]] = {
-    "input_pipeline": _input_pipeline,
-    "cpu_contention": _cpu_contention,
-    "lock_contention": lambda ctx, p, roots: _futex_evidence(ctx, "lock", roots),
-    "gil_contention": lambda ctx, p, roots: _futex_evidence(ctx, "gil", roots),
-    "allocator_churn": _churn,
-    "page_faults": _page_faults,
-    "mmap_lock": _interval_rows("mmap_lock", lambda r: {
-        "write_waits": int((r["state"].astype(str) == "write").sum()),
-        "read_waits": int((r["state"].astype(str) == "read").sum()),
-    }),
-    "memory_reclaim": _reclaim,
-    "dirty_throttling": _interval_rows("dirty_pause", lambda r: {
-        "dirty_pages_max": int(as_int64(r["count"], 0).max()),
-        "dirty_limit_pages": int(as_int64(r["size"], 0).max()),
-        "devices": sorted({str(d) for d in r["name"].dropna()}),
-    }),
-    "block_io": _interval_rows("block_rq", lambda r: {
-        "bytes": int(as_int64(r["size"], 0).sum()),
-        "ops": {str(k): int(v) for k, v in r["name"].astype(str).value_counts().items()},
-    }),
-    "numa_remote": lambda ctx, p, roots: _numa(ctx, roots),
-    "other": lambda ctx, p, roots: {
-        "states_s": {str(k): float(v) / NS_PER_S for k, v in p.groupby("state", observed=True)["ns"].sum().items()}
-    },
-}
-
-
-def _numa(ctx: EvidenceContext, roots: list[int]) -> dict[str, Any]:
-    pl = ctx.placement
-    remote = pl[pl["remote_fraction"] > REMOTE_MIN_FRACTION]
-    focus = remote if not roots else remote[remote["tid"].isin(roots)]
-    return {
-        "gpu_node": ctx.gpu_node,
-        "remote_threads": [
-            {**ctx.thread(int(r.tid)), "remote_fraction": float(r.remote_fraction), "main_node": int(r.main_node)}
-            for r in (focus if len(focus) else remote).head(MAX_THREADS).itertuples()
-        ],
-        "memory_pages_by_node": {str(k): v for k, v in ctx.memory_nodes.items()},
-    }
-
-
-SUMMARIES: dict[str, str] = {
-    "input_pipeline": "The trainer waited {s:.2f} s for data that {who} was still producing",
-    "cpu_contention": "{who} waited {s:.2f} s runnable for a CPU while the GPU starved",
-    "lock_contention": "{who} waited {s:.2f} s on a contended lock",
-    "gil_contention": "{who} waited {s:.2f} s for the Python GIL",
-    "allocator_churn": "{who} lost {s:.2f} s to faults on freshly mapped memory amid mmap/munmap churn",
-    "page_faults": "{who} lost {s:.2f} s in the page-fault path",
-    "mmap_lock": "{who} waited {s:.2f} s for the mmap_lock",
-    "memory_reclaim": "{who} lost {s:.2f} s to direct memory reclaim and compaction",
-    "dirty_throttling": "{who} was throttled {s:.2f} s writing dirty pages (balance_dirty_pages)",
-    "block_io": "{who} waited {s:.2f} s for block I/O",
-    "numa_remote": "{who} produced data on a NUMA node other than the GPU's, costing {s:.2f} s",
-    "other": "{s:.2f} s of starved time has no cause the trace can name",
-}
-
-
 def severity(share: float, seconds: float, window_s: float, category: str) -> str:
     impact = seconds / window_s if window_s > 0 else 0.0
-    if category != "other" and share >= CRITICAL_SHARE and impact >= CRITICAL_MIN_IMPACT:
+    if BY_NAME[category].critical and share >= CRITICAL_SHARE and impact >= CRITICAL_MIN_IMPACT:
         return "critical"
     if share >= WARNING_SHARE and impact >= WARNING_MIN_IMPACT:
         return "warning"
@@ -507,15 +204,15 @@ def build_findings(
         ns = float(per_cat.get(category, 0.0))
         if ns < MIN_FINDING_NS:
             if category == "numa_remote" and len(ctx.placement) and (ctx.placement["remote_fraction"] > REMOTE_MIN_FRACTION).any():
-                return _finding(category, 0.0, 0.0, window_s, [], [], _numa(ctx, []), ctx, remote_only=True)
+                return _finding(category, 0.0, 0.0, window_s, [], [], numa_placement(ctx, []), ctx)
             return None
         pieces = attributed.iloc[in_category[category]]
         by_root = pieces.groupby("root_tid")["ns"].sum().sort_values(ascending=False)
         roots = [int(t) for t in by_root.index]
-        shown = roots + _contenders(ctx, category, roots)
+        shown = roots + contenders(ctx, BY_NAME[category].futex_class, roots)
         share = min(1.0, ns / total) if total > 0 else 0.0
         chain = _dominant_chain(pieces, links, ends, keys, ctx, trainer)
-        evidence = {"starved_s": ns / NS_PER_S, **_evidence(category, ctx, pieces, roots)}
+        evidence = {"starved_s": ns / NS_PER_S, **trainer_waits(ctx, pieces), **BY_NAME[category].evidence(ctx, pieces, roots)}
         return _finding(category, share, ns / NS_PER_S, window_s, shown[:MAX_THREADS], chain, evidence, ctx)
 
     # The categories' evidence is independent: gathered side by side.
@@ -532,27 +229,15 @@ def build_findings(
 
 def _finding(
     category: str, share: float, seconds: float, window_s: float, roots: list[int], chain: list[dict[str, Any]],
-    evidence: dict[str, Any], ctx: EvidenceContext, remote_only: bool = False,
+    evidence: dict[str, Any], ctx: EvidenceContext,
 ) -> dict[str, Any]:
+    """A finding's row; a finding without starved time (numa_remote placement alone)
+    names the remote threads."""
     threads = [ctx.thread(t) for t in roots] or [
         ctx.thread(int(t["tid"])) for t in evidence.get("remote_threads", [])
     ]
-    who = _who(threads)
-    if remote_only:
-        summary = f"{who} ran mostly on a NUMA node other than the GPU's (node {ctx.gpu_node}), without measurable starved time"
-    else:
-        summary = SUMMARIES[category].format(s=seconds, who=who) + f" ({share:.0%} of starved time)"
     return {
         "category": category, "share": share, "seconds": seconds,
         "severity": severity(share, seconds, window_s, category), "threads": threads, "chain": chain,
-        "summary": summary, "evidence": evidence, "recommendation": RECOMMENDATIONS[category],
+        "evidence": evidence,
     }
-
-
-def _who(threads: list[dict[str, Any]]) -> str:
-    if not threads:
-        return "Threads"
-    first = threads[0]
-    name = f"{first['role']} {first['comm'] or '?'} ({first['tid']})"
-    more = len(threads) - 1
-    return name + (f" and {more} more thread{'s' if more > 1 else ''}" if more else "")

@@ -32,9 +32,11 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.attribution import RunSplit
-from trainbpf.analyzers.categories import CATEGORY_CODE, RUN_CLASS_DTYPE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes
+from trainbpf.analyzers.categories import CATEGORY_CODE
 from trainbpf.analyzers.chains import interval_category_codes, is_followed
 from trainbpf.analyzers.intervals import Span, as_int64, intersect, merge_intervals
+from trainbpf.analyzers.vocab import RUN_CLASS_DTYPE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes
+from trainbpf.schema import named_frame
 
 DEFAULT_SAMPLE_PERIOD_NS = 100_000_000  # nvidia-smi -lms 100
 # One row per GPU sample window: `gpu` names the GPU (uuid, else index), [start_ns, ts_ns)
@@ -101,11 +103,13 @@ def gpu_utilisation(
     """UTIL_COLUMNS: every GPU's sample windows, clipped to the trace, sorted by GPU and
     time.  With `uuids`, only those GPUs count (all of them if no sample matches).  A GPU
     with per-process samples (rows with a pid) of any of `pids` is measured by those
-    processes' summed utilisation, not the device's."""
+    processes' summed utilisation, not the device's.  `gpu`: the gpu rows, as Trace.view
+    reads them (Trace.frame's storage names are taken too)."""
     if not len(gpu):
         return _empty_util()
-    key = gpu["name"].astype(object).where(gpu["name"].notna(), "gpu" + pd.Series(as_int64(gpu["op"], 0), index=gpu.index).astype(str)) \
-        if "name" in gpu else "gpu" + pd.Series(as_int64(gpu["op"], 0), index=gpu.index).astype(str)
+    gpu = named_frame("gpu", gpu)
+    index = "gpu" + pd.Series(as_int64(gpu["index"], 0), index=gpu.index).astype(str)
+    key = gpu["uuid"].astype(object).where(gpu["uuid"].notna(), index) if "uuid" in gpu else index
     key = key.to_numpy(dtype=object)
     if uuids:
         mine = np.isin(key, list(uuids))
@@ -114,7 +118,7 @@ def gpu_utilisation(
     ts = as_int64(gpu["ts_ns"])
     dur = as_int64(gpu["dur_ns"], 0) if "dur_ns" in gpu else np.zeros(len(gpu), np.int64)
     pid = as_int64(gpu["pid"]) if "pid" in gpu else np.full(len(gpu), -1, np.int64)
-    util = pd.to_numeric(gpu["value"], errors="coerce").to_numpy(np.float64)
+    util = pd.to_numeric(gpu["util_pct"], errors="coerce").to_numpy(np.float64)
     ok = np.isfinite(util) & (ts > 0)
     util = np.clip(util, 0.0, 100.0)
     parts = []

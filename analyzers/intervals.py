@@ -19,6 +19,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from trainbpf.analyze_options import Window
 from trainbpf.errors import UsageError
 
 NS_PER_S = 1_000_000_000
@@ -60,39 +61,12 @@ def trace_span(meta: Mapping[str, Any], chunks: Iterable[pa.Table] = ()) -> Span
     return Span(start, max(start, end))
 
 
-def parse_window(text: str | None) -> tuple[float | None, float | None] | None:
-    """"START:END" in seconds from the trace start; either side may be empty."""
-    if text is None or text == "":
-        return None
-    head, sep, tail = str(text).partition(":")
-    if not sep:
-        raise UsageError(f"bad window {text!r}: expected START:END in seconds, e.g. 5:20")
-    try:
-        start = float(head) if head.strip() else None
-        end = float(tail) if tail.strip() else None
-    except ValueError:
-        raise UsageError(f"bad window {text!r}: START and END must be numbers of seconds") from None
-    return (start, end)
-
-
-def resolve_window(span: Span, window: tuple[float | None, float | None] | None) -> Span:
+def resolve_window(span: Span, window: Window | None) -> Span:
     """The analysed part of the trace; a window that selects nothing is a UsageError."""
     if window is None:
         return span
-    if isinstance(window, str):
-        window = parse_window(window)
-        if window is None:
-            return span
-    try:
-        start_s, end_s = window
-    except (TypeError, ValueError):
-        raise UsageError(f"bad window {window!r}: expected (start_s, end_s)") from None
-    start_s = 0.0 if start_s is None else start_s
-    end_s = span.seconds if end_s is None else end_s
-    try:
-        start_s, end_s = float(start_s), float(end_s)
-    except (TypeError, ValueError):
-        raise UsageError(f"bad window {window!r}: start and end must be numbers") from None
+    start_s = 0.0 if window.start_s is None else window.start_s
+    end_s = span.seconds if window.end_s is None else window.end_s
     if not (math.isfinite(start_s) and math.isfinite(end_s)):
         raise UsageError(f"bad window {start_s}:{end_s}: start and end must be finite")
     if start_s < 0:

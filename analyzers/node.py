@@ -33,21 +33,21 @@ def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> floa
 
 def node_metrics(trace: Any) -> dict[str, Any]:
     """`node_values` of a loaded trace (trainbpf.tracefile.Trace)."""
-    frames = {kind: trace.frame(kind) for kind in NODE_KINDS}
+    frames = {kind: trace.view(kind) for kind in NODE_KINDS}
     return node_values(frames, span=trace_span(trace.meta, trace.chunks(["ts_ns", "dur_ns"])),
                        recorded_s=trace.duration_ns / 1e9, meta=trace.meta, events=int(trace.num_rows))
 
 
 def node_values(frames: Mapping[str, pd.DataFrame], *, span: Span, recorded_s: float, meta: Mapping[str, Any],
                 events: int) -> dict[str, Any]:
-    """Node-level values from the frames of NODE_KINDS: run-queue latency and
+    """Node-level values from the frames of NODE_KINDS (named as Trace.view names them): run-queue latency and
     reclaim/compaction/dirty-throttling time of the traced threads, PSI and NUMA
     counters of the machine, GPU idle share over `span`, lost events (metadata `lost`)
     against the `events` recorded."""
     off, short = frames["offcpu"], frames["offcpu_short"]
     # Long off-CPU intervals carry their own run-queue part; short ones are summed in
     # the kernel, so each sum stands for `count` waits of its mean length.
-    short_count = _as_float(short["count"])
+    short_count = _as_float(short["intervals"])
     short_runq = _as_float(short["runq_ns"])
     long_runq = _as_float(off["runq_ns"])
     values = np.concatenate([long_runq, np.divide(short_runq, short_count, out=np.zeros_like(short_runq), where=short_count > 0)])
@@ -57,18 +57,18 @@ def node_values(frames: Mapping[str, pd.DataFrame], *, span: Span, recorded_s: f
         return float(_as_float(frames[kind]["dur_ns"]).sum()) / 1e9
 
     pressure = {}
-    for name, rows in frames["psi"].groupby("name"):
+    for resource, rows in frames["psi"].groupby("resource"):
         span_us = _as_float(rows["dur_ns"]).sum() / 1e3
         if span_us > 0:
-            pressure[str(name)] = min(1.0, float(_as_float(rows["count"]).sum() / span_us))
+            pressure[str(resource)] = min(1.0, float(_as_float(rows["stalled_us"]).sum() / span_us))
 
     vm = frames["vmstat"]
-    vm_sum = pd.Series(_as_float(vm["count"]), index=vm["name"].astype(str)).groupby(level=0).sum() if len(vm) else pd.Series(dtype=float)
+    vm_sum = pd.Series(_as_float(vm["delta"]), index=vm["key"].astype(str)).groupby(level=0).sum() if len(vm) else pd.Series(dtype=float)
     local, other = float(vm_sum.get("numa_local", 0.0)), float(vm_sum.get("numa_other", 0.0))
 
     # gpu_utilisation takes the device's rows: rows with a pid are one process's share
     gpu_idle = {}
-    for index, rows in frames["gpu"].groupby("op"):
+    for index, rows in frames["gpu"].groupby("index"):
         idle = idle_fraction(gpu_utilisation(rows, span), span)  # 1 - mean utilisation, time-weighted
         if idle is not None:
             gpu_idle[str(int(index))] = idle

@@ -58,7 +58,7 @@ def thread_placement(samples: pd.DataFrame, numa_move: pd.DataFrame, topology: M
     df = pd.DataFrame({"tid": samples["tid"].to_numpy(np.int64), "node": node})
     df = df[df["node"] >= 0]
     # Without samples, where the scheduler moved a thread to says where it ran.
-    moves = pd.DataFrame({"tid": as_int64(numa_move["tid"]), "node": as_int64(numa_move["node"])})
+    moves = pd.DataFrame({"tid": as_int64(numa_move["tid"]), "node": as_int64(numa_move["dst_node"])})
     move_counts = moves.groupby("tid").size()
     unsampled = moves[~moves["tid"].isin(df["tid"])]
     df = pd.concat([df, unsampled], ignore_index=True)
@@ -85,7 +85,7 @@ def memory_placement(numa_maps: pd.DataFrame, topology: Mapping[str, Any] | None
         return {}
     df = pd.DataFrame({
         "ts": as_int64(numa_maps["ts_ns"]), "state": numa_maps["state"].fillna("").astype(str).to_numpy(dtype=object),
-        "node": as_int64(numa_maps["node"]), "count": as_int64(numa_maps["count"], 0),
+        "node": as_int64(numa_maps["node"]), "count": as_int64(numa_maps["pages"], 0),
     })
     latest = df[df["ts"] == df["ts"].max()]
     return {int(n): int(c) for n, c in latest.groupby("node")["count"].sum().items() if n >= 0}

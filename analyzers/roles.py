@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.categories import ROLE_DTYPE
+from trainbpf.analyzers.vocab import ROLE_DTYPE
 from trainbpf.analyzers.intervals import Span, as_int64
 from trainbpf.errors import UsageError
 
@@ -71,7 +71,7 @@ def observed_threads(thread_rows: pd.DataFrame, exit_rows: pd.DataFrame, seen: p
             "pid": as_int64(thread_rows["pid"]),
             "ts_ns": as_int64(thread_rows["ts_ns"]),
             "comm": thread_rows["comm"].fillna("").astype(str).to_numpy(dtype=object),
-            "name": thread_rows["name"].fillna("").astype(str).to_numpy(dtype=object),
+            "name": thread_rows["event"].fillna("").astype(str).to_numpy(dtype=object),
         }
     )
     ex = pd.DataFrame(

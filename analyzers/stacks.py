@@ -46,9 +46,9 @@ def classify_stacks(stack: pd.DataFrame) -> pd.DataFrame:
     whether it runs through the allocator, and its frames."""
     df = pd.DataFrame(
         {
-            "stack_id": as_int64(stack["kstack_id"]),
-            "kernel": stack["state"].fillna("").astype(str).to_numpy(dtype=object) != "user",
-            "frames": stack["name"].fillna("").astype(str).to_numpy(dtype=object),
+            "stack_id": as_int64(stack["stack_id"]),
+            "kernel": stack["space"].fillna("").astype(str).to_numpy(dtype=object) != "user",
+            "frames": stack["frames"].fillna("").astype(str).to_numpy(dtype=object),
         }
     ).drop_duplicates("stack_id", keep="last")
     frames = df["frames"].astype(str)

@@ -23,7 +23,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trainbpf.analyzers.categories import FUTEX_CLASS_DTYPE, STATE_DTYPE, STATES, codes
+from trainbpf.analyzers.vocab import FUTEX_CLASS_DTYPE, STATE_DTYPE, STATES, codes
 from trainbpf.analyzers.intervals import (
     NS_PER_S, Span, as_int64, dense_rank, in_thread_order, intersect, row_chunks, run_parallel, sort_by_thread,
 )

@@ -1,11 +1,12 @@
-"""A validator for the JSON report contract (DESIGN §5), shared by the report tests."""
+"""A validator for the JSON report contract (docs/design.md §Trace contract), shared by the report tests."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from trainbpf.analyzers.categories import CATEGORIES, ROLES, STATES
+from trainbpf.analyzers.categories import CATEGORIES
+from trainbpf.analyzers.vocab import ROLES, STATES
 
 TOP_KEYS = {"schema", "trace", "gpu", "starved_s", "findings", "threads"}
 TRACE_KEYS = {"path", "duration_s", "pid", "lost_events"}

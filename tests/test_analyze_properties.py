@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from report_contract import validate_report
 from trainbpf.analyzers import CATEGORIES, analyze, observed_ns
 from trainbpf.analyzers.findings import MIN_FINDING_NS
-from trainbpf.report import build_report, render_text
+from trainbpf.report import Report, build_report, render_text
 from trainbpf.schema import SCHEMA_ID, TRACE_SCHEMA
 from trainbpf.tracefile import Trace, make_batch
 
@@ -103,4 +103,4 @@ def test_random_tables(tables, with_clock, trainer, threshold, window):
 
     report = build_report(a)
     validate_report(report)
-    assert render_text(report, a)
+    assert render_text(Report(a, report))

@@ -11,7 +11,7 @@ from synth import (
     healthy, input_pipeline,
 )
 from trainbpf.analyzers import analyze, observed_ns
-from trainbpf.analyzers.categories import STATE_DTYPE, STATES
+from trainbpf.analyzers.vocab import STATE_DTYPE, STATES
 from trainbpf.analyzers.states import STATE_COLUMNS, state_totals
 from trainbpf.errors import UsageError
 

@@ -1,4 +1,4 @@
-"""`analyze --format json`: exactly the DESIGN §5 contract, for every kind of trace."""
+"""`analyze --format json`: exactly the contract (docs/design.md §Trace contract), for every kind of trace."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from synth import TRAINER, Synth, healthy, input_pipeline
-from trainbpf.analyzers import parse_window
+from trainbpf.analyze_options import Window
 from trainbpf.errors import TraceReadError, UsageError
 from trainbpf.report import run_analyze
 from trainbpf.tracefile import SpoolWriter, make_batch, spool_path_for
@@ -122,12 +122,12 @@ def test_bad_window_tuple_is_a_usage_error(tmp_path):
 
 
 def test_parse_window():
-    assert parse_window("2:5") == (2.0, 5.0)
-    assert parse_window(":5") == (None, 5.0)
-    assert parse_window("2.5:") == (2.5, None)
-    assert parse_window(None) is None
+    assert Window.parse("2:5") == (2.0, 5.0)
+    assert Window.parse(":5") == (None, 5.0)
+    assert Window.parse("2.5:") == (2.5, None)
+    assert Window.parse(None) is None
     with pytest.raises(UsageError):
-        parse_window("2-5")
+        Window.parse("2-5")
 
 
 def test_other_usage_errors(tmp_path):

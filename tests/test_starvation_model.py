@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from synth import FUTEX_STACK, TRAINER, WORKER, Synth, periodic
 from trainbpf.analyzers import analyze
 from trainbpf.analyzers.attribution import RunSplit
-from trainbpf.analyzers.categories import FUTEX_CLASS_DTYPE, RUN_CLASSES, STATE_DTYPE
+from trainbpf.analyzers.vocab import FUTEX_CLASS_DTYPE, RUN_CLASSES, STATE_DTYPE
 from trainbpf.analyzers.gpu import gpu_utilisation, idle_fraction, sample_windows, starved_pieces
 from trainbpf.analyzers.intervals import Span
 
@@ -98,7 +98,7 @@ def test_several_gpus_weigh_the_same():
 def test_nvml_sample_periods_come_from_dur_ns():
     """Driver samples carry their own period; nvidia-smi's come from the spacing."""
     gpu = pd.DataFrame({"ts_ns": np.array([1167, 1334, 1600], np.int64) * MS, "dur_ns": np.array([167, 167, 100], np.int64) * MS,
-                        "op": 0, "value": [50.0, 50.0, 50.0], "name": "GPU-0", "pid": pd.array([None] * 3, dtype="Int32")})
+                        "index": 0, "util_pct": [50.0, 50.0, 50.0], "uuid": "GPU-0", "pid": pd.array([None] * 3, dtype="Int32")})
     util = gpu_utilisation(gpu, Span(0, 10**12))
     assert (util["ts_ns"] - util["start_ns"]).tolist() == [167 * MS, 167 * MS, 100 * MS]
     smi = gpu.drop(columns=["dur_ns"])

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 import typer
 
+from trainbpf.analyze_options import GPU_IDLE_THRESHOLD, GPU_IDLE_THRESHOLD_MAX, GPU_IDLE_THRESHOLD_MIN, ReportFormat, Window
 from trainbpf.errors import TrainbpfError
 
 # typer (>= 0.29) vendors click; click's usage errors derive from the public TyperException.
@@ -153,24 +154,22 @@ def doctor(
 @app.command(cls=_Command)
 def analyze(
     trace: Path = typer.Argument(..., help="trace.parquet written by `trainbpf record`."),
-    format: str = typer.Option("text", "--format", "-f", help="text, json or html."),
+    format: ReportFormat = typer.Option(ReportFormat.text, "--format", "-f", help="What to write: the terminal text, the JSON contract, or one HTML file."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the report here instead of stdout."),
     trainer_tid: Optional[int] = typer.Option(None, help="The thread that feeds the GPU (default: recorded or the target's main thread)."),
-    gpu_idle_threshold: float = typer.Option(10.0, help="Shade GPU samples below this utilisation percent in the HTML timeline (drawing only: starved time uses each sample's own utilisation)."),
+    gpu_idle_threshold: float = typer.Option(
+        GPU_IDLE_THRESHOLD, min=GPU_IDLE_THRESHOLD_MIN, max=GPU_IDLE_THRESHOLD_MAX,
+        help="Shade GPU samples below this utilisation percent in the HTML timeline (drawing only: starved time uses each sample's own utilisation)."),
     window: Optional[str] = typer.Option(None, help="START:END seconds from the trace start to analyse."),
     force: bool = typer.Option(False, "--force", help="Replace an existing -o file (never a symlink, a device, or a file the sudo user could not write)."),
 ) -> None:
     """Attribute every stall of the trainer's threads to a cause; rank the findings (no root)."""
-    from trainbpf.report import parse_window, run_analyze
+    from trainbpf.report import run_analyze
 
     try:
-        if format not in ("text", "json", "html"):
-            from trainbpf.errors import UsageError
-
-            raise UsageError(f"--format {format}: choose text, json or html")
         text = run_analyze(
             path=trace, fmt=format, output=output, trainer_tid=trainer_tid,
-            gpu_idle_threshold=gpu_idle_threshold, window=parse_window(window) if window else None, force=force,
+            gpu_idle_threshold=gpu_idle_threshold, window=Window.parse(window), force=force,
         )
     except TrainbpfError as exc:
         _fail(exc)
@@ -183,8 +182,7 @@ def analyze(
 @app.command(cls=_Command)
 def export(
     trace: Path = typer.Argument(..., help="trace.parquet to export."),
-    perfetto: bool = typer.Option(True, "--perfetto/--no-perfetto", help="Chrome trace-event JSON for ui.perfetto.dev."),
-    output: Path = typer.Option(Path("trace.json"), "--output", "-o", help="File to write."),
+    output: Path = typer.Option(Path("trace.json"), "--output", "-o", help="Chrome trace-event JSON to write, for ui.perfetto.dev."),
     force: bool = typer.Option(False, "--force", help="Replace an existing -o file (never a symlink, a device, or a file the sudo user could not write)."),
 ) -> None:
     """Export a trace as a timeline that ui.perfetto.dev opens."""

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import html
 import json
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 
 from trainbpf.analyzers import Analysis, observed_ns
-from trainbpf.analyzers.categories import STATES
+from trainbpf.analyzers.categories import REGISTRY
 from trainbpf.analyzers.intervals import NS_PER_S, ClassTime, intersect
+from trainbpf.analyzers.vocab import STATES
+
+if TYPE_CHECKING:
+    from trainbpf.report import Report
 
 STATE_COLORS = {
     "running": "#2e9e44", "runnable": "#f29d38", "futex": "#8e6bd1", "sleep": "#8fc1e3",
@@ -24,12 +28,7 @@ STATE_COLORS = {
     "dirty_throttling": "#e8702a", "block_io": "#2f6db5", "uninterruptible": "#7a7a7a",
     "short_wait": "#c8c8c8", "other": "#4d4d4d",
 }
-CATEGORY_COLORS = {
-    "input_pipeline": "#1f77b4", "cpu_contention": "#f29d38", "lock_contention": "#8e6bd1",
-    "gil_contention": "#6a3d9a", "allocator_churn": "#b15928", "page_faults": "#d64545",
-    "mmap_lock": "#a0522d", "memory_reclaim": "#c2389a", "dirty_throttling": "#e8702a",
-    "block_io": "#2f6db5", "numa_remote": "#17becf", "other": "#4d4d4d",
-}
+CATEGORY_COLORS = {c.name: c.colour for c in REGISTRY}
 WIDTH = 1200
 LEFT = 150
 RIGHT = 40
@@ -251,8 +250,9 @@ def _thread_table(report: dict[str, Any]) -> str:
     return f'<table class="num"><tr><th>tid</th><th>comm</th><th>role</th>{head}</tr>{"".join(rows)}</table>'
 
 
-def render_html(analysis: Analysis, report: dict[str, Any]) -> str:
+def render_html(rendered: Report) -> str:
     """The report as one HTML file that opens offline."""
+    analysis, report = rendered.analysis, rendered.doc
     tr, gpu = report["trace"], report["gpu"]
     parts = [
         "<!DOCTYPE html>",

@@ -6,13 +6,15 @@ nanoseconds (what ``bpf_ktime_get_ns`` returns); other clocks are converted at r
 time using the offset stored in the metadata (``clock.wall_minus_mono_ns``).
 
 The file is self-describing: the Parquet key/value metadata key ``trainbpf`` holds a JSON
-document (see ``TraceMeta``) with the schema version, host, kernel, command line, clock
+document (docs/trace-format.md, "Metadata") with the schema version, host, kernel, command line, clock
 alignment, topology, probes, thresholds and lost-event counts.  Thread names and
 symbolised stacks travel as rows (``thread`` and ``stack`` kinds), so a trace can be
 analysed on another machine without the traced process alive.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pyarrow as pa
 
@@ -170,6 +172,58 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
 
 KINDS = tuple(KIND_COLUMNS)
 
+# What the shared storage columns mean in each kind, by their meaningful names
+# (Trace.view(kind) reads a kind under them; the file keeps the storage names).  Columns
+# not listed keep their storage name.
+KIND_NAMES: dict[str, dict[str, str]] = {
+    "thread": {"name": "event"},
+    "offcpu_short": {"count": "intervals"},
+    "futex": {"op": "futex_op"},
+    "faults": {"count": "faults"},
+    "mmap_lock": {"count": "acquired"},
+    "reclaim": {"count": "pages_reclaimed"},
+    "compaction": {"op": "status"},
+    "mm_syscall": {"name": "syscall", "size": "length", "op": "flags", "count": "ret"},
+    "numa_move": {"op": "src_node", "node": "dst_node", "name": "move"},
+    "numa_migrate": {"count": "pages_migrated", "size": "pages_failed", "op": "reason"},
+    "dirty_pause": {"count": "dirty_pages", "size": "limit_pages", "name": "device"},
+    "block_rq": {"size": "bytes", "name": "rwbs", "op": "dev", "addr": "sector"},
+    "cuda_launch": {"name": "layer", "op": "nested", "count": "launches"},
+    "cuda_call": {"op": "nested", "size": "bytes", "count": "ret"},
+    "gpu": {"op": "index", "name": "uuid", "value": "util_pct", "size": "mem_util_pct", "count": "mem_used_mib"},
+    "vmstat": {"name": "key", "count": "delta"},
+    "psi": {"name": "resource", "count": "stalled_us"},
+    "taskstats": {"name": "field", "count": "total_ns"},
+    "numa_maps": {"count": "pages"},
+    "lost": {"name": "probe", "count": "lost"},
+    "stack": {"kstack_id": "stack_id", "state": "space", "name": "frames"},
+}
+
+
+def view_columns(kind: str) -> tuple[str, ...]:
+    """The columns of `kind` under their meaningful names, in storage order."""
+    names = KIND_NAMES.get(kind, {})
+    return tuple(names.get(c, c) for c in KIND_COLUMNS[kind])
+
+
+def storage_column(kind: str, column: str) -> str:
+    """The storage column that holds `kind`'s meaningful `column`."""
+    for stored, name in KIND_NAMES.get(kind, {}).items():
+        if name == column:
+            return stored
+    return column
+
 
 def empty_table() -> pa.Table:
     return TRACE_SCHEMA.empty_table()
+
+
+def named_frame(kind: str, frame: Any) -> Any:
+    """A DataFrame of `kind` rows under the meaningful names: storage names renamed,
+    meaningful ones kept, so a reader takes a Trace.frame or a Trace.view alike."""
+    names = KIND_NAMES.get(kind, {})
+    if not any(c in names for c in frame.columns):
+        return frame
+    out = frame.copy(deep=False)  # the same column data under new labels
+    out.columns = [names.get(c, c) for c in frame.columns]
+    return out

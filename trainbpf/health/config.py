@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+# The stall category a failing node check points at: each category names its checks.
+from trainbpf.analyzers.categories import CHECK_CATEGORY  # noqa: F401 (part of this module's API)
 from trainbpf.errors import UsageError
 
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
@@ -45,16 +47,6 @@ DEFAULT_THRESHOLDS: dict[str, Threshold] = {
 TARGET_CHECKS = ("starved_ratio",)
 NODE_CHECKS = tuple(k for k in DEFAULT_THRESHOLDS if k not in TARGET_CHECKS)
 
-# The stall category (docs/design.md §Attribution model) a failing node check points at.
-CHECK_CATEGORY = {
-    "runqueue_latency_p99_seconds": "cpu_contention",
-    "reclaim_ratio": "memory_reclaim",
-    "dirty_throttle_ratio": "dirty_throttling",
-    "cpu_pressure_ratio": "cpu_contention",
-    "memory_pressure_ratio": "memory_reclaim",
-    "io_pressure_ratio": "block_io",
-    "numa_remote_ratio": "numa_remote",
-}
 
 DEFAULT_COMMAND_PATTERNS = (r"\btorchrun\b", r"\btorch\.distributed\.(run|launch)\b", r"\bdeepspeed\b", r"\baccelerate launch\b")
 # Daemons that hold GPU device files open without training anything.

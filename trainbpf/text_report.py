@@ -1,0 +1,123 @@
+"""The terminal report (`trainbpf analyze`, the default format): the trace, GPU and
+starved-time lines, the findings ranked, and the threads' seconds per state."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from trainbpf.analyzers import observed_ns
+from trainbpf.analyzers.intervals import NS_PER_S
+from trainbpf.analyzers.vocab import STATES
+
+if TYPE_CHECKING:
+    from trainbpf.analyzers import Analysis
+    from trainbpf.report import Report
+
+# Stack walks lost to stack-map collisions worth a note in the text report (a share).
+STACK_LOSS_NOTE_SHARE = 0.01
+
+
+def _pct(x: float) -> str:
+    return f"{100.0 * x:.1f}%"
+
+
+def _thread_label(t: dict[str, Any]) -> str:
+    return f"{t.get('comm') or '?'} ({t['tid']}, {t['role']})"
+
+
+def render_text(rendered: Report) -> str:
+    """The terminal report: the JSON document's content, and from the analysis what the
+    JSON does not carry (window, lost events per probe, stack losses, unwoken idle time)."""
+    report, analysis = rendered.doc, rendered.analysis
+    lines: list[str] = []
+    tr, gpu = report["trace"], report["gpu"]
+    lines.append(f"trainbpf report: {tr['path']}")
+    where = ""
+    if analysis.window != analysis.span:
+        lo = (analysis.window.start_ns - analysis.span.start_ns) / NS_PER_S
+        hi = (analysis.window.end_ns - analysis.span.start_ns) / NS_PER_S
+        where = f" (window {lo:g}-{hi:g} s of {analysis.span.seconds:.2f} s)"
+    trainer = next((t for t in report["threads"] if t["role"] == "trainer"), None)
+    who = f"trainer {_thread_label(trainer)}" if trainer else "no trainer thread found"
+    lines.append(f"  duration {tr['duration_s']:.2f} s{where}; pid {tr['pid'] if tr['pid'] is not None else '?'}; {who}")
+    if tr["lost_events"]:
+        per = ""
+        if analysis.lost:
+            per = " (" + ", ".join(f"{k}: {v}" for k, v in sorted(analysis.lost.items())) + ")"
+        lines.append(
+            f"WARNING: {tr['lost_events']} events were lost{per}: ring buffers overflowed, so the "
+            "numbers below undercount what happened."
+        )
+    stacks = analysis.meta.get("stacks") or {}
+    collided, walks = int(stacks.get("collisions") or 0), int(stacks.get("walks") or 0)
+    if collided and collided >= STACK_LOSS_NOTE_SHARE * walks:
+        lines.append(f"NOTE: {collided} of {walks} stack walks ({100 * collided / max(walks, 1):.0f}%) found their "
+                     "slot in the kernel's stack map held by another stack: those events carry no stack, so "
+                     "stacks shown as evidence may miss some call paths.")
+    if analysis.unfinished:
+        lines.append("NOTE: the recording did not finish cleanly (recovered or unfinished spool).")
+
+    empty = not report["threads"]
+    if empty:
+        lines.append("")
+        lines.append(
+            "This trace holds no thread activity: no events were recorded, so there is nothing to "
+            "attribute and no findings. Check that the target was running and the probes attached "
+            "(`trainbpf doctor`), then record for longer."
+        )
+        return "\n".join(lines) + "\n"
+
+    if gpu["samples"]:
+        idle = gpu["idle_fraction"] or 0.0
+        lines.append(f"  GPU: {gpu['source']}, {gpu['samples']} samples; idle {_pct(idle)} of the time "
+                     "(1 - mean utilisation)")
+        lines.append(
+            f"  Starved time: {report['starved_s']:.2f} s (GPU idle time that the trainer's stalls explain: "
+            "in each sample at most its idle time)"
+        )
+        if analysis.unwoken_idle_ns >= 0.01 * max(analysis.idle_ns, 1.0):
+            lines.append(
+                f"  Not counted: {analysis.unwoken_idle_ns / NS_PER_S:.2f} s of idle time overlapped sleeps no "
+                "thread ended (a GPU synchronisation looks so, or a timer: see docs/findings.md)"
+            )
+    else:
+        lines.append("  GPU: no GPU samples in this trace.")
+        lines.append(
+            f"  Starved time: {report['starved_s']:.2f} s. Without GPU samples, starved time is the "
+            "trainer's non-running time (off-CPU, runnable, or on-CPU in the kernel's fault/reclaim paths)."
+        )
+    lines.append("")
+    findings = report["findings"]
+    if not findings:
+        lines.append("No findings: the trainer was never starved" + (" while the GPU idled." if gpu["samples"] else "."))
+    else:
+        lines.append("Findings, ranked by share of starved time:")
+        for i, f in enumerate(findings, 1):
+            lines.append(
+                f"{i:2d}. {f['category']:<17} {_pct(f['share']):>6}  {f['seconds']:8.2f} s  {f['severity'].upper()}"
+            )
+            lines.append(f"    {f['summary']}")
+            if f["threads"]:
+                lines.append("    threads: " + ", ".join(_thread_label(t) for t in f["threads"]))
+            if len(f["chain"]) > 1:
+                lines.append("    chain: " + " <- ".join(f"{c['role']} {c['tid']} [{c['state']}]" for c in f["chain"]))
+            lines.append(f"    do: {f['recommendation']}")
+    if not any(f["severity"] == "critical" for f in findings):
+        lines.append("")
+        lines.append("No critical finding.")
+    lines.append("")
+    lines.extend(_thread_table(report, analysis))
+    return "\n".join(lines) + "\n"
+
+
+def _thread_table(report: dict[str, Any], analysis: Analysis) -> list[str]:
+    used = [s for s in STATES if any(s in t["seconds"] for t in report["threads"])]
+    head = ["tid", "comm", "role"] + used + ["observed"]
+    observed = observed_ns(analysis)
+    rows = []
+    for t in report["threads"]:
+        total = float(observed.get(t["tid"], 0)) / NS_PER_S
+        rows.append([str(t["tid"]), t["comm"] or "?", t["role"]] + [f"{t['seconds'].get(s, 0.0):.2f}" for s in used] + [f"{total:.2f}"])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    fmt = lambda r: "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return ["Threads (seconds per state):", "  " + fmt(head)] + ["  " + fmt(r) for r in rows]
