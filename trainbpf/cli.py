@@ -213,11 +213,11 @@ def recover(
 
 @app.command(cls=_HealthCommand)
 def health(
-    duration: Optional[float] = typer.Option(None, "--duration", "-d", help="Seconds to record (config duration_s, default 10)."),
+    duration: Optional[float] = typer.Option(None, "--duration", "-d", help="Seconds to record (default: the config file's duration_s; docs/health.md lists every default)."),
     pid: Optional[list[int]] = typer.Option(None, "--pid", "-p", help="Training process to check (kernel tgid); repeat for several. Default: auto-detect."),
     textfile_dir: Optional[Path] = typer.Option(None, "--textfile-dir", help="node_exporter textfile folder to write trainbpf_health.prom into."),
     json_file: Optional[Path] = typer.Option(None, "--json", help="Write the run's JSON document here (for `trainbpf fleet`)."),
-    config: Optional[Path] = typer.Option(None, "--config", help="TOML config (default /etc/trainbpf/health.toml when present); see docs/health.md."),
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML config (default: the system-wide one, when present); see docs/health.md."),
 ) -> None:
     """Scheduled node health check: short record + analyze; exit 0 ok, 1 warning, 2 critical, 3 could not check."""
     from trainbpf.health import UNKNOWN, health_config, render_summary, run_health
