@@ -185,7 +185,6 @@ def analyze(
 @app.command(cls=_Command)
 def export(
     trace: Path = typer.Argument(..., help="trace.parquet to export."),
-    perfetto: bool = typer.Option(True, "--perfetto/--no-perfetto", help="Chrome trace-event JSON for ui.perfetto.dev."),
     output: Path = typer.Option(Path("trace.json"), "--output", "-o", help="File to write."),
     force: bool = typer.Option(False, "--force", help="Replace an existing -o file (never a symlink, a device, or a file the sudo user could not write)."),
 ) -> None:
