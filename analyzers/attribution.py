@@ -298,6 +298,8 @@ class RunSplit:
             iv = evidence_intervals(frame)
             for tid, rows in iv.groupby("tid"):
                 start, end = merge_intervals(rows["start_ns"].to_numpy(np.int64), rows["end_ns"].to_numpy(np.int64))
+                if not len(start):  # only empty intervals
+                    continue
                 covered = np.concatenate([[0], np.cumsum(end - start)])
                 self._exact.setdefault(int(tid), []).append((RUN_CLASSES.index(cls), start, end, covered))
         codes = samples["cls"].cat.codes.to_numpy()

@@ -1,6 +1,9 @@
 /* Block requests submitted by traced threads: insert/issue (whichever comes first, in
  * the submitter's context) to completion.  Requests submitted by kernel flusher threads
  * are not the trainer's and are left out; their effect shows as dirty throttling. */
+#ifndef PROBE_BLOCK
+#error "PROBE_BLOCK must be defined by the loader"
+#endif
 struct block_event {
     u64 ts_ns;
     u64 dur_ns;

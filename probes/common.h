@@ -35,17 +35,11 @@
 #define SELF_TGID 0
 #endif
 
-/* Index into `lost`; the collector side names them (tracer/collector.py PROBE_IDS). */
-#define PROBE_SCHED 0
-#define PROBE_TASK 1
-#define PROBE_FUTEX 2
-#define PROBE_FAULTS 3
-#define PROBE_ONCPU 4
-#define PROBE_MM 5
-#define PROBE_WRITEBACK 6
-#define PROBE_BLOCK 7
-#define PROBE_CUDA 8
-#define PROBE_COUNT 9
+/* Index into `lost` of each probe (PROBE_SCHED, ...) and their number: declared once in
+ * tracer/collector.py PROBE_IDS, passed by the loader.  Each probe checks its own. */
+#ifndef PROBE_COUNT
+#error "PROBE_COUNT must be defined by the loader"
+#endif
 
 /* tid -> tgid of every traced thread: seeded from /proc at start, extended at fork.
  * Kept in a map because sched_switch's incoming task is not `current`. */

@@ -23,14 +23,23 @@
 #define CUDA_LAUNCH_ENTRIES 65536
 #endif
 
-#define LAYER_RUNTIME 0
-#define LAYER_DRIVER 1
-
-#define CUDA_LAUNCH 0
-#define CUDA_WAIT 1
-#define CUDA_COPY 2
-#define CUDA_ALLOC 3
-#define CUDA_FREE 4
+/* Layers (LAYER_RUNTIME, LAYER_DRIVER), call kinds (CUDA_LAUNCH, ...) and the calls
+ * (CUDA_CALLS) come from tracer/cuda.py LAYERS, KINDS and CALLS. */
+#ifndef PROBE_CUDA
+#error "PROBE_CUDA must be defined by the loader"
+#endif
+#ifndef LAYER_RUNTIME
+#error "LAYER_RUNTIME must be defined by the loader"
+#endif
+#ifndef LAYER_DRIVER
+#error "LAYER_DRIVER must be defined by the loader"
+#endif
+#ifndef CUDA_LAUNCH
+#error "CUDA_LAUNCH must be defined by the loader"
+#endif
+#ifndef CUDA_CALLS
+#error "CUDA_CALLS must be defined by the loader"
+#endif
 
 struct cuda_event {
     u64 ts_ns;
@@ -161,44 +170,50 @@ static __always_inline int cuda_return(struct pt_regs *ctx, u32 layer)
     return 0;
 }
 
-/* One entry/return pair per call: CALL(symbol, index, layer, kind, argument number of the
- * stream or pointer, argument number of the byte count), 0 = none. */
-#define CALL(sym, call, layer, kind, arg_n, bytes_n)                                          \
+/* Where each call's stream (or pointer) and byte count are: ARGS_<symbol> gives the
+ * argument numbers of both, 0 = none.  A symbol of CALLS without them fails to compile. */
+#define ARGS_cudaLaunchKernel 0, 0
+#define ARGS_cudaLaunchKernelExC 0, 0
+#define ARGS_cudaLaunchCooperativeKernel 0, 0
+#define ARGS_cudaGraphLaunch 0, 0
+#define ARGS_cudaStreamSynchronize 1, 0
+#define ARGS_cudaDeviceSynchronize 0, 0
+#define ARGS_cudaEventSynchronize 1, 0
+#define ARGS_cudaMemcpy 0, 3
+#define ARGS_cudaMemcpyAsync 5, 3
+#define ARGS_cudaMalloc 0, 2
+#define ARGS_cudaFree 1, 0
+#define ARGS_cuLaunchKernel 0, 0
+#define ARGS_cuLaunchKernelEx 0, 0
+#define ARGS_cuGraphLaunch 0, 0
+#define ARGS_cuStreamSynchronize 1, 0
+#define ARGS_cuCtxSynchronize 0, 0
+#define ARGS_cuEventSynchronize 1, 0
+#define ARGS_cuMemcpy 0, 3
+#define ARGS_cuMemcpyAsync 4, 3
+#define ARGS_cuMemcpyHtoD 0, 3
+#define ARGS_cuMemcpyHtoDAsync 4, 3
+#define ARGS_cuMemcpyDtoH 0, 3
+#define ARGS_cuMemcpyDtoHAsync 4, 3
+#define ARGS_cuMemcpyDtoD 0, 3
+#define ARGS_cuMemcpyDtoDAsync 4, 3
+#define ARGS_cuMemAlloc 0, 2
+#define ARGS_cuMemAllocAsync 3, 2
+#define ARGS_cuMemAllocHost 0, 2
+#define ARGS_cuMemAllocManaged 0, 2
+#define ARGS_cuMemFree 1, 0
+#define ARGS_cuMemFreeHost 1, 0
+#define ARGS_cuMemFreeAsync 2, 0
+
+/* One entry/return pair per call: CUDA_CALLS is CALL(symbol, call code, layer, kind) for
+ * each, the call code being its position in CALLS. */
+#define CALL(sym, call, layer, kind) CALL_ARGS(sym, call, layer, kind, ARGS_##sym)
+#define CALL_ARGS(...) CALL_PAIR(__VA_ARGS__)
+#define CALL_PAIR(sym, call, layer, kind, arg_n, bytes_n)                                     \
     int enter_##sym(struct pt_regs *ctx)                                                       \
     {                                                                                          \
         return cuda_enter(ctx, call, layer, kind, cuda_arg(ctx, arg_n), cuda_arg(ctx, bytes_n)); \
     }                                                                                          \
     int return_##sym(struct pt_regs *ctx) { return cuda_return(ctx, layer); }
 
-CALL(cudaLaunchKernel, 0, LAYER_RUNTIME, CUDA_LAUNCH, 0, 0)
-CALL(cudaLaunchKernelExC, 1, LAYER_RUNTIME, CUDA_LAUNCH, 0, 0)
-CALL(cudaLaunchCooperativeKernel, 2, LAYER_RUNTIME, CUDA_LAUNCH, 0, 0)
-CALL(cudaGraphLaunch, 3, LAYER_RUNTIME, CUDA_LAUNCH, 0, 0)
-CALL(cudaStreamSynchronize, 4, LAYER_RUNTIME, CUDA_WAIT, 1, 0)
-CALL(cudaDeviceSynchronize, 5, LAYER_RUNTIME, CUDA_WAIT, 0, 0)
-CALL(cudaEventSynchronize, 6, LAYER_RUNTIME, CUDA_WAIT, 1, 0)
-CALL(cudaMemcpy, 7, LAYER_RUNTIME, CUDA_COPY, 0, 3)
-CALL(cudaMemcpyAsync, 8, LAYER_RUNTIME, CUDA_COPY, 5, 3)
-CALL(cudaMalloc, 9, LAYER_RUNTIME, CUDA_ALLOC, 0, 2)
-CALL(cudaFree, 10, LAYER_RUNTIME, CUDA_FREE, 1, 0)
-CALL(cuLaunchKernel, 11, LAYER_DRIVER, CUDA_LAUNCH, 0, 0)
-CALL(cuLaunchKernelEx, 12, LAYER_DRIVER, CUDA_LAUNCH, 0, 0)
-CALL(cuGraphLaunch, 13, LAYER_DRIVER, CUDA_LAUNCH, 0, 0)
-CALL(cuStreamSynchronize, 14, LAYER_DRIVER, CUDA_WAIT, 1, 0)
-CALL(cuCtxSynchronize, 15, LAYER_DRIVER, CUDA_WAIT, 0, 0)
-CALL(cuEventSynchronize, 16, LAYER_DRIVER, CUDA_WAIT, 1, 0)
-CALL(cuMemcpy, 17, LAYER_DRIVER, CUDA_COPY, 0, 3)
-CALL(cuMemcpyAsync, 18, LAYER_DRIVER, CUDA_COPY, 4, 3)
-CALL(cuMemcpyHtoD, 19, LAYER_DRIVER, CUDA_COPY, 0, 3)
-CALL(cuMemcpyHtoDAsync, 20, LAYER_DRIVER, CUDA_COPY, 4, 3)
-CALL(cuMemcpyDtoH, 21, LAYER_DRIVER, CUDA_COPY, 0, 3)
-CALL(cuMemcpyDtoHAsync, 22, LAYER_DRIVER, CUDA_COPY, 4, 3)
-CALL(cuMemcpyDtoD, 23, LAYER_DRIVER, CUDA_COPY, 0, 3)
-CALL(cuMemcpyDtoDAsync, 24, LAYER_DRIVER, CUDA_COPY, 4, 3)
-CALL(cuMemAlloc, 25, LAYER_DRIVER, CUDA_ALLOC, 0, 2)
-CALL(cuMemAllocAsync, 26, LAYER_DRIVER, CUDA_ALLOC, 3, 2)
-CALL(cuMemAllocHost, 27, LAYER_DRIVER, CUDA_ALLOC, 0, 2)
-CALL(cuMemAllocManaged, 28, LAYER_DRIVER, CUDA_ALLOC, 0, 2)
-CALL(cuMemFree, 29, LAYER_DRIVER, CUDA_FREE, 1, 0)
-CALL(cuMemFreeHost, 30, LAYER_DRIVER, CUDA_FREE, 1, 0)
-CALL(cuMemFreeAsync, 31, LAYER_DRIVER, CUDA_FREE, 2, 0)
+CUDA_CALLS

@@ -6,9 +6,12 @@
  * each CPU counts its current run of one thread in one bucket in a per-CPU slot and adds
  * it to fault_counts only when the run ends: a fault costs no hash lookup unless it
  * starts a run.  User space reads the slots once more at the end (after detaching).
- * Reading the clock costs more than the rest (~100 ns in a VM), so a run re-reads it
+ * Reading the clock costs more than the rest (docs/performance.md), so a run re-reads it
  * only when jiffies move: a fault less than one tick after a bucket boundary may count
  * in the bucket before. */
+#ifndef PROBE_FAULTS
+#error "PROBE_FAULTS must be defined by the loader"
+#endif
 #ifndef FAULT_BUCKET_NS
 #define FAULT_BUCKET_NS 100000000ULL
 #endif
@@ -50,7 +53,7 @@ static __always_inline void end_run(struct fault_run *run)
 }
 
 /* The raw tracepoint: it reads nothing from the arguments, and skips building the
- * trace record the classic one fills first (~45 ns of ~190 per fault, all told). */
+ * trace record the classic one fills first (docs/performance.md). */
 RAW_TRACEPOINT_PROBE(page_fault_user)
 {
     u64 id = bpf_get_current_pid_tgid();

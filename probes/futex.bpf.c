@@ -3,6 +3,9 @@
  * than MIN_FUTEX_NS are dropped in the kernel (sched's short sums still count the time).
  * The user stack is taken at exit, and only for waits that are kept: a syscall returns to
  * where it was called from, so it is the stack at entry. */
+#ifndef PROBE_FUTEX
+#error "PROBE_FUTEX must be defined by the loader"
+#endif
 #ifndef MIN_FUTEX_NS
 #define MIN_FUTEX_NS 20000
 #endif

@@ -6,19 +6,49 @@
 #define MIN_LOCK_NS 10000
 #endif
 
-#define MM_LOCK_READ 1
-#define MM_LOCK_WRITE 2
-#define MM_RECLAIM_DIRECT 3
-#define MM_RECLAIM_MEMCG 4
-#define MM_COMPACTION 5
-#define MM_NUMA_MOVE 6
-#define MM_NUMA_SWAP 7
-#define MM_MIGRATE 8
-#define MM_SYS_MMAP 9
-#define MM_SYS_MUNMAP 10
-#define MM_SYS_BRK 11
-#define MM_SYS_MADVISE 12
-#define MM_SYS_MREMAP 13
+/* The MM_* codes of mm_event.what, from tracer/mm.py WHAT. */
+#ifndef PROBE_MM
+#error "PROBE_MM must be defined by the loader"
+#endif
+#ifndef MM_LOCK_READ
+#error "MM_LOCK_READ must be defined by the loader"
+#endif
+#ifndef MM_LOCK_WRITE
+#error "MM_LOCK_WRITE must be defined by the loader"
+#endif
+#ifndef MM_RECLAIM_DIRECT
+#error "MM_RECLAIM_DIRECT must be defined by the loader"
+#endif
+#ifndef MM_RECLAIM_MEMCG
+#error "MM_RECLAIM_MEMCG must be defined by the loader"
+#endif
+#ifndef MM_COMPACTION
+#error "MM_COMPACTION must be defined by the loader"
+#endif
+#ifndef MM_NUMA_MOVE
+#error "MM_NUMA_MOVE must be defined by the loader"
+#endif
+#ifndef MM_NUMA_SWAP
+#error "MM_NUMA_SWAP must be defined by the loader"
+#endif
+#ifndef MM_MIGRATE
+#error "MM_MIGRATE must be defined by the loader"
+#endif
+#ifndef MM_SYS_MMAP
+#error "MM_SYS_MMAP must be defined by the loader"
+#endif
+#ifndef MM_SYS_MUNMAP
+#error "MM_SYS_MUNMAP must be defined by the loader"
+#endif
+#ifndef MM_SYS_BRK
+#error "MM_SYS_BRK must be defined by the loader"
+#endif
+#ifndef MM_SYS_MADVISE
+#error "MM_SYS_MADVISE must be defined by the loader"
+#endif
+#ifndef MM_SYS_MREMAP
+#error "MM_SYS_MREMAP must be defined by the loader"
+#endif
 
 struct mm_event {
     u64 ts_ns;

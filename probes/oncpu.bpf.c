@@ -1,6 +1,9 @@
 /* CPU-clock samples of traced threads with kernel and user stacks.  Without kprobes this
  * is how running time splits into user work and kernel work (fault handling, page
  * zeroing, reclaim, syscalls).  Attached as a perf event at ONCPU_HZ by the collector. */
+#ifndef PROBE_ONCPU
+#error "PROBE_ONCPU must be defined by the loader"
+#endif
 #include <uapi/linux/bpf_perf_event.h>
 
 struct oncpu_event {

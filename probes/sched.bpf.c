@@ -5,7 +5,7 @@
  * Intervals >= MIN_BLOCK_NS stream out with stacks; shorter ones are summed in the kernel
  * per (tid, state) so every nanosecond stays accounted for without flooding user space.
  *
- * Stacks cost most (a kernel stack walk is ~2 us) and only streamed intervals keep them.
+ * Stacks cost most (docs/performance.md) and only streamed intervals keep them.
  * Where the kernel has the bare sched_exit_tp tracepoint (6.16+; the loader then defines
  * HAVE_RAW_TP_SCHED_EXIT_TP) they are taken at switch-in, once the length is known:
  * sched_exit_tp fires at the end of __schedule in the task just switched in, whose kernel
@@ -20,7 +20,32 @@
 #define TASK_RINGBUF_PAGES 64
 #endif
 
-#define STATE_PREEMPTED 0x100 /* TASK_REPORT_MAX: switched out while runnable */
+/* From tracer/sched.py: STATE_PREEMPTED (TASK_REPORT_MAX: switched out while runnable),
+ * and the TASK_* codes of task_event.what. */
+#ifndef PROBE_SCHED
+#error "PROBE_SCHED must be defined by the loader"
+#endif
+#ifndef PROBE_TASK
+#error "PROBE_TASK must be defined by the loader"
+#endif
+#ifndef STATE_PREEMPTED
+#error "STATE_PREEMPTED must be defined by the loader"
+#endif
+#ifndef TASK_THREAD
+#error "TASK_THREAD must be defined by the loader"
+#endif
+#ifndef TASK_PROCESS
+#error "TASK_PROCESS must be defined by the loader"
+#endif
+#ifndef TASK_EXEC
+#error "TASK_EXEC must be defined by the loader"
+#endif
+#ifndef TASK_RENAME
+#error "TASK_RENAME must be defined by the loader"
+#endif
+#ifndef TASK_EXIT
+#error "TASK_EXIT must be defined by the loader"
+#endif
 #define CLONE_THREAD_FLAG 0x00010000
 
 struct offcpu_event {
@@ -38,13 +63,6 @@ struct offcpu_event {
     s32 cpu;   /* where it ran next */
     s32 state; /* prev_state at switch-out; 0 or STATE_PREEMPTED = preempted */
 };
-
-#define TASK_SEED 0
-#define TASK_THREAD 1
-#define TASK_PROCESS 2
-#define TASK_EXEC 3
-#define TASK_RENAME 4
-#define TASK_EXIT 5
 
 struct task_event {
     u64 ts_ns;

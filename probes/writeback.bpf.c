@@ -2,6 +2,9 @@
  * just before it sleeps.  The event's `pause` field is already in milliseconds (the
  * tracepoint stores pause * 1000 / HZ), so a pause is a whole number of ticks rounded
  * down to the millisecond. */
+#ifndef PROBE_WRITEBACK
+#error "PROBE_WRITEBACK must be defined by the loader"
+#endif
 struct dirty_event {
     u64 ts_ns;
     s64 pause_ms;

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from trainbpf.tracer.cuda import CALLS, KINDS, LAYERS, base_name, cuda_libraries
+from trainbpf.tracer.collector import Settings
+from trainbpf.tracer.cuda import CALLS, KINDS, LAYERS, CudaCollector, base_name, cuda_libraries
 
 PROBE = Path(__file__).resolve().parents[1] / "probes" / "cuda.bpf.c"
 
@@ -39,8 +40,16 @@ def test_libraries_found_in_maps_once_per_file():
 
 
 def test_call_table_matches_the_probe():
-    """CALLS' positions are the call codes the C CALL list gives each symbol."""
-    calls = re.findall(r"^CALL\((\w+), (\d+), LAYER_(\w+), CUDA_(\w+),", PROBE.read_text(), re.M)
-    assert [(name, int(code), layer.lower(), kind.lower()) for name, code, layer, kind in calls] == [
+    """The probe compiles CALLS as the loader passes them (CUDA_CALLS: each symbol with its
+    position as call code, its layer and kind, in the codes LAYER_* and CUDA_* name), and
+    knows where the arguments of exactly those symbols are (ARGS_<symbol>)."""
+    defines = CudaCollector(Settings()).defines()
+    calls = re.findall(r"CALL\((\w+),(\d+),(\d+),(\d+)\)", str(defines["CUDA_CALLS"]))
+    layer_of = {defines[f"LAYER_{layer.upper()}"]: layer for layer in LAYERS}
+    kind_of = {defines[f"CUDA_{kind.upper()}"]: kind for kind in KINDS}
+    assert [(name, int(code), layer_of[int(layer)], kind_of[int(kind)]) for name, code, layer, kind in calls] == [
         (name, i, LAYERS[layer], KINDS[kind]) for i, (name, layer, kind) in enumerate(CALLS)
     ]
+    text = PROBE.read_text()
+    assert re.findall(r"^#define ARGS_(\w+) \d, \d$", text, re.M) == [name for name, _, _ in CALLS]
+    assert re.search(r"^CUDA_CALLS$", text, re.M) and '#error "CUDA_CALLS must be defined by the loader"' in text

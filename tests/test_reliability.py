@@ -1,9 +1,8 @@
-"""Crash safety, clean detach, clear errors for bad input, lost-event accounting, privacy
-and big process trees — each against the real recorder and kernel."""
+"""Crash safety, clean detach and clear errors for bad input, each against the real
+recorder and kernel (lost events, privacy and big trees: test_reliability_load.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -19,6 +18,18 @@ import pytest
 
 from kernel_env import require_root, which_or_fail
 from recording import record_workload
+from reliability_env import (
+    PROJECT,
+    TRAINBPF,
+    assert_one_line_error,
+    cli,
+    held_program_ids,
+    perf_event_fds,
+    start_target,
+    stop,
+    wait_for,
+    wait_until_detached,
+)
 from trainbpf.errors import (
     EnvironmentCheckError,
     NotRootError,
@@ -29,98 +40,6 @@ from trainbpf.errors import (
     UsageError,
 )
 from trainbpf.tracefile import read_trace
-from trainbpf.tracer.collector import Settings
-
-TRAINBPF = str(Path(sys.executable).with_name("trainbpf"))
-PROJECT = Path(__file__).resolve().parents[1]
-OUR_PROGRAMS = ("tracepoint__", "on_cpu_sample")
-
-# A target that keeps every probe busy: futex hand-offs, sleeps, faults, mmaps.
-BUSY_TARGET = r"""
-import mmap, queue, sys, threading, time
-q = queue.Queue()
-def worker():
-    while True:
-        time.sleep(0.002)
-        q.put(1)
-threading.Thread(target=worker, daemon=True, name="worker").start()
-print("ready", flush=True)
-end = time.time() + float(sys.argv[1])
-while time.time() < end:
-    q.get()
-    m = mmap.mmap(-1, 1 << 20); m[0] = 1; m.close()
-"""
-
-
-def start_target(seconds: float = 60) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", BUSY_TARGET, str(seconds)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    return proc
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-
-
-def loaded_program_ids() -> set[int]:
-    """Ids of every BPF program loaded in the kernel, as bpftool lists them."""
-    bpftool = which_or_fail("bpftool", "bpftool")
-    # plain `bpftool prog show` can print nothing on this kernel; -d lists them
-    out = subprocess.run([bpftool, "-j", "-d", "prog", "show"], capture_output=True, text=True, check=True).stdout
-    return {p["id"] for p in json.loads(out or "[]") if p.get("name", "").startswith(OUR_PROGRAMS)}
-
-
-def held_program_ids(pid: int) -> set[int]:
-    """BPF programs a process holds open (its fdinfo names them), and how many perf
-    events it holds, so a test can later check exactly those are gone."""
-    ids = set()
-    fdinfo = Path(f"/proc/{pid}/fdinfo")
-    for entry in fdinfo.iterdir():
-        with contextlib.suppress(OSError):
-            for line in entry.read_text().splitlines():
-                if line.startswith("prog_id:"):
-                    ids.add(int(line.split()[1]))
-    return ids
-
-
-def perf_event_fds(pid: int) -> int:
-    n = 0
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            n += os.readlink(fd) == "anon_inode:[perf_event]"
-    return n
-
-
-def wait_until_detached(ids: set[int], timeout: float = 5) -> set[int]:
-    """Program ids from `ids` still loaded after `timeout` (the kernel frees them lazily)."""
-    end = time.time() + timeout
-    while (left := ids & loaded_program_ids()) and time.time() < end:
-        time.sleep(0.1)
-    return left
-
-
-def wait_for(path: Path, timeout: float = 60) -> None:
-    end = time.time() + timeout
-    while not path.exists():
-        assert time.time() < end, f"{path} never appeared"
-        time.sleep(0.05)
-
-
-def cli(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([TRAINBPF, *args], capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                          env={**os.environ, **(env or {})}, timeout=180, **kw)
-
-
-def assert_one_line_error(res: subprocess.CompletedProcess, code: int, *words: str) -> None:
-    assert res.returncode == code, f"exit {res.returncode}, expected {code}: {res.stderr}"
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, f"expected one line, got: {res.stderr!r}"
-    assert lines[0].startswith("trainbpf: error: ")
-    assert "Traceback" not in res.stderr
-    for w in words:
-        assert w in lines[0], f"{w!r} not in {lines[0]!r}"
 
 
 # -- 1. SIGKILL at a random moment ----------------------------------------------------
@@ -373,134 +292,3 @@ def test_bad_record_options():
                         (["record", "--pid", "1", "--ringbuf-pages", "3"], "power of two"),
                         (["record", "--pid", "1", "--duration", "0"], "--duration")):
         assert_one_line_error(cli(*args), UsageError.exit_code, words)
-
-
-# -- 4. lost events are counted and reported -------------------------------------------
-
-def test_tiny_ring_buffer_under_load_records_and_reports_losses(tmp_path):
-    require_root()
-    target = start_target()
-    out = tmp_path / "t.parquet"
-    try:
-        res = cli("record", "--pid", str(target.pid), "-o", str(out), "--duration", "3",
-                  "--ringbuf-pages", "1", "--min-block-us", "0", "--min-futex-us", "0", "--oncpu-hz", "5000")
-    finally:
-        stop(target)
-    assert res.returncode == 0, res.stderr
-    assert "events lost" in res.stderr
-    lost = read_trace(out).meta["lost"]
-    assert sum(lost.values()) > 0, lost
-    report = cli("analyze", str(out))
-    assert report.returncode == 0, report.stderr
-    total = sum(lost.values())
-    assert "lost" in report.stdout.lower() and str(total) in report.stdout, report.stdout[:2000]
-
-
-# -- 5. privacy -------------------------------------------------------------------------
-
-def test_trace_is_private_and_owned_by_the_sudo_user(tmp_path):
-    require_root("chowns to another user")
-    os.chown(tmp_path, 65534, 65534)  # the sudo user must be able to write the folder
-    target = start_target()
-    out = tmp_path / "t.parquet"
-    try:
-        res = cli("record", "--pid", str(target.pid), "-o", str(out), "--duration", "1",
-                  env={"SUDO_UID": "65534", "SUDO_GID": "65534"})
-    finally:
-        stop(target)
-    assert res.returncode == 0, res.stderr
-    st = out.stat()
-    assert st.st_mode & 0o777 == 0o600
-    assert (st.st_uid, st.st_gid) == (65534, 65534)
-
-
-def test_no_argument_ever_reaches_a_shell():
-    offenders = []
-    for folder in ("trainbpf", "tracer", "analyzers"):
-        for path in (PROJECT / folder).rglob("*.py"):
-            text = path.read_text()
-            for needle in ("shell=True", "os.system(", "os.popen(", "subprocess.getoutput", "getstatusoutput"):
-                if needle in text:
-                    offenders.append(f"{path.relative_to(PROJECT)}: {needle}")
-    assert offenders == []
-
-
-def test_shell_metacharacters_in_the_output_name_stay_literal(tmp_path):
-    require_root()
-    rec_dir = tmp_path / "x"
-    rec_dir.mkdir()
-    name = "t;touch pwned;$(touch pwned2).parquet"
-    target = start_target()
-    try:
-        res = cli("record", "--pid", str(target.pid), "-o", name, "--duration", "1", cwd=rec_dir)
-    finally:
-        stop(target)
-    assert res.returncode == 0, res.stderr
-    assert sorted(p.name for p in rec_dir.iterdir()) == [name]
-
-
-# -- 7. a big, changing tree ------------------------------------------------------------
-
-BIG_TREE = r"""
-import os, sys, threading, time, ctypes
-libc = ctypes.CDLL(None)
-stop = threading.Event()
-def worker(i):
-    libc.prctl(15, f"tb_w{i}".encode(), 0, 0, 0)
-    while not stop.is_set():
-        time.sleep(0.01)
-threads = [threading.Thread(target=worker, args=(i,)) for i in range(120)]
-for t in threads: t.start()
-print("ready", flush=True)
-sys.stdin.readline()
-children = []
-for i in range(10):                      # children forked and exiting during the recording
-    pid = os.fork()
-    if pid == 0:
-        libc.prctl(15, f"tb_child{i}".encode(), 0, 0, 0)
-        ts = [threading.Thread(target=time.sleep, args=(0.05,)) for _ in range(5)]
-        for t in ts: t.start()
-        for t in ts: t.join()
-        os._exit(0)
-    children.append(pid)
-    time.sleep(0.05)
-for pid in children: os.waitpid(pid, 0)
-late = [threading.Thread(target=worker, args=(200 + i,)) for i in range(20)]   # threads born late
-for t in late: t.start()
-time.sleep(0.5)
-stop.set()
-for t in threads + late: t.join()
-print(children, flush=True)
-"""
-
-
-def test_100_plus_threads_and_forking_children_all_named(tmp_path):
-    require_root()
-    proc = subprocess.Popen([sys.executable, "-c", BIG_TREE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    out = tmp_path / "t.parquet"
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        tids = {int(t) for t in os.listdir(f"/proc/{proc.pid}/task")}
-        rec = subprocess.Popen([TRAINBPF, "record", "--pid", str(proc.pid), "-o", str(out)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        wait_for(tmp_path / "t.parquet.spool")
-        time.sleep(1.5)  # the spool appears once the probes are live and the tree seeded
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        children = json.loads(proc.stdout.readline())
-        proc.wait(timeout=60)
-        _, err = rec.communicate(timeout=60)
-    finally:
-        stop(proc)
-    assert rec.returncode == 0, err
-    trace = read_trace(out)
-    threads = trace.frame("thread")
-    seen = set(threads.tid)
-    assert tids <= seen, f"missing seeded threads: {sorted(tids - seen)[:10]}"
-    names = threads.sort_values("ts_ns").groupby("tid").comm.last()
-    assert sum(n.startswith("tb_w") for n in names) >= 140, "120 seeded + 20 late workers, all named"
-    for i, child in enumerate(children):
-        assert f"tb_child{i}" in set(threads[threads.tid == child].comm)
-        kids_threads = threads[(threads.pid == child) & (threads.name == "thread")]
-        assert len(kids_threads) == 5, f"child {child}: {len(kids_threads)} threads seen"
-    assert sum(trace.meta["lost"].values()) == 0

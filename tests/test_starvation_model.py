@@ -200,3 +200,15 @@ def test_gpu_bound_trainer_has_no_critical_finding(tmp_path):
     assert a.idle_fraction == pytest.approx(0.05)
     assert a.starved_ns < 0.01 * a.window.ns
     assert not (a.findings["severity"] == "critical").any()
+
+
+def test_exact_run_rows_of_zero_length_name_nothing():
+    """A reclaim row without a duration (null or 0) names no running time and breaks
+    nothing (hypothesis found an IndexError here)."""
+    reclaim = pd.DataFrame({"ts_ns": [50 * MS, 60 * MS], "dur_ns": [0, None], "tid": [1, 1]})
+    no_samples = pd.DataFrame({"tid": np.zeros(0, np.int64), "ts_ns": np.zeros(0, np.int64),
+                               "cpu": np.zeros(0, np.int64), "cls": pd.Categorical([], categories=list(RUN_CLASSES))})
+    split = RunSplit(no_samples, exact={"reclaim": reclaim})
+    shares = split.fractions(1, np.array([0]), np.array([100 * MS]))
+    assert shares.shape == (1, len(RUN_CLASSES))
+    assert shares[0, 0] == 1.0 and shares[0, 1:].sum() == 0.0

@@ -14,7 +14,6 @@ class BlockCollector(Collector):
     source = "block.bpf.c"
     tracepoints = ("block:block_rq_insert", "block:block_rq_issue", "block:block_rq_complete")
     ringbufs = ("block_events",)
-    lost_names = ("block",)
 
     def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
         return [

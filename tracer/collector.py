@@ -9,13 +9,17 @@ struct is the only declaration).
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
 import numpy as np
 import pyarrow as pa
 
-# Index of each probe's lost-event counter in the BPF `lost` array (probes/common.h).
+from trainbpf.tracefile import make_batch
+from trainbpf.tracer.settings import Settings  # noqa: F401 (collectors take it from here)
+
+# Index of each probe's lost-event counter in the BPF `lost` array: declared here only,
+# the loader passes them to the C as -D PROBE_<NAME> and PROBE_COUNT (probes/common.h).
 PROBE_IDS = {
     "sched": 0,
     "task": 1,
@@ -29,37 +33,9 @@ PROBE_IDS = {
 }
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Recording thresholds and sizes; each becomes a -D define for the probes."""
-
-    min_block_ns: int = 20_000
-    min_futex_ns: int = 20_000
-    min_lock_ns: int = 10_000
-    oncpu_hz: int = 199
-    fault_bucket_ns: int = 100_000_000
-    min_cuda_ns: int = 20_000  # CUDA waits, copies and allocations streamed from this long
-    cuda_bucket_ns: int = 10_000_000  # CUDA launches counted per thread and bucket this wide
-    ringbuf_pages: int = 512
-    stack_frames: int = 32  # frames kept per stack: the kernel walks no deeper (probes/common.h)
-    stack_entries: int = 65536  # stacks the kernel's stack map holds
-    hz: int = 250
-    trace_all: bool = False
-
-    def thresholds(self) -> dict[str, int]:
-        return {
-            "min_block_ns": self.min_block_ns,
-            "min_futex_ns": self.min_futex_ns,
-            "min_lock_ns": self.min_lock_ns,
-            "oncpu_hz": self.oncpu_hz,
-            "fault_bucket_ns": self.fault_bucket_ns,
-            "min_cuda_ns": self.min_cuda_ns,
-            "cuda_bucket_ns": self.cuda_bucket_ns,
-            "ringbuf_pages": self.ringbuf_pages,
-            "stack_frames": self.stack_frames,
-            "stack_entries": self.stack_entries,
-            "hz": self.hz,
-        }
+def probe_defines() -> dict[str, int]:
+    """-D defines of the lost-counter indexes (PROBE_SCHED, ...) and PROBE_COUNT."""
+    return {**{f"PROBE_{name.upper()}": i for name, i in PROBE_IDS.items()}, "PROBE_COUNT": len(PROBE_IDS)}
 
 
 def ctypes_to_dtype(cls: type[ctypes.Structure]) -> np.dtype:
@@ -94,13 +70,13 @@ class Collector:
     optional_raw_tracepoints: ClassVar[tuple[str, ...]] = ()
     ringbufs: ClassVar[tuple[str, ...]] = ()
     uprobes: ClassVar[bool] = False  # attaches uprobes (to libraries found while recording), no tracepoints
-    lost_names: ClassVar[tuple[str, ...]] = ()  # keys of PROBE_IDS this probe counts
     notice: Callable[[str], None] | None = None  # one-line news for the user (record sets it)
 
     def __init__(self, settings: Settings):
         self.settings = settings
 
-    def defines(self) -> dict[str, int]:
+    def defines(self) -> dict[str, int | str]:
+        """-D defines for the probe's C: its settings and the constants both sides share."""
         return {}
 
     def attach(self, bpf) -> None:
@@ -109,16 +85,76 @@ class Collector:
     def decode(self, ringbuf: str, records: np.ndarray) -> list[pa.RecordBatch]:
         raise NotImplementedError
 
+    def on_batch(self, ringbuf: str, records: np.ndarray, threads: ThreadTable) -> None:
+        """Each batch of records taken from one of the probe's ring buffers, before it is
+        decoded: what the recorder's thread table learns from it."""
+
+    def take(self, rings, threads: ThreadTable) -> list[pa.RecordBatch]:
+        """The rows of the records waiting in the probe's ring buffers (read by `rings`)."""
+        batches: list[pa.RecordBatch] = []
+        for rb in self.ringbufs:
+            records = rings.take(rb)
+            if records is not None and len(records):
+                self.on_batch(rb, records, threads)
+                batches += self.decode(rb, records)
+        return batches
+
     def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
         """Read and reset in-kernel aggregates; `final` at the end of the recording."""
         return []
 
-    def seeded(self, bpf, tgids: list[int]) -> None:
-        """The traced processes at the start, once the tree is seeded."""
+    def seeded(self, bpf, walked: list, threads: ThreadTable, now_ns: int) -> None:
+        """The traced tree at the start (`walked`: proctree.ThreadInfo), once seeded at `now_ns`."""
+
+    def still_open(self, bpf, threads: ThreadTable, now_ns: int, *, final: bool) -> list[pa.RecordBatch]:
+        """What is still open in the kernel at `now_ns`: at every flush but the last
+        (`final` False) what a killed recording's segment would miss, at the stop
+        (`final` True) what ends with the recording."""
+        return []
 
     def meta(self) -> dict:
         """What the probe adds to the trace metadata when the recording ends."""
         return {}
+
+
+@dataclass
+class ThreadTable:
+    """The recording's threads: every tid seen (-> its tgid), those that exited, and who
+    is told of an exec (a process's address space is replaced)."""
+
+    tgid: dict[int, int] = field(default_factory=dict)
+    exited: set[int] = field(default_factory=set)
+    exec_listeners: list[Callable[[], None]] = field(default_factory=list)
+
+    def live(self) -> dict[int, int]:
+        return {tid: tg for tid, tg in self.tgid.items() if tid not in self.exited}
+
+    def tgids(self) -> list[int]:
+        return sorted(set(self.tgid.values()))
+
+    def exec_seen(self) -> None:
+        for listener in self.exec_listeners:
+            listener()
+
+
+def bucket_batches(kind: str, rows: list[tuple], width: int,
+                   extra: dict[str, Callable[[np.ndarray], object]] | None = None) -> list[pa.RecordBatch]:
+    """`kind` rows of per-thread counts in time buckets `width` ns wide, as a probe's hash
+    holds them: `rows` are (bucket, tid, pid, count, *more) tuples, `extra` names each
+    further column and converts its int64 values."""
+    if not rows:
+        return []
+    bucket, tid, pid, count, *more = (np.array(col, dtype=np.int64) for col in zip(*rows))
+    columns = {
+        "ts_ns": bucket * width,
+        "dur_ns": np.full(len(rows), width, dtype=np.int64),
+        "tid": tid.astype(np.int32),
+        "pid": pid.astype(np.int32),
+        "count": count,
+    }
+    for (name, convert), values in zip((extra or {}).items(), more):
+        columns[name] = convert(values)
+    return [make_batch(kind, columns)]
 
 
 def drain_hash(table) -> list[tuple]:

@@ -16,11 +16,12 @@ import pyarrow as pa
 
 from trainbpf.tracefile import make_batch
 from trainbpf.tracer.addrs import parse_maps
-from trainbpf.tracer.collector import Collector, drain_hash, stack_ids
+from trainbpf.tracer.collector import Collector, bucket_batches, drain_hash, stack_ids
 
 LAYERS = ("runtime", "driver")
 KINDS = ("launch", "wait", "copy", "alloc", "free")
-# (symbol, layer, kind); the position is the call code of probes/cuda.bpf.c's CALL list.
+# (symbol, layer, kind); the position is the call code.  The probe compiles an entry and a
+# return program for each (CUDA_CALLS, call_list()).
 CALLS: tuple[tuple[str, int, int], ...] = (
     ("cudaLaunchKernel", 0, 0), ("cudaLaunchKernelExC", 0, 0), ("cudaLaunchCooperativeKernel", 0, 0),
     ("cudaGraphLaunch", 0, 0), ("cudaStreamSynchronize", 0, 1), ("cudaDeviceSynchronize", 0, 1),
@@ -37,6 +38,11 @@ CALL_INDEX = {name: i for i, (name, _, _) in enumerate(CALLS)}
 # A base name and any exported versioned aliases of it.
 SYMBOL_RE = r"^(" + "|".join(n for n, _, _ in CALLS) + r")((_v2|_v3)?(_ptsz|_ptds)?)$"
 LIBRARY_RE = re.compile(r"/lib(cudart|cuda)\.so(\.\d+)*$")
+
+
+def call_list() -> str:
+    """CALLS as the probe's CUDA_CALLS define: CALL(symbol,code,layer,kind) for each."""
+    return "".join(f"CALL({name},{code},{layer},{kind})" for code, (name, layer, kind) in enumerate(CALLS))
 
 
 def base_name(symbol: str) -> str | None:
@@ -70,7 +76,6 @@ class CudaCollector(Collector):
     name = "cuda"
     source = "cuda.bpf.c"
     ringbufs = ("cuda_events",)
-    lost_names = ("cuda",)
     uprobes = True
 
     def __init__(self, settings):
@@ -79,11 +84,14 @@ class CudaCollector(Collector):
         self._maps_seen: dict[int, int] = {}  # pid -> hash of its maps when last scanned
         self._pids: set[int] = set()
 
-    def defines(self) -> dict[str, int]:
-        return {"MIN_CUDA_NS": self.settings.min_cuda_ns, "CUDA_BUCKET_NS": self.settings.cuda_bucket_ns}
+    def defines(self) -> dict[str, int | str]:
+        return {"MIN_CUDA_NS": self.settings.min_cuda_ns, "CUDA_BUCKET_NS": self.settings.cuda_bucket_ns,
+                **{f"LAYER_{layer.upper()}": i for i, layer in enumerate(LAYERS)},
+                **{f"CUDA_{kind.upper()}": i for i, kind in enumerate(KINDS)},
+                "CUDA_CALLS": call_list()}
 
-    def seeded(self, bpf, tgids) -> None:
-        self._pids.update(tgids)
+    def seeded(self, bpf, walked, threads, now_ns: int) -> None:
+        self._pids.update(threads.tgids())
         self.scan(bpf)
 
     def scan(self, bpf) -> None:
@@ -160,23 +168,9 @@ class CudaCollector(Collector):
     def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
         if not final:
             self.scan(bpf)
-        counts = [(k.bucket, k.tid, k.pid, k.layer, k.nested, getattr(v, "value", v))
+        counts = [(k.bucket, k.tid, k.pid, getattr(v, "value", v), k.layer, k.nested)
                   for k, v in drain_hash(bpf["cuda_launches"])]
-        if not counts:
-            return []
-        bucket, tid, pid, layer, nested, count = (np.array(col, dtype=np.int64) for col in zip(*counts))
-        width = self.settings.cuda_bucket_ns
-        return [
-            make_batch(
-                "cuda_launch",
-                {
-                    "ts_ns": bucket * width,
-                    "dur_ns": np.full(len(counts), width, dtype=np.int64),
-                    "tid": tid.astype(np.int32),
-                    "pid": pid.astype(np.int32),
-                    "name": [LAYERS[x] for x in layer.tolist()],
-                    "op": nested.astype(np.int32),
-                    "count": count,
-                },
-            )
-        ]
+        return bucket_batches("cuda_launch", counts, self.settings.cuda_bucket_ns, {
+            "name": lambda layer: [LAYERS[x] for x in layer.tolist()],
+            "op": lambda nested: nested.astype(np.int32),
+        })

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pyarrow as pa
 
-from trainbpf.tracefile import make_batch
-from trainbpf.tracer.collector import Collector, drain_hash
+from trainbpf.tracer.collector import Collector, bucket_batches, drain_hash
 
 
 RAW_TRACEPOINT = "page_fault_user"  # attached raw (faults.bpf.c), checked in tracefs by its full name
@@ -16,7 +14,6 @@ class FaultsCollector(Collector):
     name = "faults"
     source = "faults.bpf.c"
     tracepoints = ("exceptions:page_fault_user",)
-    lost_names = ("faults",)
 
     def defines(self) -> dict[str, int]:
         return {"FAULT_BUCKET_NS": self.settings.fault_bucket_ns}
@@ -27,19 +24,4 @@ class FaultsCollector(Collector):
         counts = [(k.bucket, k.tid, k.pid, getattr(v, "value", v)) for k, v in drain_hash(bpf["fault_counts"])]
         if final:
             counts += [(r.bucket, r.tid, r.pid, r.count) for r in bpf["fault_runs"][0] if r.traced and r.count]
-        if not counts:
-            return []
-        bucket, tid, pid, count = (np.array(col, dtype=np.int64) for col in zip(*counts))
-        width = self.settings.fault_bucket_ns
-        return [
-            make_batch(
-                "faults",
-                {
-                    "ts_ns": bucket * width,
-                    "dur_ns": np.full(len(counts), width, dtype=np.int64),
-                    "tid": tid.astype(np.int32),
-                    "pid": pid.astype(np.int32),
-                    "count": count,
-                },
-            )
-        ]
+        return bucket_batches("faults", counts, self.settings.fault_bucket_ns)

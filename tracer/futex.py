@@ -15,7 +15,6 @@ class FutexCollector(Collector):
     tracepoints = ("syscalls:sys_enter_futex", "syscalls:sys_exit_futex")
     optional_tracepoints = ("syscalls:sys_enter_futex_wait", "syscalls:sys_enter_futex_waitv")
     ringbufs = ("futex_events",)
-    lost_names = ("futex",)
 
     def defines(self) -> dict[str, int]:
         return {"MIN_FUTEX_NS": self.settings.min_futex_ns}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from trainbpf.errors import EnvironmentCheckError
 from trainbpf.tracer.block import BlockCollector
-from trainbpf.tracer.collector import Collector, Settings, ctypes_to_dtype
+from trainbpf.tracer.collector import PROBE_IDS, Collector, Settings, ctypes_to_dtype, probe_defines
 from trainbpf.tracer.cuda import CudaCollector
 from trainbpf.tracer.faults import FaultsCollector
 from trainbpf.tracer.futex import FutexCollector
@@ -124,7 +124,8 @@ def build_source(collectors: list[Collector]) -> str:
 
 
 def cflags(collectors: list[Collector], settings: Settings, tracefs: Path) -> list[str]:
-    defines = {
+    defines: dict[str, int | str] = {
+        **probe_defines(),
         "RINGBUF_PAGES": settings.ringbuf_pages,
         "TRACE_ALL": int(settings.trace_all),
         "SELF_TGID": os.getpid(),
@@ -166,9 +167,9 @@ def load(collectors: list[Collector], settings: Settings):
 
 def detach(bpf) -> None:
     """Detach every program and perf event (bpf.cleanup), the tracepoints concurrently:
-    closing a tracepoint's perf event waits for an RCU grace period in the kernel, ~75 ms
-    each on the test VM, so one after another the ~40 of them held a stop up 2.7 s;
-    side by side the waits overlap (1.4 s).  ctypes drops the GIL around each close."""
+    closing a tracepoint's perf event waits for an RCU grace period in the kernel, and
+    side by side the waits overlap (docs/performance.md, "Costs the code is shaped by").
+    ctypes drops the GIL around each close."""
     tracepoints = list(bpf.tracepoint_fds)
     if tracepoints:
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(tracepoints)) as pool:
@@ -202,7 +203,5 @@ def stack_counts(bpf) -> dict[str, int]:
 
 
 def lost_counts(bpf) -> dict[str, int]:
-    from trainbpf.tracer.collector import PROBE_IDS
-
     table = bpf["lost"]
     return {name: int(sum(table[ctypes.c_int(i)])) for name, i in PROBE_IDS.items()}

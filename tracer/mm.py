@@ -9,10 +9,16 @@ import pyarrow as pa
 from trainbpf.tracefile import make_batch
 from trainbpf.tracer.collector import Collector
 
-# MM_* in probes/mm.bpf.c
-LOCK_READ, LOCK_WRITE, RECLAIM_DIRECT, RECLAIM_MEMCG, COMPACTION = 1, 2, 3, 4, 5
-NUMA_MOVE, NUMA_SWAP, MIGRATE = 6, 7, 8
-SYSCALLS = {9: "mmap", 10: "munmap", 11: "brk", 12: "madvise", 13: "mremap"}
+# mm_event.what codes, passed to probes/mm.bpf.c as -D MM_<NAME> (defines() below).
+WHAT = {
+    "LOCK_READ": 1, "LOCK_WRITE": 2, "RECLAIM_DIRECT": 3, "RECLAIM_MEMCG": 4, "COMPACTION": 5,
+    "NUMA_MOVE": 6, "NUMA_SWAP": 7, "MIGRATE": 8,
+    "SYS_MMAP": 9, "SYS_MUNMAP": 10, "SYS_BRK": 11, "SYS_MADVISE": 12, "SYS_MREMAP": 13,
+}
+LOCK_READ, LOCK_WRITE = WHAT["LOCK_READ"], WHAT["LOCK_WRITE"]
+RECLAIM_DIRECT, RECLAIM_MEMCG, COMPACTION = WHAT["RECLAIM_DIRECT"], WHAT["RECLAIM_MEMCG"], WHAT["COMPACTION"]
+NUMA_MOVE, NUMA_SWAP, MIGRATE = WHAT["NUMA_MOVE"], WHAT["NUMA_SWAP"], WHAT["MIGRATE"]
+SYSCALLS = {code: name[4:].lower() for name, code in WHAT.items() if name.startswith("SYS_")}
 
 
 class MmCollector(Collector):
@@ -36,10 +42,9 @@ class MmCollector(Collector):
     )
     optional_tracepoints = ("vmscan:mm_vmscan_memcg_reclaim_begin",)
     ringbufs = ("mm_events",)
-    lost_names = ("mm",)
 
     def defines(self) -> dict[str, int]:
-        return {"MIN_LOCK_NS": self.settings.min_lock_ns}
+        return {"MIN_LOCK_NS": self.settings.min_lock_ns, **{f"MM_{name}": code for name, code in WHAT.items()}}
 
     def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
         what = r["what"]

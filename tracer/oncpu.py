@@ -13,7 +13,6 @@ class OnCpuCollector(Collector):
     name = "oncpu"
     source = "oncpu.bpf.c"
     ringbufs = ("oncpu_events",)
-    lost_names = ("oncpu",)
 
     def attach(self, bpf) -> None:
         from bcc import PerfSWConfig, PerfType

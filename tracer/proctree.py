@@ -56,8 +56,8 @@ def is_alive(pid: int) -> bool:
     return any(process_state(pid, tid) not in (None, "Z", "X") for tid in tids)
 
 
-def _children(pids: list[int]) -> dict[int, list[int]]:
-    """ppid -> child pids for every process on the machine."""
+def _children() -> dict[int, list[int]]:
+    """ppid -> child pids, for every process on the machine."""
     kids: dict[int, list[int]] = {}
     for entry in os.scandir(PROC):
         if not entry.name.isdigit():
@@ -72,7 +72,7 @@ def _children(pids: list[int]) -> dict[int, list[int]]:
 
 def process_tree(pid: int) -> list[int]:
     """`pid` and all its descendant processes (tgids)."""
-    kids = _children([pid])
+    kids = _children()
     tree, todo = [], [pid]
     while todo:
         p = todo.pop()

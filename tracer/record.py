@@ -16,17 +16,15 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
-from trainbpf import doctor
-from trainbpf.errors import NotRootError, OutputError, TargetError, UsageError
+from trainbpf.errors import OutputError, TargetError, UsageError
 from trainbpf.schema import SCHEMA_ID
 from trainbpf.safefile import check_output as safe_check_output
 from trainbpf.tracefile import SpoolWriter, check_spool_free, finalize, make_batch, spool_path_for
-from trainbpf.tracer import loader, proctree, procfs, taskstats
+from trainbpf.tracer import loader, preflight, proctree, procfs, taskstats
 from trainbpf.tracer.addrs import AddressDescriber, ProcMaps, futex_pairs
-from trainbpf.tracer.collector import Settings
+from trainbpf.tracer.collector import Collector, Settings, ThreadTable
 from trainbpf.tracer.gpu import GpuSampler, wall_minus_mono_ns
 from trainbpf.tracer.ringbuf import open_rings
-from trainbpf.tracer.sched import TASK_EXEC, TASK_EXIT, SchedCollector
 from trainbpf.tracer.stacks import StackSymbolizer, drop_irq_wakers, stack_refs
 
 FLUSH_INTERVAL_S = 1.0
@@ -48,11 +46,6 @@ class RecordResult:
     cuda_libraries: int = 0  # CUDA library files probed
 
 
-def check_root() -> None:
-    if os.geteuid() != 0:
-        raise NotRootError("recording needs root (BPF and tracefs): run it with sudo")
-
-
 def check_target(pid: int) -> None:
     if pid <= 0 or not proctree.is_alive(pid):
         raise TargetError(f"no such process: {pid} (--pid takes a process id, the kernel's tgid)")
@@ -66,11 +59,19 @@ def check_output(output: Path, *, force: bool = False) -> None:
 
 
 class Recorder:
+    """One recording session.  run() reads top to bottom: open (check the privileges, the
+    target, the output and the machine; choose the probes) -> load (compile the probes;
+    their tracepoints attach as they load) -> attach (seed the traced tree, open the
+    spool) -> drain (flush the ring buffers and the in-kernel aggregates into the spool
+    every FLUSH_INTERVAL_S until a stop) -> stop (what is still open ends with the
+    recording) -> finalise (the spool becomes the trace file)."""
+
     def __init__(self, *, pid: int | None, output: Path, duration: float | None, settings: Settings,
                  probes: list[str] | None, gpu: str, topology_file: Path | None,
                  status: Callable[[str], None] | None, trainer_tid: int | None = None,
                  on_attached: Callable[[], None] | None = None, force: bool = False,
                  notice: Callable[[str], None] | None = None):
+        # What was asked for.
         self.pid = pid
         self.force = force
         self.output = output
@@ -85,11 +86,25 @@ class Recorder:
         self.notice = notice
         self.stop_reason = ""
         self._stop = threading.Event()
-        self._rings = None  # the ring-buffer readers, once open
-        self.threads: dict[int, int] = {}  # tid -> tgid, every thread seen
-        self.exited: set[int] = set()
+        # What the session holds, from open to finalise.
+        self.collectors: list[Collector] = []
+        self.gpu: GpuSampler | None = None
+        self.wall_minus_mono = 0
+        self.seed: list[proctree.ThreadInfo] = []  # the tree walked before the probes load
+        self.bpf = None
+        self.rings = None  # the ring-buffer readers, once open
+        self.writer: SpoolWriter | None = None
+        self.symbolizer: StackSymbolizer | None = None
+        self.procsampler: procfs.ProcSampler | None = None
+        self.meta: dict = {}
+        self.threads = ThreadTable()  # every thread seen, and those that exited
         self.gpu_processes: list[dict] = []  # [{pid, uuid}] at the start
         self.futex_addrs = AddressDescriber()
+        self.start_ns = 0
+        self.end_ns = 0
+        self.duration_s = 0.0
+        self.rows = 0
+        self.lost: dict[str, int] = {}
 
     # -- lifecycle -------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -98,126 +113,79 @@ class Recorder:
             self._stop.set()
 
     def run(self) -> RecordResult:
-        check_root()
+        self._open()
+        self.bpf = loader.load(self.collectors, self.settings)  # compile before the spool exists
+        try:
+            self._open_spool()
+            try:
+                self._attach()
+                self._drain()
+                self._stop_tracing()
+                return self._finalise()
+            finally:
+                self.gpu.stop()
+                self.writer.release()  # the spool's lock, whatever happened
+        finally:
+            if self.rings is not None:
+                self.rings.close()
+            loader.detach(self.bpf)  # every program and perf event we attached
+
+    def _open(self) -> None:
+        """Everything that can be refused before a probe is compiled (tracer/preflight.py:
+        what `trainbpf doctor` checks), the probes chosen and the tree walked."""
+        preflight.require(preflight.check_privileges)
         if self.pid is not None:
             check_target(self.pid)
         check_output(self.output, force=self.force)
-        doctor.preflight()
-        hz = procfs.kernel_hz()
-        self.settings = Settings(**{**self.settings.__dict__, "hz": hz})
-        collectors = loader.select(self.probe_names, self.settings)
-        for c in collectors:
+        preflight.require(*preflight.ENVIRONMENT)
+        self.settings = Settings(**{**self.settings.__dict__, "hz": procfs.kernel_hz()})
+        self.collectors = loader.select(self.probe_names, self.settings)
+        for c in self.collectors:
             c.notice = self.notice
-        wall_minus_mono = wall_minus_mono_ns()
-        gpu = GpuSampler(mode=self.gpu_mode, wall_minus_mono_ns=wall_minus_mono)
-        gpu.check()
-
-        seed = self._walk()
-        if self.trainer_tid is not None and self.trainer_tid not in {t.tid for t in seed}:
+        self.wall_minus_mono = wall_minus_mono_ns()
+        self.gpu = GpuSampler(mode=self.gpu_mode, wall_minus_mono_ns=self.wall_minus_mono)
+        self.gpu.check()
+        self.seed = self._walk()
+        if self.trainer_tid is not None and self.trainer_tid not in {t.tid for t in self.seed}:
             raise UsageError(f"--trainer-tid {self.trainer_tid} is not a thread of the traced processes")
-        bpf = loader.load(collectors, self.settings)  # compile before the spool exists
-        try:
-            if self.pid is not None and not proctree.is_alive(self.pid):
-                raise TargetError(f"process {self.pid} exited before the probes attached")
-            gpu.start()
-            self.gpu_processes = gpu.processes({t.pid for t in seed} | ({self.pid} if self.pid else set()))
-            self.meta = self._meta(collectors, wall_minus_mono, gpu)
-            writer = SpoolWriter(self.output, self.meta)
-            try:
-                return self._record(bpf, collectors, writer, gpu, seed)
-            finally:
-                gpu.stop()
-                writer.release()  # the spool's lock, whatever happened
-        finally:
-            if self._rings is not None:
-                self._rings.close()
-            loader.detach(bpf)  # every program and perf event we attached
 
-    def _meta(self, collectors, wall_minus_mono: int, gpu: GpuSampler) -> dict:
-        return {
-            "schema": SCHEMA_ID,
-            "host": socket.gethostname(),
-            "kernel": platform.release(),
-            "argv": sys.argv,
-            "target_pid": self.pid,
-            "target_cmdline": proctree.cmdline(self.pid) if self.pid else [],
-            "trainer_tid": self.trainer_tid,
-            "clock": {
-                "start_mono_ns": time.monotonic_ns(),
-                "wall_minus_mono_ns": wall_minus_mono,
-                "source": "CLOCK_MONOTONIC",
-            },
-            "topology": procfs.topology(gpu.gpus, self.topology_file),
-            "probes": [c.name for c in collectors],
-            "thresholds": self.settings.thresholds(),
-            "gpu": {**gpu.meta(), "processes": self.gpu_processes},
-            "delayacct": taskstats.delayacct_enabled(),
-            "system_wide": self.settings.trace_all,
-            "complete": False,
-        }
+    def _open_spool(self) -> None:
+        if self.pid is not None and not proctree.is_alive(self.pid):
+            raise TargetError(f"process {self.pid} exited before the probes attached")
+        self.gpu.start()
+        self.gpu_processes = self.gpu.processes({t.pid for t in self.seed} | ({self.pid} if self.pid else set()))
+        self.meta = self._meta()
+        self.writer = SpoolWriter(self.output, self.meta)
 
-    def _gpu_processes(self, gpu: GpuSampler, tgids: list[int]) -> list[dict]:
-        """The traced processes' GPUs seen at the start or now (at the stop)."""
-        now = gpu.processes(set(tgids)) if gpu.source else []
-        merged = {(p["pid"], p["uuid"]): p for p in self.gpu_processes + now}
-        return [merged[k] for k in sorted(merged)]
-
-    def _walk(self) -> list[proctree.ThreadInfo]:
-        if self.pid is not None:  # never the recorder's own tree (--pid 1 holds it)
-            return proctree.tree_threads(self.pid, exclude=os.getpid())
-        return [t for t in proctree.all_threads() if t.pid != os.getpid()]
-
-    def _seed(self, bpf, writer: SpoolWriter, threads: list[proctree.ThreadInfo]) -> None:
-        new = [t for t in threads if t.tid not in self.threads]
-        if not new:
-            return
-        for t in new:
-            if not self.settings.trace_all:  # node-wide, the probes trace every tid anyway
-                loader.set_traced(bpf, t.tid, t.pid)
-            self.threads[t.tid] = t.pid
-        now = time.monotonic_ns()
-        writer.add(make_batch("thread", {
-            "ts_ns": np.full(len(new), now, dtype=np.int64),
-            "tid": np.array([t.tid for t in new], dtype=np.int32),
-            "pid": np.array([t.pid for t in new], dtype=np.int32),
-            "comm": [t.comm for t in new],
-            "peer_tid": np.array([t.parent_tid for t in new], dtype=np.int32),
-            "name": ["seed"] * len(new),
-        }))
-
-    def _record(self, bpf, collectors, writer: SpoolWriter, gpu: GpuSampler, seed) -> RecordResult:
-        rings = self._rings = open_rings(bpf, loader.event_dtypes(bpf, collectors))
-        owner = {rb: c for c in collectors for rb in c.ringbufs}
-        symbolizer = StackSymbolizer(bpf)
-        procsampler = procfs.ProcSampler()
-
-        # The recording starts here: the tree is seeded from now, and threads already
-        # blocked begin their off-CPU interval now.
+    def _attach(self) -> None:
+        """The recording starts here: the tree is seeded from now, and threads already
+        blocked begin their off-CPU interval now."""
+        self.rings = open_rings(self.bpf, loader.event_dtypes(self.bpf, self.collectors))
+        self.symbolizer = StackSymbolizer(self.bpf)
+        self.procsampler = procfs.ProcSampler()
+        self.threads.exec_listeners += [self.symbolizer.exec_seen, self.futex_addrs.exec_seen]
         self.start_ns = time.monotonic_ns()
-        self._seed(bpf, writer, seed)
+        self._seed(self.seed)
         walked = self._walk()  # again: threads born between the first walk and the attach
-        self._seed(bpf, writer, walked)
-        sched = next(c for c in collectors if isinstance(c, SchedCollector))
-        sched.seed_blocked(bpf, walked, self.start_ns)
-        tgids = sorted(set(self.threads.values()))
-        for c in collectors:
-            c.seeded(bpf, tgids)
-        for batch in (procfs.numa_maps_batch(tgids, "start"), taskstats.snapshot(dict(self.threads), "start")):
+        self._seed(walked)
+        for c in self.collectors:
+            c.seeded(self.bpf, walked, self.threads, self.start_ns)
+        tgids = self.threads.tgids()
+        for batch in (procfs.numa_maps_batch(tgids, "start"), taskstats.snapshot(dict(self.threads.tgid), "start")):
             if batch is not None:
-                writer.add(batch)
-        writer.flush()
+                self.writer.add(batch)
+        self.writer.flush()
         if self.on_attached:
             self.on_attached()
 
+    def _drain(self) -> None:
         start = self.start_ns / 1e9
         deadline = start + self.duration if self.duration else None
         next_flush = start + FLUSH_INTERVAL_S
-        total_rows = 0
-        lost: dict[str, int] = {}
         while True:
             # Records arrive without a wake-up (probes/common.h submit_flags): the poll
             # returns after POLL_MS, or early when a burst forces a wake-up.
-            rings.poll(POLL_MS)
+            self.rings.poll(POLL_MS)
             now = time.monotonic()
             if deadline and now >= deadline:
                 self.request_stop("duration")
@@ -228,52 +196,47 @@ class Recorder:
             stopping = self._stop.is_set()
             if now >= next_flush or stopping:
                 if stopping:
-                    rings.drain(passes=FINAL_DRAIN_PASSES)  # what is still in the ring buffers
-                total_rows += self._flush(bpf, collectors, rings, owner, symbolizer, writer, gpu, procsampler,
-                                          final=stopping)
-                lost = loader.lost_counts(bpf)
-                if any(lost.values()):
-                    n = time.monotonic_ns()
-                    writer.add(make_batch("lost", {
-                        "ts_ns": np.full(len(lost), n, dtype=np.int64), "name": list(lost),
-                        "count": np.array(list(lost.values()), dtype=np.int64)}))
-                writer.flush()
+                    self.rings.drain(passes=FINAL_DRAIN_PASSES)  # what is still in the ring buffers
+                self._flush(final=stopping)
                 next_flush = now + FLUSH_INTERVAL_S
-                if writer.failed:
+                if self.writer.failed:
                     self.request_stop("output failed")
                 if self.status:
-                    self.status(f"recording {now - start:6.1f}s  events {total_rows}  "
-                                f"lost {sum(lost.values())}  written {writer.bytes_written / 1e6:.1f} MB")
+                    self.status(f"recording {now - start:6.1f}s  events {self.rows}  "
+                                f"lost {sum(self.lost.values())}  written {self.writer.bytes_written / 1e6:.1f} MB")
             if stopping:
                 break
 
-        end_ns = time.monotonic_ns()
-        live = {tid for tid in self.threads if tid not in self.exited}
-        for batch in sched.open_intervals(bpf, end_ns, live):
-            writer.add(batch)
-            total_rows += batch.num_rows
-        tgids = sorted({tg for tid, tg in self.threads.items()})
-        live = {tid: tg for tid, tg in self.threads.items() if tid not in self.exited}
-        for batch in (procfs.numa_maps_batch(tgids, "end"), taskstats.snapshot(live, "end")):
+    def _stop_tracing(self) -> None:
+        self.end_ns = time.monotonic_ns()
+        for c in self.collectors:
+            for batch in c.still_open(self.bpf, self.threads, self.end_ns, final=True):
+                self.writer.add(batch)
+                self.rows += batch.num_rows
+        tgids = self.threads.tgids()
+        for batch in (procfs.numa_maps_batch(tgids, "end"), taskstats.snapshot(self.threads.live(), "end")):
             if batch is not None:
-                writer.add(batch)
-        writer.flush()
-        writer.close(keep_open=True)  # finalised from this descriptor, still locked
-        duration = time.monotonic() - start
+                self.writer.add(batch)
+        self.writer.flush()
+        self.writer.close(keep_open=True)  # finalised from this descriptor, still locked
+        self.duration_s = time.monotonic() - self.start_ns / 1e9
+
+    def _finalise(self) -> RecordResult:
+        writer, gpu = self.writer, self.gpu
         if writer.failed:
             raise OutputError(f"{writer.failed}; what was recorded is kept in {writer.spool} "
                               f"(`trainbpf recover {writer.spool}`)")
         final = {
             "complete": True,
             "stop_reason": self.stop_reason,
-            "lost": lost,
-            "clock": {**self.meta["clock"], "start_mono_ns": self.start_ns, "end_mono_ns": end_ns},
+            "lost": self.lost,
+            "clock": {**self.meta["clock"], "start_mono_ns": self.start_ns, "end_mono_ns": self.end_ns},
             "gpu": {**gpu.meta(), "samples": gpu.count, "process_samples": gpu.process_count,
-                    "processes": self._gpu_processes(gpu, tgids)},
+                    "processes": self._gpu_processes(self.threads.tgids())},
             "stacks": {"frames": self.settings.stack_frames, "entries": self.settings.stack_entries,
-                       **loader.stack_counts(bpf)},
+                       **loader.stack_counts(self.bpf)},
         }
-        for c in collectors:
+        for c in self.collectors:
             final.update(c.meta())
         try:
             finalize(writer.spool, self.output, final, spool_fd=writer.fd, force=self.force)
@@ -281,57 +244,107 @@ class Recorder:
             raise OutputError(f"{exc}; what was recorded is kept in {writer.spool}") from exc
         finally:
             writer.release()
-        return RecordResult(self.output, duration, total_rows, lost, self.stop_reason,
-                            len(self.threads), gpu.source, self.output.stat().st_size,
-                            tuple(c.name for c in collectors), len(final.get("cuda", {}).get("libraries", ())))
+        return RecordResult(self.output, self.duration_s, self.rows, self.lost, self.stop_reason,
+                            len(self.threads.tgid), gpu.source, self.output.stat().st_size,
+                            tuple(c.name for c in self.collectors),
+                            len(final.get("cuda", {}).get("libraries", ())))
 
-    def _flush(self, bpf, collectors, rings, owner, symbolizer, writer, gpu, procsampler, *, final: bool) -> int:
-        now_ns = time.monotonic_ns()
-        batches: list[pa.RecordBatch] = []
-        for rb in owner:
-            records = rings.take(rb)
-            if records is not None and len(records):
-                batches += owner[rb].decode(rb, records)
-                if rb == "task_events":
-                    self._track_tasks(bpf, records)
-                    if (records["what"] == TASK_EXEC).any():
-                        symbolizer.exec_seen()
-                        self.futex_addrs.exec_seen()
-        for c in collectors:
-            batches += c.drain(bpf, now_ns, final=final)
-        # Kernel stacks first: they tell which wake-ups came from interrupt context, whose
-        # "waker" (and its user stack) must be dropped before user stacks are resolved.
+    # -- parts -----------------------------------------------------------------------
+    def _meta(self) -> dict:
+        return {
+            "schema": SCHEMA_ID,
+            "host": socket.gethostname(),
+            "kernel": platform.release(),
+            "argv": sys.argv,
+            "target_pid": self.pid,
+            "target_cmdline": proctree.cmdline(self.pid) if self.pid else [],
+            "trainer_tid": self.trainer_tid,
+            "clock": {
+                "start_mono_ns": time.monotonic_ns(),
+                "wall_minus_mono_ns": self.wall_minus_mono,
+                "source": "CLOCK_MONOTONIC",
+            },
+            "topology": procfs.topology(self.gpu.gpus, self.topology_file),
+            "probes": [c.name for c in self.collectors],
+            "thresholds": self.settings.thresholds(),
+            "gpu": {**self.gpu.meta(), "processes": self.gpu_processes},
+            "delayacct": taskstats.delayacct_enabled(),
+            "system_wide": self.settings.trace_all,
+            "complete": False,
+        }
+
+    def _gpu_processes(self, tgids: list[int]) -> list[dict]:
+        """The traced processes' GPUs seen at the start or now (at the stop)."""
+        now = self.gpu.processes(set(tgids)) if self.gpu.source else []
+        merged = {(p["pid"], p["uuid"]): p for p in self.gpu_processes + now}
+        return [merged[k] for k in sorted(merged)]
+
+    def _walk(self) -> list[proctree.ThreadInfo]:
+        if self.pid is not None:  # never the recorder's own tree (--pid 1 holds it)
+            return proctree.tree_threads(self.pid, exclude=os.getpid())
+        return [t for t in proctree.all_threads() if t.pid != os.getpid()]
+
+    def _seed(self, threads: list[proctree.ThreadInfo]) -> None:
+        new = [t for t in threads if t.tid not in self.threads.tgid]
+        if not new:
+            return
+        for t in new:
+            if not self.settings.trace_all:  # node-wide, the probes trace every tid anyway
+                loader.set_traced(self.bpf, t.tid, t.pid)
+            self.threads.tgid[t.tid] = t.pid
+        now = time.monotonic_ns()
+        self.writer.add(make_batch("thread", {
+            "ts_ns": np.full(len(new), now, dtype=np.int64),
+            "tid": np.array([t.tid for t in new], dtype=np.int32),
+            "pid": np.array([t.pid for t in new], dtype=np.int32),
+            "comm": [t.comm for t in new],
+            "peer_tid": np.array([t.parent_tid for t in new], dtype=np.int32),
+            "name": ["seed"] * len(new),
+        }))
+
+    def _with_symbols(self, batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
+        """`batches`, and the stacks and futex addresses they refer to.  Kernel stacks
+        first: they tell which wake-ups came from interrupt context, whose "waker" (and its
+        user stack) must be dropped before user stacks are resolved."""
         refs = [stack_refs(b) for b in batches]
         kernel = np.concatenate([k for k, _ in refs]) if refs else np.empty(0, np.int64)
-        sym_kernel = symbolizer.symbolize(kernel, [])
-        batches = [drop_irq_wakers(b, symbolizer.irq_ids) for b in batches]
+        sym_kernel = self.symbolizer.symbolize(kernel, [])
+        batches = [drop_irq_wakers(b, self.symbolizer.irq_ids) for b in batches]
         user = [stack_refs(b)[1] for b in batches]
         maps = ProcMaps()  # read once for this flush, by both
-        sym_user = symbolizer.symbolize([], np.concatenate(user) if user else [], maps)
+        sym_user = self.symbolizer.symbolize([], np.concatenate(user) if user else [], maps)
         described = self.futex_addrs.describe(futex_pairs(batches), maps)
-        batches += [s for s in (sym_kernel, sym_user, described) if s is not None]
-        gpu_batch = gpu.take()
+        return batches + [s for s in (sym_kernel, sym_user, described) if s is not None]
+
+    def _flush(self, *, final: bool) -> None:
+        """One flush: every probe's records and aggregates, their stacks and futex
+        addresses, the GPU and /proc samples; then the lost counts."""
+        now_ns = time.monotonic_ns()
+        batches = [b for c in self.collectors for b in c.take(self.rings, self.threads)]
+        for c in self.collectors:
+            batches += c.drain(self.bpf, now_ns, final=final)
+        batches = self._with_symbols(batches)
+        gpu_batch = self.gpu.take()
         if gpu_batch is not None:
             batches.append(gpu_batch)
-        batches += procsampler.take()
+        batches += self.procsampler.take()
         if not final:  # what a killed recording's last segment says was still blocked
             segment_ns = time.monotonic_ns()
-            sched = next(c for c in collectors if isinstance(c, SchedCollector))
-            live = {tid for tid in self.threads if tid not in self.exited}
-            batches += sched.open_intervals(bpf, segment_ns, live, kind="offcpu_open")
+            for c in self.collectors:
+                batches += c.still_open(self.bpf, self.threads, segment_ns, final=False)
             batches.append(make_batch("segment", {"ts_ns": np.array([segment_ns], dtype=np.int64)}))
         for b in batches:
-            writer.add(b)
-        for tid in list(self.exited):  # drained: the map entries can go
-            loader.untrace(bpf, tid)
-        return sum(b.num_rows for b in batches)
-
-    def _track_tasks(self, bpf, records: np.ndarray) -> None:
-        for tid, pid, what in zip(records["tid"].tolist(), records["pid"].tolist(), records["what"].tolist()):
-            if what == TASK_EXIT:
-                self.exited.add(tid)
-            else:
-                self.threads.setdefault(tid, pid)
+            self.writer.add(b)
+        for tid in list(self.threads.exited):  # drained: the map entries can go
+            loader.untrace(self.bpf, tid)
+        self.rows += sum(b.num_rows for b in batches)
+        self.lost = loader.lost_counts(self.bpf)
+        if any(self.lost.values()):
+            n = time.monotonic_ns()
+            self.writer.add(make_batch("lost", {
+                "ts_ns": np.full(len(self.lost), n, dtype=np.int64), "name": list(self.lost),
+                "count": np.array(list(self.lost.values()), dtype=np.int64)}))
+        self.writer.flush()
 
 
 def record(*, pid: int | None, output: Path, duration: float | None = None,

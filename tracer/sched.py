@@ -6,12 +6,17 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf.tracefile import make_batch
-from trainbpf.tracer.collector import Collector, cstrings, drain_hash, stack_ids
+from trainbpf.tracer.collector import Collector, ThreadTable, cstrings, drain_hash, stack_ids
 
-# prev_state bits as sched_switch reports them (TASK_REPORT); 0x100 = preempted.
-STATE_LETTERS = {0x100: "R", 0: "R", 1: "S", 2: "D", 4: "T", 8: "t", 16: "X", 32: "Z", 64: "P", 128: "I"}
+# The constants sched.bpf.c shares, passed to it as -D defines (defines() below).
+# The state the probe reports for a task switched out while runnable (TASK_REPORT_MAX).
+STATE_PREEMPTED = 0x100
+# task_event.what codes (TASK_SEED, ...), and the `thread` row names they become.
 TASK_WHAT = {0: "seed", 1: "thread", 2: "process", 3: "exec", 4: "rename", 5: "exit"}
-TASK_EXEC, TASK_EXIT = 3, 5
+TASK_EXEC, TASK_EXIT = ({w: c for c, w in TASK_WHAT.items()}[what] for what in ("exec", "exit"))
+
+# prev_state bits as sched_switch reports them (TASK_REPORT).
+STATE_LETTERS = {STATE_PREEMPTED: "R", 0: "R", 1: "S", 2: "D", 4: "T", 8: "t", 16: "X", 32: "Z", 64: "P", 128: "I"}
 
 
 # /proc state letter -> the prev_state bits sched_switch would have reported
@@ -25,7 +30,7 @@ def state_letters(raw: np.ndarray) -> np.ndarray:
     out = np.full(raw.shape, "?", dtype=object)
     for bit, letter in STATE_LETTERS.items():
         out[low == bit] = letter
-    out[(raw == 0) | (raw == 0x100)] = "R"
+    out[(raw == 0) | (raw == STATE_PREEMPTED)] = "R"
     return out
 
 
@@ -52,10 +57,29 @@ class SchedCollector(Collector):
     )
     optional_raw_tracepoints = ("sched_exit_tp",)  # stacks at switch-in (see sched.bpf.c)
     ringbufs = ("sched_events", "task_events")
-    lost_names = ("sched", "task")
 
     def defines(self) -> dict[str, int]:
-        return {"MIN_BLOCK_NS": self.settings.min_block_ns}
+        return {"MIN_BLOCK_NS": self.settings.min_block_ns, "STATE_PREEMPTED": STATE_PREEMPTED,
+                **{f"TASK_{what.upper()}": code for code, what in TASK_WHAT.items()}}
+
+    def on_batch(self, ringbuf: str, records: np.ndarray, threads: ThreadTable) -> None:
+        """task_events: threads born and exited, and execs (whose address space is new)."""
+        if ringbuf != "task_events":
+            return
+        for tid, pid, what in zip(records["tid"].tolist(), records["pid"].tolist(), records["what"].tolist()):
+            if what == TASK_EXIT:
+                threads.exited.add(tid)
+            else:
+                threads.tgid.setdefault(tid, pid)
+        if (records["what"] == TASK_EXEC).any():
+            threads.exec_seen()
+
+    def seeded(self, bpf, walked, threads: ThreadTable, now_ns: int) -> None:
+        self.seed_blocked(bpf, walked, now_ns)
+
+    def still_open(self, bpf, threads: ThreadTable, now_ns: int, *, final: bool) -> list[pa.RecordBatch]:
+        """Off-CPU intervals still open: `offcpu` rows at the stop, `offcpu_open` at a flush."""
+        return self.open_intervals(bpf, now_ns, set(threads.live()), kind="offcpu" if final else "offcpu_open")
 
     def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
         if ringbuf == "sched_events":
@@ -147,7 +171,7 @@ class SchedCollector(Collector):
                 continue
             w = woken.get(tid)
             woke = w is not None and w.ts_ns >= so.ts_ns
-            preempted = so.state in (0, 0x100)
+            preempted = so.state in (0, STATE_PREEMPTED)
             runq = dur if preempted else (end_ns - w.ts_ns if woke else 0)
             rows.append((so.ts_ns, dur, tid, so.tgid, so.state, runq,
                          w.waker_tid if woke else 0, w.waker_pid if woke else 0,

@@ -27,13 +27,13 @@ class StackSymbolizer:
         self.done_kernel: set[int] = set()
         self.done_user: set[tuple[int, int]] = set()
         self.irq_ids: set[int] = set()  # kernel stacks taken in interrupt context
-        # Symbol names by address: the same frames recur in stack after stack (4x fewer
-        # lookups on a Python trainer), and each lookup costs bcc 10-60 microseconds.
+        # Symbol names by address: the same frames recur in stack after stack, and each
+        # lookup costs bcc time (docs/performance.md, "Costs the code is shaped by").
         self._kernel_names: dict[int, str] = {}
         self._user_names: dict[tuple[int, int], str] = {}  # (pid, addr); cleared on exec
         # The same names by (file, offset in it): a forked DataLoader worker runs the code
         # its parent ran, and bcc would load each library's symbols again for its pid
-        # (20-30 ms a library) to name addresses already named.
+        # to name addresses already named.
         self._image_names: dict[tuple[str, int, int], str] = {}  # (device, inode, offset)
 
     def _frames(self, stack_id: int, resolve) -> str:
@@ -166,8 +166,8 @@ def stack_refs(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
 
 
 def sorted_unique(values: np.ndarray) -> np.ndarray:
-    """np.unique(values) for 1-D values by sorting: numpy 2.4's np.unique is ~50x slower
-    than this on 500k distinct int64 (1 s against 20 ms, on the 2-core test VM)."""
+    """np.unique(values) for 1-D values by sorting: numpy 2.4's np.unique is much slower
+    (docs/performance.md, "Costs the code is shaped by")."""
     values = np.sort(values, kind="stable")
     return values[np.concatenate(([True], values[1:] != values[:-1]))] if len(values) else values
 

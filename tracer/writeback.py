@@ -14,7 +14,6 @@ class WritebackCollector(Collector):
     source = "writeback.bpf.c"
     tracepoints = ("writeback:balance_dirty_pages",)
     ringbufs = ("writeback_events",)
-    lost_names = ("writeback",)
 
     def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
         pause_ns = r["pause_ms"].astype(np.int64) * 1_000_000

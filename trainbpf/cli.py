@@ -4,6 +4,7 @@ codes (trainbpf.errors); nothing below prints a traceback for a user's mistake."
 
 from __future__ import annotations
 
+import enum
 import math
 import sys
 from pathlib import Path
@@ -13,9 +14,14 @@ import typer
 
 from trainbpf.analyze_options import GPU_IDLE_THRESHOLD, GPU_IDLE_THRESHOLD_MAX, GPU_IDLE_THRESHOLD_MIN, ReportFormat, Window
 from trainbpf.errors import TrainbpfError
+from trainbpf.tracer.settings import GPU_MODES, Settings
 
 # typer (>= 0.29) vendors click; click's usage errors derive from the public TyperException.
 ClickException = typer.TyperException
+
+# Option defaults and choices declared where the recorder declares them.
+_RECORDING = Settings()
+GpuMode = enum.Enum("GpuMode", {m.replace("-", "_"): m for m in GPU_MODES}, type=str)
 
 app = typer.Typer(
     name="trainbpf",
@@ -72,16 +78,16 @@ def record(
     pid: Optional[int] = typer.Option(None, "--pid", "-p", help="Process to trace (its kernel tgid), with its threads and every descendant."),
     output: Path = typer.Option(Path("trace.parquet"), "--output", "-o", help="Trace file to write (created 0600)."),
     duration: Optional[float] = typer.Option(None, "--duration", "-d", help="Seconds to record; default: until Ctrl-C, SIGTERM or the target exits."),
-    min_block_us: float = typer.Option(20.0, help="Off-CPU intervals at least this long stream out with stacks; shorter ones are summed in the kernel."),
-    min_futex_us: float = typer.Option(20.0, help="Futex waits at least this long are recorded."),
-    min_lock_us: float = typer.Option(10.0, help="mmap_lock waits at least this long are recorded."),
-    min_cuda_us: float = typer.Option(20.0, help="CUDA waits, copies and allocations at least this long are recorded (launches are all counted)."),
-    oncpu_hz: int = typer.Option(199, help="On-CPU sampling frequency per CPU."),
+    min_block_us: float = typer.Option(_RECORDING.min_block_ns / 1000, help="Off-CPU intervals at least this long stream out with stacks; shorter ones are summed in the kernel."),
+    min_futex_us: float = typer.Option(_RECORDING.min_futex_ns / 1000, help="Futex waits at least this long are recorded."),
+    min_lock_us: float = typer.Option(_RECORDING.min_lock_ns / 1000, help="mmap_lock waits at least this long are recorded."),
+    min_cuda_us: float = typer.Option(_RECORDING.min_cuda_ns / 1000, help="CUDA waits, copies and allocations at least this long are recorded (launches are all counted)."),
+    oncpu_hz: int = typer.Option(_RECORDING.oncpu_hz, help="On-CPU sampling frequency per CPU."),
     probes: Optional[str] = typer.Option(None, help="Comma-separated subset of probes: sched,futex,faults,oncpu,mm,writeback,block,cuda (default all)."),
-    gpu: str = typer.Option("auto", help="GPU sampling: auto (NVML, else nvidia-smi), nvml, nvidia-smi, off."),
+    gpu: GpuMode = typer.Option(GpuMode.auto.value, help="GPU sampling: auto (NVML, else nvidia-smi), nvml, nvidia-smi, off."),
     topology: Optional[Path] = typer.Option(None, help='Declared topology JSON {"nodes": {"0": [cpus]}, "gpus": [{"index": 0, "node": 0}]} overriding /sys.'),
     trainer_tid: Optional[int] = typer.Option(None, help="The thread that feeds the GPU (default: the target's main thread)."),
-    ringbuf_pages: int = typer.Option(512, help="Ring-buffer size per probe in pages (a power of two)."),
+    ringbuf_pages: int = typer.Option(_RECORDING.ringbuf_pages, help="Ring-buffer size per probe in pages (a power of two)."),
     system_wide: bool = typer.Option(False, "--system-wide", help="Trace every thread on the machine instead of one process tree."),
     force: bool = typer.Option(False, "--force", help="Replace an existing trace file (never a symlink, a device, or a file the sudo user could not write)."),
 ) -> None:
@@ -93,8 +99,6 @@ def record(
     try:
         if pid is None and not system_wide:
             raise UsageError("give --pid PID (the training process) or --system-wide")
-        if gpu not in ("auto", "nvml", "nvidia-smi", "off"):
-            raise UsageError(f"--gpu {gpu}: choose auto, nvml, nvidia-smi or off")
         if ringbuf_pages < 1 or ringbuf_pages & (ringbuf_pages - 1):
             raise UsageError(f"--ringbuf-pages {ringbuf_pages}: must be a power of two")
         if duration is not None and not (math.isfinite(duration) and duration > 0):
@@ -115,7 +119,7 @@ def record(
         result = do_record(
             pid=pid, output=output, duration=duration, settings=settings,
             probes=[p.strip() for p in probes.split(",") if p.strip()] if probes else None,
-            gpu=gpu, topology_file=topology, status=status, trainer_tid=trainer_tid, force=force,
+            gpu=gpu.value, topology_file=topology, status=status, trainer_tid=trainer_tid, force=force,
             notice=lambda line: typer.echo(("\n" if status else "") + line, err=True),
         )
     except TrainbpfError as exc:

@@ -1,50 +1,32 @@
 """`trainbpf doctor`: can this machine record, and if not, what to do about it.
 
-Each check gives a status (ok / warn / fail), what it found, and a fix hint.  `record`
-runs the fail-able checks first (``preflight``) and stops with one line pointing here."""
+Each check gives a status (ok / warn / fail), what it found, and a fix hint.  The checks
+`record` also runs before it compiles anything (and stops at the first failure, with one
+line pointing here) live in tracer/preflight.py."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
-from trainbpf.errors import EnvironmentCheckError, TrainbpfError
-
-OK, WARN, FAIL = "ok", "warn", "fail"
-CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: str
-    detail: str
-    fix: str = ""
-
-
-def _effective_caps() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return int(line.split()[1], 16)
-    return 0
-
-
-def check_privileges() -> Check:
-    if os.geteuid() == 0:
-        return Check("privileges", OK, "running as root")
-    caps = _effective_caps()
-    if caps & (1 << CAP_SYS_ADMIN) or (caps & (1 << CAP_BPF) and caps & (1 << CAP_PERFMON)):
-        return Check("privileges", OK, "CAP_BPF and CAP_PERFMON (or CAP_SYS_ADMIN)")
-    return Check("privileges", FAIL, "not root and no CAP_BPF/CAP_PERFMON",
-                 "run with sudo (see README: sudo keeps PATH out, so give the venv's full path)")
-
+from trainbpf.errors import TrainbpfError
+from trainbpf.tracer.preflight import (
+    CAP_BPF,
+    CAP_SYS_ADMIN,
+    ENVIRONMENT,
+    FAIL,
+    OK,
+    WARN,
+    Check,
+    check_privileges,
+    effective_caps,
+)
 
 def check_bpf_syscall() -> Check:
     """Create (and close) a one-entry BPF array map through the raw syscall."""
-    if os.geteuid() != 0 and not _effective_caps() & (1 << CAP_BPF | 1 << CAP_SYS_ADMIN):
+    if os.geteuid() != 0 and not effective_caps() & (1 << CAP_BPF | 1 << CAP_SYS_ADMIN):
         return Check("bpf syscall", WARN, "not checked without privileges", "run doctor with sudo")
     libc = ctypes.CDLL(None, use_errno=True)
     attr = (ctypes.c_uint32 * 32)()
@@ -57,45 +39,6 @@ def check_bpf_syscall() -> Check:
                      "the kernel needs CONFIG_BPF_SYSCALL; in containers allow the bpf syscall")
     os.close(fd)
     return Check("bpf syscall", OK, "BPF maps can be created")
-
-
-def check_tracefs() -> Check:
-    from trainbpf.tracer.loader import ensure_tracefs
-
-    try:
-        root = ensure_tracefs(mount=True)
-    except TrainbpfError:
-        return Check("tracefs", FAIL, "not mounted and could not mount it",
-                     "sudo mount -t tracefs nodev /sys/kernel/tracing")
-    return Check("tracefs", OK, f"mounted at {root}")
-
-
-def check_headers() -> Check:
-    from trainbpf.tracer.kheaders import find_headers
-
-    try:
-        headers = find_headers(create=os.geteuid() == 0)
-    except TrainbpfError as exc:
-        return Check("kernel headers", FAIL, str(exc), "run scripts/setup.sh as root")
-    if headers is None:
-        return Check("kernel headers", FAIL, "none found for bcc",
-                     "apt-get install linux-headers-$(uname -r) or linux-headers-amd64")
-    if headers.exact:
-        return Check("kernel headers", OK, f"{headers.origin}: {headers.path}")
-    return Check("kernel headers", OK,
-                 f"{headers.origin} at {headers.path} (not the running kernel's; the probes read "
-                 "only tracepoint fields, so any recent headers serve)")
-
-
-def check_bcc() -> Check:
-    try:
-        import bcc
-    except ImportError as exc:
-        return Check("bcc", FAIL, f"not importable: {exc}",
-                     "apt-get install python3-bpfcc; use a venv created with --system-site-packages "
-                     "from /usr/bin/python3 (scripts/setup.sh does this)")
-    version = getattr(getattr(bcc, "version", None), "__version__", "?")
-    return Check("bcc", OK, f"bcc {version} from {Path(bcc.__file__).parent}")
 
 
 def check_tracepoints() -> list[Check]:
@@ -195,20 +138,12 @@ def check_probes_load() -> list[Check]:
 
 
 def run_checks(*, load_probes: bool = True) -> list[Check]:
-    checks = [check_privileges(), check_bpf_syscall(), check_tracefs(), check_headers(), check_bcc()]
+    checks = [check_privileges(), check_bpf_syscall(), *(check() for check in ENVIRONMENT)]
     checks += check_tracepoints()
     checks += [check_uprobes(), check_gpu(), check_delayacct(), check_psi()]
     if load_probes and not any(c.status == FAIL for c in checks):
         checks += check_probes_load()
     return checks
-
-
-def preflight() -> None:
-    """Raise on the first check that makes recording impossible (record runs this)."""
-    for check in (check_privileges, check_tracefs, check_headers, check_bcc):
-        c = check()
-        if c.status == FAIL:
-            raise EnvironmentCheckError(f"{c.name}: {c.detail}; run `trainbpf doctor`")
 
 
 def render(checks: list[Check]) -> str:

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 # The stall category a failing node check points at: each category names its checks.
 from trainbpf.analyzers.categories import CHECK_CATEGORY  # noqa: F401 (part of this module's API)
 from trainbpf.errors import UsageError
+from trainbpf.tracer.settings import GPU_MODES  # noqa: F401 (the config key gpu takes these)
 
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
 STATUS_NAMES = {OK: "ok", WARNING: "warning", CRITICAL: "critical", UNKNOWN: "unknown"}
@@ -51,9 +52,6 @@ NODE_CHECKS = tuple(k for k in DEFAULT_THRESHOLDS if k not in TARGET_CHECKS)
 DEFAULT_COMMAND_PATTERNS = (r"\btorchrun\b", r"\btorch\.distributed\.(run|launch)\b", r"\bdeepspeed\b", r"\baccelerate launch\b")
 # Daemons that hold GPU device files open without training anything.
 DEFAULT_EXCLUDE_PATTERNS = (r"nvidia-persistenced", r"nv-hostengine", r"dcgm", r"nvidia-smi", r"\bXorg\b", r"gdm|gnome-shell")
-# How the recorder samples GPUs (trainbpf.tracer.gpu): the choices `gpu` takes.
-GPU_MODES = ("auto", "nvml", "nvidia-smi", "off")
-
 
 @dataclass(frozen=True)
 class HealthConfig:

@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from trainbpf.analyzers.node import node_check_values, node_metrics
-from trainbpf.errors import NotRootError, OutputError, TrainbpfError
+from trainbpf.errors import OutputError, TrainbpfError
 from trainbpf.health.config import TEXTFILE_NAME, UNKNOWN, HealthConfig, Threshold
 from trainbpf.health.outputs import write_outputs
 from trainbpf.health.results import HealthResult, TargetResult, failed_result, grade_report, make_check, overall_status
 from trainbpf.health.targets import Target, find_targets, recording_root, scan_processes, target_trees, tree_tids
 from trainbpf.safefile import check_output
+from trainbpf.tracer.preflight import check_privileges, require
 from trainbpf.tracer.proctree import is_alive
 
 # The hard backstop fires this long after the time limit when the soft stop did not
@@ -234,8 +235,7 @@ def run_health(*, config: HealthConfig) -> HealthResult:
     """One health check with its outputs written.  Raises HealthBusy when another run
     holds the lock and UsageError/OutputError before anything is measured; every later
     failure becomes a result with status 3 (written, so the fleet sees it)."""
-    if os.geteuid() != 0:
-        raise NotRootError("the health check records with BPF: run it as root (sudo trainbpf health)")
+    require(check_privileges)  # what `trainbpf record` and `doctor` ask for
     check_outputs(config)
     host = socket.gethostname()
     with exclusive_lock(config.lock_file):
