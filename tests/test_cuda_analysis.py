@@ -261,8 +261,8 @@ def test_fine_grained_trainer_matches_the_truth(tmp_path):
 
     offcpu = data.frame("offcpu")
     offcpu = offcpu[offcpu["tid"] == trainer]
-    start = np.clip(offcpu["ts_ns"].to_numpy(np.int64), lo, hi)
-    end = np.clip(start + offcpu["dur_ns"].to_numpy(np.int64), lo, hi)
+    ts = offcpu["ts_ns"].to_numpy(np.int64)
+    start, end = np.clip(ts, lo, hi), np.clip(ts + offcpu["dur_ns"].to_numpy(np.int64), lo, hi)
     states = pd.DataFrame({"tid": trainer, "start_ns": start, "end_ns": end, "state": offcpu["state"].to_numpy()})
     states = states[states["end_ns"] > states["start_ns"]]
     gpu_bound = int(gpu_bound_ns(states, waits).sum())
