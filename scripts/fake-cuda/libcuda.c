@@ -5,11 +5,21 @@
  * for the queue, then takes bytes / 10 GB/s.  Exported names are the real ones, with a
  * few of the versioned aliases libcuda exports (_v2, _ptsz); each is its own function,
  * and none calls another exported one, so a call is one uprobe hit (build.py keeps gcc
- * from folding identical bodies into one address). */
+ * from folding identical bodies into one address).
+ *
+ * With $TRAINBPF_SIM_GPU set, the device is the simulated GPU the nvidia-smi and NVML
+ * stand-ins sample (scripts/fake-nvidia-smi, scripts/fake-nvml): each kernel appends its
+ * busy interval "start_ns end_ns pid\n" (CLOCK_MONOTONIC) to that file, and each process
+ * that launches lists its pid once in "<file>.pids" (a CUDA context: a compute process).
+ * Copies are not kernels and are not written. */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef void *CUstream;
@@ -23,6 +33,10 @@ typedef uint64_t CUdeviceptr;
 static uint64_t busy_until; /* CLOCK_MONOTONIC ns at which the queued work is done */
 static uint64_t kernel_ns = 1000000;
 static uint64_t next_ptr = 0x700000000000ull;
+static int sim_fd = -1;        /* $TRAINBPF_SIM_GPU, O_APPEND; -1: not simulating */
+static char sim_pids[4096];    /* "<file>.pids" */
+static pid_t sim_registered;   /* the process whose pid "<file>.pids" lists */
+#define SIM_FILE_MAX_BYTES (1 << 20) /* past this the file starts afresh: readers read its tail */
 
 static uint64_t now_ns(void)
 {
@@ -38,13 +52,37 @@ static void sleep_until(uint64_t t)
     }
 }
 
-static void enqueue(uint64_t ns)
+static void sim_append(int fd, const char *line, int n)
+{
+    if (fd < 0 || n <= 0)
+        return;
+    ssize_t done = write(fd, line, (size_t)n); /* one short write on O_APPEND: never split */
+    (void)done;
+}
+
+static void sim_busy(uint64_t start, uint64_t end)
+{
+    char line[80];
+    pid_t pid = getpid(), seen = __atomic_load_n(&sim_registered, __ATOMIC_ACQUIRE);
+    if (seen != pid && __atomic_compare_exchange_n(&sim_registered, &seen, pid, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        int fd = open(sim_pids, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644); /* also a forked child's */
+        sim_append(fd, line, snprintf(line, sizeof line, "%d\n", (int)pid));
+        if (fd >= 0)
+            close(fd);
+    }
+    sim_append(sim_fd, line, snprintf(line, sizeof line, "%llu %llu %d\n", (unsigned long long)start,
+                                      (unsigned long long)end, (int)pid));
+}
+
+static void enqueue(uint64_t ns, int kernel)
 {
     uint64_t now = now_ns(), old, start;
     do { /* lock-free: workers in other threads launch too */
         old = __atomic_load_n(&busy_until, __ATOMIC_ACQUIRE);
         start = old > now ? old : now;
     } while (!__atomic_compare_exchange_n(&busy_until, &old, start + ns, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
+    if (kernel && ns > 0 && sim_fd >= 0)
+        sim_busy(start, start + ns);
 }
 
 static CUresult drain_queue(void)
@@ -74,6 +112,15 @@ __attribute__((constructor)) static void init(void)
     const char *env = getenv("FAKECUDA_KERNEL_NS");
     if (env)
         kernel_ns = strtoull(env, NULL, 10);
+    const char *sim = getenv("TRAINBPF_SIM_GPU");
+    struct stat st;
+    if (!sim || !*sim || snprintf(sim_pids, sizeof sim_pids, "%s.pids", sim) >= (int)sizeof sim_pids)
+        return;
+    sim_fd = open(sim, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    if (sim_fd >= 0 && fstat(sim_fd, &st) == 0 && st.st_size > SIM_FILE_MAX_BYTES) {
+        int shrunk = ftruncate(sim_fd, 0); /* readers read the tail only; append anyway if it fails */
+        (void)shrunk;
+    }
 }
 
 NOINLINE CUresult cuInit(unsigned flags) { (void)flags; return 0; }
@@ -83,7 +130,7 @@ NOINLINE CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigne
 {
     (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shmem; (void)stream;
     (void)params; (void)extra;
-    enqueue(__atomic_load_n(&kernel_ns, __ATOMIC_RELAXED));
+    enqueue(__atomic_load_n(&kernel_ns, __ATOMIC_RELAXED), 1);
     return 0;
 }
 
@@ -93,11 +140,16 @@ NOINLINE CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, un
 {
     (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shmem; (void)stream;
     (void)params; (void)extra;
-    enqueue(__atomic_load_n(&kernel_ns, __ATOMIC_RELAXED));
+    enqueue(__atomic_load_n(&kernel_ns, __ATOMIC_RELAXED), 1);
     return 0;
 }
 
-NOINLINE CUresult cuGraphLaunch(CUgraphExec g, CUstream s) { (void)g; (void)s; enqueue(kernel_ns); return 0; }
+NOINLINE CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
+{
+    (void)g; (void)s;
+    enqueue(__atomic_load_n(&kernel_ns, __ATOMIC_RELAXED), 1);
+    return 0;
+}
 NOINLINE CUresult cuStreamSynchronize(CUstream s) { (void)s; return drain_queue(); }
 NOINLINE CUresult cuStreamSynchronize_ptsz(CUstream s) { (void)s; return drain_queue(); }
 NOINLINE CUresult cuCtxSynchronize(void) { return drain_queue(); }
@@ -108,13 +160,13 @@ NOINLINE CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { (void)d; (
 NOINLINE CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st)
 {
     (void)d; (void)s; (void)st;
-    enqueue(n / 10);
+    enqueue(n / 10, 0);
     return 0;
 }
 NOINLINE CUresult cuMemcpyAsync_ptsz(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st)
 {
     (void)d; (void)s; (void)st;
-    enqueue(n / 10);
+    enqueue(n / 10, 0);
     return 0;
 }
 NOINLINE CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return alloc(p, n); }
