@@ -6,7 +6,7 @@ between, and the training steps that the wait/launch rhythm shows.
   (`state == "wait"`) and synchronous copies (cudaMemcpy, cuMemcpy, cuMemcpyHtoD,
   cuMemcpyDtoH).  A runtime call and the driver call it makes (`op == 1`) overlap; only
   the outermost counts, so nothing is counted twice.
-- `launch_bursts(cuda_launch)`: the launches each thread issued (`op == 0` rows) as
+- `launch_bursts(cuda_launch)`: the launches each thread issued (`nested == 0` rows) as
   bursts.  A row's [ts_ns, ts_ns + dur_ns] is the span of its launches: today the 10 ms
   bucket (the first launch after a wait is then known to the bucket), exact once the
   probe stores the first launch time and the span.
@@ -44,7 +44,7 @@ SYNC_COPIES = frozenset({"cudaMemcpy", "cuMemcpy", "cuMemcpyHtoD", "cuMemcpyDtoH
 # One row per wait, disjoint per thread: `name` the outermost call.
 WAIT_COLUMNS = ("tid", "pid", "start_ns", "end_ns", "name")
 # One row per burst of launches of one thread: [start_ns, end_ns] the span of its launches.
-BURST_COLUMNS = ("tid", "pid", "start_ns", "end_ns", "count")
+BURST_COLUMNS = ("tid", "pid", "start_ns", "end_ns", "launches")
 # One row per wait followed by a launch before the thread's next wait: [start_ns, end_ns)
 # from the wait's end to that launch; `wait` the wait's row position in `waits`.
 GAP_COLUMNS = ("tid", "start_ns", "end_ns", "gap_ns", "wait")
@@ -101,15 +101,16 @@ def gpu_waits(cuda_call: pd.DataFrame, *, tids: Iterable[int] | None = None) -> 
 
 
 def launch_bursts(cuda_launch: pd.DataFrame, *, tids: Iterable[int] | None = None, join_ns: int = 0) -> pd.DataFrame:
-    """BURST_COLUMNS: the launches each thread issued (`op == 0` rows, runtime and direct
+    """BURST_COLUMNS: the launches each thread issued (`nested == 0` rows of
+    Trace.view("cuda_launch"), runtime and direct
     driver launches alike), rows whose spans overlap or lie within `join_ns` of each
     other merged into one burst; sorted by thread and time."""
-    pick = (_col(cuda_launch, "op", 0) == 0) & (_col(cuda_launch, "count", 0) > 0) & _select_tids(cuda_launch, tids)
+    pick = (_col(cuda_launch, "nested", 0) == 0) & (_col(cuda_launch, "launches", 0) > 0) & _select_tids(cuda_launch, tids)
     rows = np.flatnonzero(pick)
     tid, pid = _col(cuda_launch, "tid")[rows], _col(cuda_launch, "pid")[rows]
     start = _col(cuda_launch, "ts_ns", 0)[rows]
     end = start + np.maximum(_col(cuda_launch, "dur_ns", 0)[rows], 0)
-    count = _col(cuda_launch, "count", 0)[rows]
+    count = _col(cuda_launch, "launches", 0)[rows]
     order = np.lexsort((end, start, tid))
     tid, pid, start, end, count = tid[order], pid[order], start[order], end[order], count[order]
     before = _reach_before(tid, end)
@@ -119,7 +120,7 @@ def launch_bursts(cuda_launch: pd.DataFrame, *, tids: Iterable[int] | None = Non
     out_end = np.full(n, np.iinfo(np.int64).min, np.int64)
     np.maximum.at(out_end, run, end)
     return pd.DataFrame({"tid": tid[new], "pid": pid[new], "start_ns": start[new], "end_ns": out_end,
-                         "count": np.bincount(run, weights=count, minlength=n).astype(np.int64)})[list(BURST_COLUMNS)]
+                         "launches": np.bincount(run, weights=count, minlength=n).astype(np.int64)})[list(BURST_COLUMNS)]
 
 
 def launch_gaps(waits: pd.DataFrame, bursts: pd.DataFrame) -> pd.DataFrame:
@@ -179,7 +180,7 @@ def steps(waits: pd.DataFrame, bursts: pd.DataFrame, *, window: Span | None = No
         w_len = (w_end - waits["start_ns"].to_numpy(np.int64)[mine])[order]
         waited = _sum_between(w_end[order], w_len, start, end, "right")  # waits ending in (start, end]
         b = _col(bursts, "tid") == t
-        launches = _sum_between(bursts["start_ns"].to_numpy(np.int64)[b], bursts["count"].to_numpy(np.int64)[b],
+        launches = _sum_between(bursts["start_ns"].to_numpy(np.int64)[b], bursts["launches"].to_numpy(np.int64)[b],
                                 start, end, "left")  # bursts starting in [start, end)
         parts.append(pd.DataFrame({"tid": t, "start_ns": start, "end_ns": end, "step_ns": end - start,
                                    "host_ns": host, "gpu_wait_ns": waited, "launches": launches}))

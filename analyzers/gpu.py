@@ -46,7 +46,9 @@ UTIL_COLUMNS = ("gpu", "start_ns", "ts_ns", "util")
 # inside it (named: with a cause; unwoken: sleeps no traced thread ended), the starved
 # ns the named stalls explain, the idle ns unwoken sleeps overlap at most, and the GPU's
 # weight (1/number of GPUs).
-WINDOW_COLUMNS = ("gpu", "start_ns", "end_ns", "idle_ns", "named_ns", "unwoken_ns", "starved_ns", "unwoken_idle_ns", "weight")
+# gpu_bound_ns: the trainer's time inside CUDA waits (only with CUDA rows; never starved).
+WINDOW_COLUMNS = ("gpu", "start_ns", "end_ns", "idle_ns", "named_ns", "unwoken_ns", "starved_ns", "unwoken_idle_ns",
+                  "gpu_bound_ns", "weight")
 PIECE_COLUMNS = ("interval", "start_ns", "end_ns", "ns", "state", "run_class")
 IDLE_COLUMNS = ("start_ns", "end_ns")
 
@@ -184,11 +186,17 @@ def whole_window(window: Span) -> pd.DataFrame:
 
 
 def stall_pieces(trainer_states: pd.DataFrame, start_ns: np.ndarray, end_ns: np.ndarray, run_split: RunSplit,
-                 trainer_tid: int | None) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+                 trainer_tid: int | None) -> tuple[pd.DataFrame, np.ndarray, np.ndarray, np.ndarray]:
     """The trainer's stalled time inside the windows [start_ns, end_ns) (sorted,
     disjoint): one piece per (state interval, window) overlap, running overlaps as one
     piece per non-user RUN_CLASS weighted by the on-CPU samples (`ns` is float ns).
-    Returns the pieces (PIECE_COLUMNS), each piece's window, and whether it is named."""
+    Returns the pieces (PIECE_COLUMNS), each piece's window, whether it is named, and
+    whether it is GPU-bound.
+
+    `trainer_states` cut at CUDA waits (cuda.split_at_waits: `interval` the state row,
+    `in_wait`) name the GPU waits exactly: a piece inside one is GPU-bound, and every
+    stall outside one is named, an unwoken sleep too (the CUDA rows show it was no GPU
+    wait).  Without those columns an unwoken sleep is presumed one."""
     s = trainer_states["start_ns"].to_numpy(np.int64)
     e = trainer_states["end_ns"].to_numpy(np.int64)
     ia, iw, ps, pe = intersect(s, e, start_ns, end_ns)
@@ -196,13 +204,18 @@ def stall_pieces(trainer_states: pd.DataFrame, start_ns: np.ndarray, end_ns: np.
     fclass = codes(trainer_states["futex_class"])[ia] if "futex_class" in trainer_states else np.zeros(len(ia), np.int8)
     waker = trainer_states["waker_tid"].to_numpy(np.int64)[ia]
     running = state == STATE_CODE["running"]
+    cuda = "in_wait" in trainer_states
+    bound = trainer_states["in_wait"].to_numpy(bool)[ia] & ~running if cuda else np.zeros(len(ia), bool)
+    interval = trainer_states["interval"].to_numpy(np.int64)[ia] if cuda else ia.astype(np.int64)
     named = is_followed(state, fclass, waker) | (interval_category_codes(state, fclass) != CATEGORY_CODE["other"])
+    if cuda:
+        named = ~bound
     pieces = pd.DataFrame(
-        {"interval": ia.astype(np.int64), "start_ns": ps, "end_ns": pe, "ns": (pe - ps).astype(np.float64),
+        {"interval": interval, "start_ns": ps, "end_ns": pe, "ns": (pe - ps).astype(np.float64),
          "state": pd.Categorical.from_codes(state, dtype=STATE_DTYPE),
          "run_class": pd.Categorical.from_codes(np.zeros(len(ia), np.int8), dtype=RUN_CLASS_DTYPE)}
     )
-    parts, windows, names = [pieces[~running]], [iw[~running]], [named[~running]]
+    parts, windows, names, bounds = [pieces[~running]], [iw[~running]], [named[~running]], [bound[~running]]
     if running.any() and trainer_tid is not None:
         run, run_w = pieces[running], iw[running]
         frac = run_split.fractions(trainer_tid, run["start_ns"].to_numpy(), run["end_ns"].to_numpy())
@@ -216,8 +229,9 @@ def stall_pieces(trainer_states: pd.DataFrame, start_ns: np.ndarray, end_ns: np.
             parts.append(part)
             windows.append(run_w[hit])
             names.append(np.ones(int(hit.sum()), bool))  # a fault or reclaim path is a cause
+            bounds.append(np.zeros(int(hit.sum()), bool))
     out = pd.concat(parts, ignore_index=True)[list(PIECE_COLUMNS)]
-    return out, np.concatenate(windows), np.concatenate(names)
+    return out, np.concatenate(windows), np.concatenate(names), np.concatenate(bounds)
 
 
 def starved_pieces(
@@ -235,10 +249,12 @@ def starved_pieces(
         rows = rows.sort_values("start_ns", kind="stable")
         w_start, w_end = rows["start_ns"].to_numpy(np.int64), rows["end_ns"].to_numpy(np.int64)
         idle, weight = rows["idle_ns"].to_numpy(np.float64), rows["weight"].to_numpy(np.float64)
-        part, win, named = stall_pieces(trainer_states, w_start, w_end, run_split, trainer_tid)
+        part, win, named, bound = stall_pieces(trainer_states, w_start, w_end, run_split, trainer_tid)
         ns = part["ns"].to_numpy(np.float64)
         named_ns = np.bincount(win[named], weights=ns[named], minlength=len(rows))
-        unwoken_ns = np.bincount(win[~named], weights=ns[~named], minlength=len(rows))
+        unwoken = ~named & ~bound
+        unwoken_ns = np.bincount(win[unwoken], weights=ns[unwoken], minlength=len(rows))
+        bound_ns = np.bincount(win[bound], weights=ns[bound], minlength=len(rows))
         if budget:
             starved = np.minimum(idle, named_ns)
             factor = np.divide(starved, named_ns, out=np.zeros(len(rows)), where=named_ns > 0)
@@ -248,16 +264,17 @@ def starved_pieces(
             starved = named_ns + unwoken_ns
             factor = np.ones(len(rows))
             unwoken_idle = np.zeros(len(rows))
-            keep = np.ones(len(part), bool)
+            keep = ~bound
         part = part[keep].copy()
         part["ns"] = ns[keep] * factor[win[keep]] * weight[win[keep]]
         pieces.append(part[part["ns"].to_numpy() > 0])
         summaries.append(pd.DataFrame({
             "gpu": gpu, "start_ns": w_start, "end_ns": w_end, "idle_ns": idle, "named_ns": named_ns,
-            "unwoken_ns": unwoken_ns, "starved_ns": starved, "unwoken_idle_ns": unwoken_idle, "weight": weight,
+            "unwoken_ns": unwoken_ns, "starved_ns": starved, "unwoken_idle_ns": unwoken_idle,
+            "gpu_bound_ns": bound_ns, "weight": weight,
         }))
     if not pieces:
-        empty, _, _ = stall_pieces(trainer_states.iloc[:0], np.zeros(0, np.int64), np.zeros(0, np.int64), run_split, None)
+        empty, _, _, _ = stall_pieces(trainer_states.iloc[:0], np.zeros(0, np.int64), np.zeros(0, np.int64), run_split, None)
         summary = pd.DataFrame({c: np.zeros(0) for c in WINDOW_COLUMNS}).astype({"gpu": object, "start_ns": np.int64, "end_ns": np.int64})
         return empty, summary[list(WINDOW_COLUMNS)]
     out = pd.concat(pieces, ignore_index=True)

@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 
 from trainbpf.analyzers.attribution import EXACT_RUN_KINDS, RunSplit, attribute_states, churn_threads, sample_classes
 from trainbpf.analyzers.chains import followed_waits, is_followed, wait_chains
+from trainbpf.analyzers.cuda import gpu_waits, launch_bursts, split_at_waits, step_summary, steps
 from trainbpf.analyzers.evidence import EvidenceContext
 from trainbpf.analyzers.findings import attribute_starved, build_findings
 from trainbpf.analyzers.gpu import (
@@ -62,6 +63,8 @@ class Analysis:
     findings: pd.DataFrame  # findings.FINDING_COLUMNS
     lost: dict[str, int]
     idle_fraction: float | None
+    uses_cuda: bool = False  # the trainer's CUDA calls were traced (its GPU waits are exact)
+    cuda_steps: dict[str, Any] | None = None  # cuda.step_summary of the trainer's steps
     _states: pd.DataFrame | None = field(default=None, repr=False)
 
     @property
@@ -99,6 +102,12 @@ class Analysis:
         synchronisation or timers): left out of starved time."""
         w = self.gpu_windows
         return float((w["unwoken_idle_ns"] * w["weight"]).sum())
+
+    @property
+    def gpu_bound_ns(self) -> float:
+        """The trainer's time inside CUDA waits (GPU-averaged ns): GPU-bound, never starved."""
+        w = self.gpu_windows
+        return float((w["gpu_bound_ns"] * w["weight"]).sum())
 
     @property
     def gpu_source(self) -> str | None:
@@ -216,7 +225,15 @@ def analyze(
         idle = windows[["start_ns", "end_ns"]].copy()
         gpu_idle = None
 
-    pieces, gpu_windows = starved_pieces(trainer_states, windows, run_split, trainer, budget=basis == "gpu_idle")
+    # With the CUDA probe's rows, the trainer's GPU waits are known exactly: cut its states
+    # at them (time inside one is GPU-bound, not starved; docs/findings.md).
+    trainer_ids = () if trainer is None else (trainer,)
+    cuda_waits = gpu_waits(view("cuda_call"), tids=trainer_ids)
+    launches = launch_bursts(view("cuda_launch"), tids=trainer_ids)
+    uses_cuda = bool(len(cuda_waits) or len(launches))
+    stall_states = split_at_waits(trainer_states, cuda_waits) if uses_cuda else trainer_states
+    step_rows = steps(cuda_waits, launches, window=win)
+    pieces, gpu_windows = starved_pieces(stall_states, windows, run_split, trainer, budget=basis == "gpu_idle")
     # Only the waits that starved the GPU are followed.
     stalled = pieces.loc[pieces["run_class"] == "", "interval"].unique()
     waits = followed_waits(trainer_states, stalled[followed[stalled]])
@@ -243,7 +260,7 @@ def analyze(
         gpu_idle_threshold=float(gpu_idle_threshold), basis=basis, threads=threads, slots=slots, totals=totals,
         futex_waits=futex_waits, samples=samples, gpu=util, idle=idle, gpu_windows=gpu_windows, starved=starved, chains=chains, chain_ends=chain_ends,
         churn=churn, placement=placement, findings=findings, lost=lost_counts(meta, view("lost")),
-        idle_fraction=gpu_idle,
+        idle_fraction=gpu_idle, uses_cuda=uses_cuda, cuda_steps=step_summary(step_rows) if len(step_rows) else None,
     )
 
 

@@ -16,6 +16,7 @@ import pytest
 from kernel_env import require_root
 from trainbpf.analyzers.cuda import (BURST_COLUMNS, GAP_COLUMNS, STEP_COLUMNS, WAIT_COLUMNS, gpu_bound_ns,
                                      gpu_waits, launch_bursts, launch_gaps, split_at_waits, step_summary, steps)
+from trainbpf.analyzers import analyze
 from trainbpf.analyzers.intervals import Span
 
 MS = 1_000_000
@@ -23,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def calls(*rows) -> pd.DataFrame:
-    """rows: (tid, ts_ms, dur_ms, name, state, op)."""
-    cols = ("tid", "ts_ns", "dur_ns", "name", "state", "op")
+    """rows: (tid, ts_ms, dur_ms, name, state, nested) as Trace.view("cuda_call") names them."""
+    cols = ("tid", "ts_ns", "dur_ns", "name", "state", "nested")
     frame = pd.DataFrame(list(rows), columns=cols)
     frame["ts_ns"] = (frame["ts_ns"] * MS).round().astype(np.int64)
     frame["dur_ns"] = (frame["dur_ns"] * MS).round().astype(np.int64)
@@ -33,17 +34,17 @@ def calls(*rows) -> pd.DataFrame:
 
 
 def launches(*rows) -> pd.DataFrame:
-    """rows: (tid, ts_ms, dur_ms, op, count)."""
-    frame = pd.DataFrame(list(rows), columns=("tid", "ts_ns", "dur_ns", "op", "count"))
+    """rows: (tid, ts_ms, dur_ms, nested, launches) as Trace.view("cuda_launch") names them."""
+    frame = pd.DataFrame(list(rows), columns=("tid", "ts_ns", "dur_ns", "nested", "launches"))
     frame["ts_ns"] = (frame["ts_ns"] * MS).round().astype(np.int64)
     frame["dur_ns"] = (frame["dur_ns"] * MS).round().astype(np.int64)
     frame["pid"] = 1
-    frame["name"] = "runtime"
+    frame["layer"] = "runtime"
     return frame
 
 
-EMPTY_CALLS = calls().astype({"tid": "Int64", "op": "Int64", "name": object, "state": object})
-EMPTY_LAUNCHES = launches().astype({"tid": "Int64", "op": "Int64", "count": "Int64"})
+EMPTY_CALLS = calls().astype({"tid": "Int64", "nested": "Int64", "name": object, "state": object})
+EMPTY_LAUNCHES = launches().astype({"tid": "Int64", "nested": "Int64", "launches": "Int64"})
 
 
 def test_empty_frames_keep_columns_and_dtypes():
@@ -53,7 +54,7 @@ def test_empty_frames_keep_columns_and_dtypes():
     assert tuple(gaps.columns) == GAP_COLUMNS and tuple(rows.columns) == STEP_COLUMNS
     for frame in (waits, bursts, gaps, rows):
         assert len(frame) == 0
-    assert waits["start_ns"].dtype == np.int64 and bursts["count"].dtype == np.int64
+    assert waits["start_ns"].dtype == np.int64 and bursts["launches"].dtype == np.int64
     assert gaps["gap_ns"].dtype == np.int64 and rows["host_share"].dtype == np.float64
     assert step_summary(rows)["steps"] == 0 and step_summary(rows)["worst"] == []
     states = pd.DataFrame({"start_ns": np.zeros(0, np.int64), "end_ns": np.zeros(0, np.int64), "state": []})
@@ -92,10 +93,10 @@ def test_bursts_merge_touching_rows_per_thread_and_skip_nested():
     frame = launches((1, 0, 10, 0, 5), (1, 10, 10, 0, 3), (1, 10, 10, 1, 3), (1, 40, 10, 0, 2),
                      (2, 10, 10, 0, 4), (2, 50, 0, 0, 1))  # thread 2: one exact launch at 50 ms
     bursts = launch_bursts(frame)
-    assert bursts[["tid", "start_ns", "end_ns", "count"]].values.tolist() == [
+    assert bursts[["tid", "start_ns", "end_ns", "launches"]].values.tolist() == [
         [1, 0, 20 * MS, 8], [1, 40 * MS, 50 * MS, 2], [2, 10 * MS, 20 * MS, 4], [2, 50 * MS, 50 * MS, 1]]
     assert len(launch_bursts(frame, join_ns=20 * MS, tids=[1])) == 1
-    assert launch_bursts(frame, tids=[2])["count"].sum() == 5
+    assert launch_bursts(frame, tids=[2])["launches"].sum() == 5
 
 
 def rhythm(n: int, *, host_ms: float = 12, gpu_ms: float = 20, tid: int = 1, t0: float = 0.0):
@@ -255,8 +256,8 @@ def test_fine_grained_trainer_matches_the_truth(tmp_path):
     truth = json.loads(truth_file.read_text())
     data = read_trace(trace)
     trainer = truth["trainer"]
-    waits = gpu_waits(data.frame("cuda_call"), tids=[trainer])
-    bursts = launch_bursts(data.frame("cuda_launch"), tids=[trainer])
+    waits = gpu_waits(data.view("cuda_call"), tids=[trainer])
+    bursts = launch_bursts(data.view("cuda_launch"), tids=[trainer])
     lo, hi = truth["steps"][0][0], truth["steps"][-1][1]
 
     offcpu = data.frame("offcpu")
@@ -287,3 +288,15 @@ def test_fine_grained_trainer_matches_the_truth(tmp_path):
     assert _within(summary["step_p50_s"], truth_p50), (summary["step_p50_s"], truth_p50)
     # the stand-in's kernels are the simulated GPU that nvidia-smi's stand-in samples
     assert len(in_window) >= 20 and abs(util - busy) < 0.1, (util, busy)
+
+    # The whole analysis over the steps: the estimator leaves the GPU waits out of the
+    # starved time (GPU-bound) and counts the data waits against the samples' idle time.
+    whole = analyze(data, trainer_tid=trainer)
+    analysis = analyze(data, trainer_tid=trainer,
+                       window=((lo - whole.span.start_ns) / 1e9, (hi - whole.span.start_ns) / 1e9))
+    print(f"analysis: GPU-bound s {analysis.gpu_bound_ns / 1e9:.3f}, starved s {analysis.starved_ns / 1e9:.3f}, "
+          f"steps {analysis.cuda_steps['steps']}, not counted s {analysis.unwoken_idle_ns / 1e9:.3f}")
+    assert analysis.uses_cuda and analysis.unwoken_idle_ns == 0.0
+    assert _within(analysis.gpu_bound_ns, truth["sync_ns"]), (analysis.gpu_bound_ns, truth["sync_ns"])
+    assert _within(analysis.starved_ns, truth["data_wait_ns"]), (analysis.starved_ns, truth["data_wait_ns"])
+    assert _within(analysis.cuda_steps["steps"], truth["step_count"])

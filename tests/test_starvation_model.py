@@ -212,3 +212,27 @@ def test_exact_run_rows_of_zero_length_name_nothing():
     shares = split.fractions(1, np.array([0]), np.array([100 * MS]))
     assert shares.shape == (1, len(RUN_CLASSES))
     assert shares[0, 0] == 1.0 and shares[0, 1:].sum() == 0.0
+
+
+def test_cuda_waits_make_gpu_bound_time_exact():
+    """With the CUDA probe's waits, the worked example's sleep inside a synchronisation
+    (80-100 ms) is GPU-bound: neither starved nor "not counted".  A sleep outside any
+    wait is then no GPU wait but a stall: a 10 ms timer sleep at 40-50 ms counts."""
+    from trainbpf.analyzers.cuda import split_at_waits
+
+    timer = states((0, 40, "running", -1), (40, 50, "sleep", -1), (50, 75, "futex", WORKER),
+                   (75, 80, "runnable", -1), (80, 100, "sleep", -1))
+    sync = pd.DataFrame({"tid": [TRAINER], "start_ns": [78 * MS], "end_ns": [100 * MS]})
+    cut = split_at_waits(timer, sync)
+    pieces, summary = starved_pieces(cut, windows(("g", 0, 100, 40.0)), NO_SAMPLES, TRAINER)
+    by_state = pieces.groupby("state", observed=True)["ns"].sum() / MS
+    # named: 10 ms timer sleep + 25 ms futex + 3 ms runnable outside the wait = 38 <= I = 60
+    assert by_state.to_dict() == pytest.approx({"sleep": 10.0, "futex": 25.0, "runnable": 3.0})
+    assert summary["gpu_bound_ns"].iloc[0] == pytest.approx(22 * MS)  # 2 ms runnable + 20 ms sleep
+    assert summary["unwoken_ns"].iloc[0] == 0.0 and summary["unwoken_idle_ns"].iloc[0] == 0.0
+    # pieces still name the trainer's state rows (the chains and findings look them up)
+    assert set(pieces["interval"]) == {1, 2, 3}
+    # Without the waits, both sleeps are presumed GPU waits: only futex + runnable count.
+    plain, plain_summary = starved_pieces(timer, windows(("g", 0, 100, 40.0)), NO_SAMPLES, TRAINER)
+    assert float(plain["ns"].sum()) / MS == pytest.approx(30.0)
+    assert plain_summary["gpu_bound_ns"].iloc[0] == 0.0

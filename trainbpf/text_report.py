@@ -86,6 +86,7 @@ def render_text(rendered: Report) -> str:
             f"  Starved time: {report['starved_s']:.2f} s. Without GPU samples, starved time is the "
             "trainer's non-running time (off-CPU, runnable, or on-CPU in the kernel's fault/reclaim paths)."
         )
+    lines.extend(_cuda_lines(analysis))
     lines.append("")
     findings = report["findings"]
     if not findings:
@@ -121,3 +122,18 @@ def _thread_table(report: dict[str, Any], analysis: Analysis) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     fmt = lambda r: "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     return ["Threads (seconds per state):", "  " + fmt(head)] + ["  " + fmt(r) for r in rows]
+
+
+def _cuda_lines(analysis: Any) -> list[str]:
+    """What the CUDA probe's rows add: the trainer's GPU-bound time and its step rhythm."""
+    if not analysis.uses_cuda:
+        return []
+    lines = [f"  GPU-bound: {analysis.gpu_bound_ns / NS_PER_S:.2f} s of the trainer's stalls were inside CUDA "
+             "synchronisations or blocking copies (waiting for a busy GPU: not starvation)"]
+    st = analysis.cuda_steps
+    if st:
+        lines.append(f"  Steps (from CUDA waits and launches): {st['steps']}, {st['steps_per_s']:.1f}/s; step time "
+                     f"p50 {st['step_p50_s'] * 1e3:.1f} ms, p99 {st['step_p99_s'] * 1e3:.1f} ms; host-bound "
+                     f"{_pct(st['host_bound_share'])} of step time (launch gaps)")
+    return lines
+
