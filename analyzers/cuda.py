@@ -7,9 +7,8 @@ between, and the training steps that the wait/launch rhythm shows.
   cuMemcpyDtoH).  A runtime call and the driver call it makes (`op == 1`) overlap; only
   the outermost counts, so nothing is counted twice.
 - `launch_bursts(cuda_launch)`: the launches each thread issued (`nested == 0` rows) as
-  bursts.  A row's [ts_ns, ts_ns + dur_ns] is the span of its launches: today the 10 ms
-  bucket (the first launch after a wait is then known to the bucket), exact once the
-  probe stores the first launch time and the span.
+  bursts.  A row's [ts_ns, ts_ns + dur_ns] runs from its 10 ms bucket's first launch
+  (exact) to the bucket's end.
 - `launch_gaps(waits, bursts)`: from the end of a wait to the first launch after it.
 - `steps(waits, bursts)`: one step per wait end followed by launches, to the next such
   wait end (the last: to the last wait end after its launches); `step_summary` gives

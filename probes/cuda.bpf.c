@@ -78,7 +78,14 @@ struct cuda_launch_key {
 
 BPF_RINGBUF_OUTPUT(cuda_events, RINGBUF_PAGES);
 BPF_HASH(cuda_calls, struct cuda_key, struct cuda_call, MAX_THREADS);
-BPF_HASH(cuda_launches, struct cuda_launch_key, u64, CUDA_LAUNCH_ENTRIES);
+/* Launches in a bucket, and the first one's time (set when the entry is made: no cost
+ * per launch), which makes a launch gap after a wait exact. */
+struct cuda_launch_count {
+    u64 launches;
+    u64 first_ns;
+};
+
+BPF_HASH(cuda_launches, struct cuda_launch_key, struct cuda_launch_count, CUDA_LAUNCH_ENTRIES);
 BPF_HASH(cuda_launching, u32, u64, MAX_THREADS); /* tid -> time of its last runtime launch */
 
 /* Register arguments by the x86-64 calling convention; none of the calls read here has
@@ -117,13 +124,13 @@ static __always_inline int cuda_enter(struct pt_regs *ctx, u32 call, u32 layer, 
     if (kind == CUDA_LAUNCH) {
         struct cuda_launch_key lk = {.bucket = now / CUDA_BUCKET_NS, .tid = tid, .pid = current_tgid(),
                                      .layer = layer, .nested = nested};
-        u64 zero = 0;
-        u64 *n = cuda_launches.lookup_or_try_init(&lk, &zero);
+        struct cuda_launch_count first = {.first_ns = now};
+        struct cuda_launch_count *n = cuda_launches.lookup_or_try_init(&lk, &first);
         if (!n) {
             count_lost(PROBE_CUDA);
             return 0;
         }
-        __sync_fetch_and_add(n, 1);
+        __sync_fetch_and_add(&n->launches, 1);
         if (layer == LAYER_RUNTIME) {
             u64 *mark = cuda_launching.lookup(&tid);
             if (mark)

@@ -286,6 +286,8 @@ def test_fine_grained_trainer_matches_the_truth(tmp_path):
     assert _within(starved, truth["data_wait_ns"]), (starved, truth["data_wait_ns"])
     assert _within(summary["steps"], truth["step_count"]), (summary["steps"], truth["step_count"])
     assert _within(summary["step_p50_s"], truth_p50), (summary["step_p50_s"], truth_p50)
+    # launch gaps run to each bucket's first launch, exact: the host-bound share is the data waits'
+    assert _within(summary["host_bound_share"], truth["data_wait_ns"] / (hi - lo)), summary["host_bound_share"]
     # the stand-in's kernels are the simulated GPU that nvidia-smi's stand-in samples
     assert len(in_window) >= 20 and abs(util - busy) < 0.1, (util, busy)
 

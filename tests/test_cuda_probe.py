@@ -68,7 +68,9 @@ def test_launch_counts_exact_per_thread(fake):
     nested = launches[launches.op == 1].groupby("tid")["count"].sum().to_dict()
     assert nested == runtime == {main: expected[main], child: expected[child]}
     assert set(launches[launches.tid == thread].name) == {"driver"}
-    assert (launches.dur_ns == 10_000_000).all() and (launches.ts_ns % 10_000_000 == 0).all()
+    # each row spans from its bucket's first launch to the bucket's end
+    end = launches.ts_ns + launches.dur_ns
+    assert (end % 10_000_000 == 0).all() and (launches.dur_ns > 0).all() and (launches.dur_ns <= 10_000_000).all()
     assert (launches[launches.tid == child].pid == child).all()
 
 

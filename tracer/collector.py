@@ -137,17 +137,22 @@ class ThreadTable:
             listener()
 
 
-def bucket_batches(kind: str, rows: list[tuple], width: int,
+def bucket_batches(kind: str, rows: list[tuple], width: int, *, first_ns: bool = False,
                    extra: dict[str, Callable[[np.ndarray], object]] | None = None) -> list[pa.RecordBatch]:
     """`kind` rows of per-thread counts in time buckets `width` ns wide, as a probe's hash
-    holds them: `rows` are (bucket, tid, pid, count, *more) tuples, `extra` names each
-    further column and converts its int64 values."""
+    holds them: `rows` are (bucket, tid, pid, count, *more) tuples.  With `first_ns` the
+    first of `more` is the time of the bucket's first event: a row then spans from it to
+    the bucket's end.  `extra` names each further column and converts its int64 values."""
     if not rows:
         return []
     bucket, tid, pid, count, *more = (np.array(col, dtype=np.int64) for col in zip(*rows))
+    start = bucket * width
+    if first_ns:
+        first, *more = more
+        start = np.clip(first, start, start + width - 1)  # inside its bucket, whatever the clock said
     columns = {
-        "ts_ns": bucket * width,
-        "dur_ns": np.full(len(rows), width, dtype=np.int64),
+        "ts_ns": start,
+        "dur_ns": (bucket + 1) * width - start,
         "tid": tid.astype(np.int32),
         "pid": pid.astype(np.int32),
         "count": count,

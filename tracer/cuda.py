@@ -168,9 +168,9 @@ class CudaCollector(Collector):
     def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
         if not final:
             self.scan(bpf)
-        counts = [(k.bucket, k.tid, k.pid, getattr(v, "value", v), k.layer, k.nested)
+        counts = [(k.bucket, k.tid, k.pid, v.launches, v.first_ns, k.layer, k.nested)
                   for k, v in drain_hash(bpf["cuda_launches"])]
-        return bucket_batches("cuda_launch", counts, self.settings.cuda_bucket_ns, {
+        return bucket_batches("cuda_launch", counts, self.settings.cuda_bucket_ns, first_ns=True, extra={
             "name": lambda layer: [LAYERS[x] for x in layer.tolist()],
             "op": lambda nested: nested.astype(np.int32),
         })

@@ -130,8 +130,8 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     "block_rq": ("ts_ns", "dur_ns", "tid", "pid", "size", "name", "op", "addr"),
     # CUDA launches (cudaLaunchKernel*, cudaLaunchCooperativeKernel, cudaGraphLaunch,
     # cuLaunchKernel*, cuGraphLaunch and their _ptsz/_ptds/_v2 aliases) counted in the
-    # kernel per (tid, bucket of dur_ns = thresholds.cuda_bucket_ns, layer, nesting):
-    # ts_ns = bucket start, name = layer "runtime" (libcudart) / "driver" (libcuda),
+    # kernel per (tid, bucket of thresholds.cuda_bucket_ns, layer, nesting):
+    # ts_ns = the bucket's first launch, dur_ns = from it to the bucket's end, name = layer "runtime" (libcudart) / "driver" (libcuda),
     # op = 1 for driver launches made inside a runtime call (the runtime's own
     # cudaLaunchKernel -> cuLaunchKernel), else 0: the launches issued are the op = 0 rows.
     "cuda_launch": ("ts_ns", "dur_ns", "tid", "pid", "name", "op", "count"),
