@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -120,9 +121,13 @@ def test_no_ring_buffer_traffic_for_launches(fake):
 REAL = sorted(glob.glob("/usr/local/cuda*/lib*/libcudart.so.*[0-9]"))
 
 
-@pytest.mark.skipif(not REAL, reason="no real libcudart under /usr/local/cuda*")
 def test_real_libcudart(tmp_path):
     require_root()
+    if not REAL:  # these machines ship one; in CI its absence is a broken machine, not a pass
+        reason = "no real libcudart under /usr/local/cuda*/lib*"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
     rec = record_workload(tmp_path / "trace.parquet", "cuda_real", REAL[-1],
                           settings=Settings(min_cuda_ns=0))
     libs = rec.trace.meta["cuda"]["libraries"]
