@@ -292,3 +292,22 @@ def test_bad_record_options():
                         (["record", "--pid", "1", "--ringbuf-pages", "3"], "power of two"),
                         (["record", "--pid", "1", "--duration", "0"], "--duration")):
         assert_one_line_error(cli(*args), UsageError.exit_code, words)
+
+
+def test_detach_survives_a_perf_event_already_closed():
+    """A tracepoint whose perf event descriptor something else closed is already
+    detached: loader.detach() lets every other program go and does not raise (bcc alone
+    retried the close, failed on EBADF and kept the rest attached)."""
+    require_root()
+    from trainbpf.tracer import loader
+    from trainbpf.tracer.collector import Settings
+
+    before = held_program_ids(os.getpid())
+    settings = Settings()
+    bpf = loader.load(loader.select(["sched", "futex"], settings), settings)
+    assert held_program_ids(os.getpid()) - before, "the probes should hold programs"
+    tp, fd = next(iter(bpf.tracepoint_fds.items()))
+    os.close(fd)  # gone behind bcc's back
+    loader.detach(bpf)
+    assert held_program_ids(os.getpid()) - before == set(), f"programs left after closing {tp!r} early"
+    assert not bpf.tracepoint_fds

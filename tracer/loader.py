@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import fcntl
 import functools
 import importlib.resources
 import os
@@ -175,7 +176,22 @@ def detach(bpf) -> None:
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(tracepoints)) as pool:
             for done in [pool.submit(bpf.detach_tracepoint, tp) for tp in tracepoints]:
                 done.exception()  # whatever failed, cleanup() below retries and raises
+    # A perf event whose descriptor is already gone is already detached (the kernel let go
+    # of it with its last reference); bcc would retry the close, fail on EBADF and leave
+    # every later program attached.  A fresh-clone CI run met one such descriptor once.
+    for fds in (bpf.tracepoint_fds, bpf.uprobe_fds):
+        for name, fd in list(fds.items()):
+            if not _is_open(fd):
+                del fds[name]
     bpf.cleanup()
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        fcntl.fcntl(fd, fcntl.F_GETFD)
+    except OSError:
+        return False
+    return True
 
 
 def event_dtypes(bpf, collectors: list[Collector]) -> dict[str, "object"]:
