@@ -60,6 +60,7 @@ def test_help_exits_0_and_no_arguments_prints_help():
     (["analyze"], ("Missing argument 'trace'", "'trainbpf analyze --help'")),
     (["analyze", "--format"], ("'--format' requires an argument", "'trainbpf analyze --help'")),
     (["record", "--pid", "abc"], ("'--pid'", "integer", "'trainbpf record --help'")),
+    (["record", "--pid", "1", "--gpu", "bogus"], ("'--gpu'", "'bogus' is not one of", "'trainbpf record --help'")),
     (["analyze", "--trainer-tid", "x", "t.parquet"], ("'--trainer-tid'", "integer")),
     (["bogus"], ("No such command 'bogus'", "'trainbpf --help'")),
 ])
