@@ -12,6 +12,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from trainbpf.tracefile import read_trace
@@ -41,10 +42,16 @@ MIN_PARTLY_BUSY_SAMPLES = 0.8
 
 
 def partly_busy_share(trace: Path) -> float:
-    """The share of the device's GPU samples with utilisation strictly between 0 and 100."""
+    """The share of the device's GPU samples with utilisation strictly between 0 and 100,
+    from the first busy one on: the samples taken before the workload's go (it holds its
+    load until the recorder is ready) are idle whatever the workload's step scale."""
     gpu = read_trace(trace).frame("gpu")
-    util = gpu.loc[gpu["pid"].isna(), "value"].to_numpy(dtype=float)
-    return float(((util > 0) & (util < 100)).mean()) if len(util) else 0.0
+    util = gpu.loc[gpu["pid"].isna()].sort_values("ts_ns")["value"].to_numpy(dtype=float)
+    busy = np.flatnonzero(util > 0)
+    if not len(busy):
+        return 0.0
+    util = util[busy[0]:]
+    return float(((util > 0) & (util < 100)).mean())
 
 
 @pytest.fixture(scope="session")

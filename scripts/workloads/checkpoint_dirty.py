@@ -1,6 +1,6 @@
 """Dirty-page throttling: a background thread keeps writing a large checkpoint through
 the page cache (buffered write(), no fsync) while the trainer appends each batch's rows
-(8 MiB) to a spill file.
+to a spill file.
 
 Under low dirty limits (the scenario test lowers vm.dirty_bytes and
 vm.dirty_background_bytes for the run) every writer of the file system is paused in
@@ -15,9 +15,11 @@ import common
 
 CHECKPOINT_BYTES = 256 << 20
 CHECKPOINT_WRITE_BYTES = 8 << 20
-# The trainer spills rows in 1 MiB writes for half of every step's time: more than its
+# The trainer spills rows in 256 KiB writes for 60% of every step's time: more than its
 # share of the disk's write bandwidth while the checkpoint runs, so it is throttled too.
-TRAINER_WRITE_BYTES = 1 << 20
+# Small writes: one write() is throttled until the dirty pages are back under the limit,
+# however long that takes, so a large one could stall the trainer past a GPU sample.
+TRAINER_WRITE_BYTES = 256 << 10
 SPILL_STEPS = 0.6
 
 
