@@ -15,6 +15,9 @@ between, and the training steps that the wait/launch rhythm shows.
   steps/s, step time p50/p99, host-bound share and the worst steps.
 - `split_at_waits(intervals, waits)` / `gpu_bound_ns`: a thread's state intervals cut at
   its waits, each piece marked inside or outside one.
+- `in_gaps_ns(pieces, gaps)`: the part of each starved piece's time inside launch gaps
+  (the seconds of launch gap a finding explains); `cuda_threads` and `timeline`: per
+  thread launches, waits and gap time in the window, for the reports.
 
 How the starvation estimator (analyzers/gpu.py) uses the last: with CUDA rows in the
 trace, call `split_at_waits(trainer_states, gpu_waits(cuda_call, tids={trainer}))` and
@@ -30,6 +33,7 @@ a launch gap are the starved time the gap explains, attributed to the existing c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
@@ -50,6 +54,9 @@ GAP_COLUMNS = ("tid", "start_ns", "end_ns", "gap_ns", "wait")
 # One row per step: [start_ns, end_ns) from a wait end followed by launches to the next;
 # host_ns the launch gap that opens it, gpu_wait_ns the waits inside, launches issued.
 STEP_COLUMNS = ("tid", "start_ns", "end_ns", "step_ns", "host_ns", "gpu_wait_ns", "launches", "host_share")
+# One row per thread with CUDA rows reaching into the window: launches issued (the
+# buckets starting in it), waits overlapping it, their ns and the launch-gap ns inside it.
+CUDA_THREAD_COLUMNS = ("tid", "pid", "launches", "waits", "wait_ns", "gap_ns")
 WORST_STEPS = 5
 
 
@@ -272,3 +279,88 @@ def gpu_bound_ns(intervals: pd.DataFrame, waits: pd.DataFrame) -> np.ndarray:
     ns = (pieces["end_ns"] - pieces["start_ns"]).to_numpy(np.int64)[inside]
     return np.bincount(pieces["interval"].to_numpy(np.int64)[inside], weights=ns,
                        minlength=len(intervals)).astype(np.int64)
+
+
+def in_gaps_ns(pieces: pd.DataFrame, gaps: pd.DataFrame) -> np.ndarray:
+    """Per row of `pieces` (start_ns, end_ns, ns: one thread's starved pieces, ns at most
+    the piece's length), the part of its ns inside the launch `gaps` (GAP_COLUMNS of the
+    same thread), in proportion to the piece's length inside them; float64."""
+    start, end = pieces["start_ns"].to_numpy(np.int64), pieces["end_ns"].to_numpy(np.int64)
+    gs, ge = merge_intervals(gaps["start_ns"].to_numpy(np.int64), gaps["end_ns"].to_numpy(np.int64))
+    ia, _, s, e = intersect(start, end, gs, ge)
+    inside = np.bincount(ia, weights=(e - s).astype(np.float64), minlength=len(pieces))
+    return pieces["ns"].to_numpy(np.float64) * inside / np.maximum(end - start, 1)
+
+
+def _clipped_ns(start: np.ndarray, end: np.ndarray, window: Span | None) -> np.ndarray:
+    if window is None:
+        return np.maximum(end - start, 0)
+    return np.maximum(np.minimum(end, window.end_ns) - np.maximum(start, window.start_ns), 0)
+
+
+def cuda_threads(cuda_call: pd.DataFrame, cuda_launch: pd.DataFrame, waits: pd.DataFrame, gaps: pd.DataFrame,
+                 *, window: Span | None = None) -> pd.DataFrame:
+    """CUDA_THREAD_COLUMNS, sorted by tid: every thread with a CUDA row (any call, any
+    launch) reaching into `window` (all if None).  launches: its issued launches
+    (`nested == 0`) in buckets starting inside the window; waits: its `waits` (WAIT_COLUMNS)
+    overlapping the window, wait_ns their time inside it; gap_ns: its `gaps` (GAP_COLUMNS)
+    inside it."""
+    lo = np.iinfo(np.int64).min if window is None else window.start_ns
+    hi = np.iinfo(np.int64).max if window is None else window.end_ns
+
+    def rows(frame: pd.DataFrame) -> pd.DataFrame:
+        ts = _col(frame, "ts_ns", 0)
+        end = ts + np.maximum(_col(frame, "dur_ns", 0), 0)
+        touch = (ts < hi) & (end >= lo) & (_col(frame, "tid") >= 0)
+        return pd.DataFrame({"tid": _col(frame, "tid")[touch], "pid": _col(frame, "pid")[touch]})
+
+    seen = pd.concat([rows(cuda_call), rows(cuda_launch)], ignore_index=True)
+    out = seen.groupby("tid", sort=True)["pid"].max().reset_index() if len(seen) else \
+        pd.DataFrame({"tid": np.zeros(0, np.int64), "pid": np.zeros(0, np.int64)})
+    tids = out["tid"].to_numpy(np.int64)
+
+    def per_thread(tid: np.ndarray, values: np.ndarray) -> np.ndarray:
+        known = np.isin(tid, tids)
+        at = np.searchsorted(tids, tid[known])
+        return np.bincount(at, weights=values[known].astype(np.float64), minlength=len(tids)).astype(np.int64)
+
+    ts = _col(cuda_launch, "ts_ns", 0)
+    issued = (_col(cuda_launch, "nested", 0) == 0) & (ts >= lo) & (ts < hi)
+    w_tid, w_start, w_end = (waits[c].to_numpy(np.int64) for c in ("tid", "start_ns", "end_ns"))
+    w_ns = _clipped_ns(w_start, w_end, window)
+    g_tid = gaps["tid"].to_numpy(np.int64)
+    g_ns = _clipped_ns(gaps["start_ns"].to_numpy(np.int64), gaps["end_ns"].to_numpy(np.int64), window)
+    out["launches"] = per_thread(_col(cuda_launch, "tid")[issued], _col(cuda_launch, "launches", 0)[issued])
+    out["waits"] = per_thread(w_tid, (w_ns > 0).astype(np.int64))
+    out["wait_ns"] = per_thread(w_tid, w_ns)
+    out["gap_ns"] = per_thread(g_tid, g_ns)
+    return out.astype(np.int64)[list(CUDA_THREAD_COLUMNS)]
+
+
+@dataclass
+class CudaTimeline:
+    """Every thread's GPU waits, launch bursts and launch gaps over the whole trace
+    (WAIT_COLUMNS, BURST_COLUMNS, GAP_COLUMNS), and `threads` (CUDA_THREAD_COLUMNS) over
+    the analysed window: what the reports draw and count per thread."""
+
+    waits: pd.DataFrame
+    bursts: pd.DataFrame
+    gaps: pd.DataFrame
+    threads: pd.DataFrame
+
+    def of(self, tid: int | None) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+        """One thread's (waits, bursts, gaps) (none for None), each re-indexed from 0
+        (gaps' `wait` column then indexes the thread's waits)."""
+        tid = -1 if tid is None else int(tid)
+        waits = self.waits[self.waits["tid"].to_numpy(np.int64) == tid].reset_index(drop=True)
+        bursts = self.bursts[self.bursts["tid"].to_numpy(np.int64) == tid].reset_index(drop=True)
+        return waits, bursts, launch_gaps(waits, bursts)
+
+
+def timeline(cuda_call: pd.DataFrame, cuda_launch: pd.DataFrame, *, window: Span | None = None) -> CudaTimeline | None:
+    """The CudaTimeline of a trace's CUDA rows; None when it holds none (CUDA not traced)."""
+    if not len(cuda_call) and not len(cuda_launch):
+        return None
+    waits, bursts = gpu_waits(cuda_call), launch_bursts(cuda_launch)
+    gaps = launch_gaps(waits, bursts)
+    return CudaTimeline(waits, bursts, gaps, cuda_threads(cuda_call, cuda_launch, waits, gaps, window=window))

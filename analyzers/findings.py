@@ -6,8 +6,8 @@ between categories on evidence about the thread at the root of a piece's chain: 
 a thread that churns mappings are allocator churn, and data production on a thread that
 mostly ran on a node other than the GPU's is (in that proportion) remote NUMA.
 
-A finding is numbers and names (share, seconds, severity, threads, chain, evidence); the
-report layer writes its summary and recommendation from the category's record
+A finding is numbers and names (share, seconds, severity, threads, chain, evidence, and
+with the CUDA probe's rows the seconds of launch gap it explains); the report layer writes its summary and recommendation from the category's record
 (analyzers/categories.py).
 """
 
@@ -21,6 +21,7 @@ import pandas as pd
 
 from trainbpf.analyzers.categories import BY_NAME, CATEGORIES, CATEGORY_CODE, CATEGORY_DTYPE, RUN_CATEGORY
 from trainbpf.analyzers.chains import interval_category_codes, is_followed
+from trainbpf.analyzers.cuda import in_gaps_ns
 from trainbpf.analyzers.evidence import MAX_THREADS, EvidenceContext, contenders, numa_placement, trainer_waits
 from trainbpf.analyzers.intervals import NS_PER_S, run_parallel
 from trainbpf.analyzers.numa import REMOTE_MIN_FRACTION
@@ -40,7 +41,9 @@ _RUN_CLASS_CATEGORY = np.array([0] + [CATEGORIES.index(RUN_CATEGORY[c]) for c in
 # interval: the trainer state interval (position among its states) the piece lies in;
 # end: the row of the chain ends that shared it out, -1 for pieces not followed.
 ATTRIBUTED_COLUMNS = ("start_ns", "end_ns", "ns", "state", "category", "root_tid", "interval", "end")
-FINDING_COLUMNS = ("category", "share", "seconds", "severity", "threads", "chain", "evidence")
+# launch_gap_s: the finding's starved seconds inside the trainer's launch gaps (from the
+# end of a GPU wait to its next launch); NaN when CUDA was not traced.
+FINDING_COLUMNS = ("category", "share", "seconds", "severity", "threads", "chain", "evidence", "launch_gap_s")
 
 
 def attribute_starved(
@@ -189,10 +192,12 @@ def _link(ctx: EvidenceContext, tid: int) -> dict[str, Any]:
 
 
 def build_findings(
-    attributed: pd.DataFrame, links: pd.DataFrame, ends: pd.DataFrame, ctx: EvidenceContext, *, trainer_tid: int | None
+    attributed: pd.DataFrame, links: pd.DataFrame, ends: pd.DataFrame, ctx: EvidenceContext, *, trainer_tid: int | None,
+    gaps: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
     """One finding per category with starved time (plus remote-NUMA placement seen
-    without starved time, as info), sorted by share, largest first."""
+    without starved time, as info), sorted by share, largest first.  `gaps`: the
+    trainer's launch gaps (cuda.GAP_COLUMNS), None when CUDA was not traced."""
     total = float(attributed["ns"].sum())
     window_s = ctx.window.seconds
     trainer = -1 if trainer_tid is None else int(trainer_tid)
@@ -204,7 +209,8 @@ def build_findings(
         ns = float(per_cat.get(category, 0.0))
         if ns < MIN_FINDING_NS:
             if category == "numa_remote" and len(ctx.placement) and (ctx.placement["remote_fraction"] > REMOTE_MIN_FRACTION).any():
-                return _finding(category, 0.0, 0.0, window_s, [], [], numa_placement(ctx, []), ctx)
+                return _finding(category, 0.0, 0.0, window_s, [], [], numa_placement(ctx, []), ctx,
+                                float("nan") if gaps is None else 0.0)
             return None
         pieces = attributed.iloc[in_category[category]]
         by_root = pieces.groupby("root_tid")["ns"].sum().sort_values(ascending=False)
@@ -213,23 +219,25 @@ def build_findings(
         share = min(1.0, ns / total) if total > 0 else 0.0
         chain = _dominant_chain(pieces, links, ends, keys, ctx, trainer)
         evidence = {"starved_s": ns / NS_PER_S, **trainer_waits(ctx, pieces), **BY_NAME[category].evidence(ctx, pieces, roots)}
-        return _finding(category, share, ns / NS_PER_S, window_s, shown[:MAX_THREADS], chain, evidence, ctx)
+        gap_s = float("nan") if gaps is None else float(in_gaps_ns(pieces, gaps).sum()) / NS_PER_S
+        return _finding(category, share, ns / NS_PER_S, window_s, shown[:MAX_THREADS], chain, evidence, ctx, gap_s)
 
     # The categories' evidence is independent: gathered side by side.
     rows = [row for row in run_parallel([partial(finding, c) for c in CATEGORIES]) if row is not None]
     if not rows:
         return pd.DataFrame({c: pd.Series([], dtype=object) for c in FINDING_COLUMNS}).astype(
-            {"share": np.float64, "seconds": np.float64}
+            {"share": np.float64, "seconds": np.float64, "launch_gap_s": np.float64}
         )
     out = pd.DataFrame(rows, columns=list(FINDING_COLUMNS))
     out["share"] = out["share"].astype(np.float64)
     out["seconds"] = out["seconds"].astype(np.float64)
+    out["launch_gap_s"] = out["launch_gap_s"].astype(np.float64)
     return out.sort_values(["share", "seconds"], ascending=False, kind="stable").reset_index(drop=True)
 
 
 def _finding(
     category: str, share: float, seconds: float, window_s: float, roots: list[int], chain: list[dict[str, Any]],
-    evidence: dict[str, Any], ctx: EvidenceContext,
+    evidence: dict[str, Any], ctx: EvidenceContext, launch_gap_s: float,
 ) -> dict[str, Any]:
     """A finding's row; a finding without starved time (numa_remote placement alone)
     names the remote threads."""
@@ -239,5 +247,5 @@ def _finding(
     return {
         "category": category, "share": share, "seconds": seconds,
         "severity": severity(share, seconds, window_s, category), "threads": threads, "chain": chain,
-        "evidence": evidence,
+        "evidence": evidence, "launch_gap_s": launch_gap_s,
     }

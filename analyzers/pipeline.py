@@ -15,7 +15,8 @@ import pyarrow.compute as pc
 
 from trainbpf.analyzers.attribution import EXACT_RUN_KINDS, RunSplit, attribute_states, churn_threads, sample_classes
 from trainbpf.analyzers.chains import followed_waits, is_followed, wait_chains
-from trainbpf.analyzers.cuda import gpu_waits, launch_bursts, split_at_waits, step_summary, steps
+from trainbpf.analyzers.cuda import (CudaTimeline, gpu_waits, launch_bursts, split_at_waits, step_summary, steps,
+                                     timeline)
 from trainbpf.analyzers.evidence import EvidenceContext
 from trainbpf.analyzers.findings import attribute_starved, build_findings
 from trainbpf.analyzers.gpu import (
@@ -65,6 +66,7 @@ class Analysis:
     idle_fraction: float | None
     uses_cuda: bool = False  # the trainer's CUDA calls were traced (its GPU waits are exact)
     cuda_steps: dict[str, Any] | None = None  # cuda.step_summary of the trainer's steps
+    cuda: CudaTimeline | None = None  # every thread's CUDA waits, bursts and gaps; None: CUDA not traced
     _states: pd.DataFrame | None = field(default=None, repr=False)
 
     @property
@@ -227,9 +229,11 @@ def analyze(
 
     # With the CUDA probe's rows, the trainer's GPU waits are known exactly: cut its states
     # at them (time inside one is GPU-bound, not starved; docs/findings.md).
-    trainer_ids = () if trainer is None else (trainer,)
-    cuda_waits = gpu_waits(view("cuda_call"), tids=trainer_ids)
-    launches = launch_bursts(view("cuda_launch"), tids=trainer_ids)
+    cuda = timeline(view("cuda_call"), view("cuda_launch"), window=win)
+    if cuda is None:  # no CUDA rows: the estimator's frames are empty
+        cuda_waits, launches, launch_gap_rows = gpu_waits(view("cuda_call")), launch_bursts(view("cuda_launch")), None
+    else:
+        cuda_waits, launches, launch_gap_rows = cuda.of(trainer)
     uses_cuda = bool(len(cuda_waits) or len(launches))
     stall_states = split_at_waits(trainer_states, cuda_waits) if uses_cuda else trainer_states
     step_rows = steps(cuda_waits, launches, window=win)
@@ -254,13 +258,15 @@ def analyze(
         churn=churn, placement=placement, memory_nodes=memory_placement(view("numa_maps"), topology),
         gpu_node=gpu_node(topology),
     )
-    findings = build_findings(starved, chains, chain_ends, ctx, trainer_tid=trainer)
+    findings = build_findings(starved, chains, chain_ends, ctx, trainer_tid=trainer,
+                              gaps=launch_gap_rows)
     return Analysis(
         path=display_path(getattr(trace, "path", "")), meta=meta, span=span, window=win, trainer_tid=trainer,
         gpu_idle_threshold=float(gpu_idle_threshold), basis=basis, threads=threads, slots=slots, totals=totals,
         futex_waits=futex_waits, samples=samples, gpu=util, idle=idle, gpu_windows=gpu_windows, starved=starved, chains=chains, chain_ends=chain_ends,
         churn=churn, placement=placement, findings=findings, lost=lost_counts(meta, view("lost")),
         idle_fraction=gpu_idle, uses_cuda=uses_cuda, cuda_steps=step_summary(step_rows) if len(step_rows) else None,
+        cuda=cuda,
     )
 
 

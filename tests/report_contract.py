@@ -8,10 +8,15 @@ from typing import Any
 from trainbpf.analyzers.categories import CATEGORIES
 from trainbpf.analyzers.vocab import ROLES, STATES
 
-TOP_KEYS = {"schema", "trace", "gpu", "starved_s", "findings", "threads"}
+TOP_KEYS = {"schema", "trace", "gpu", "starved_s", "findings", "threads", "cuda"}
 TRACE_KEYS = {"path", "duration_s", "pid", "lost_events"}
 GPU_KEYS = {"source", "samples", "idle_fraction"}
-FINDING_KEYS = {"category", "share", "seconds", "severity", "threads", "chain", "summary", "evidence", "recommendation"}
+FINDING_KEYS = {"category", "share", "seconds", "severity", "threads", "chain", "summary", "evidence", "recommendation",
+                "launch_gap_s"}
+CUDA_KEYS = {"gpu_bound_s", "launch_gap_s", "steps", "threads"}
+STEPS_KEYS = {"count", "per_s", "p50_ms", "p99_ms", "host_bound_share", "worst"}
+WORST_KEYS = {"tid", "at_s", "step_ms", "host_ms", "gpu_wait_ms", "host_share"}
+CUDA_THREAD_KEYS = {"tid", "comm", "launches", "waits", "wait_s", "launch_gap_s"}
 SEVERITIES = {"critical", "warning", "info"}
 
 
@@ -31,9 +36,9 @@ def _plain_json(value: Any) -> None:
 
 
 def validate_report(doc: dict[str, Any]) -> None:
-    """Assert that `doc` is exactly a trainbpf.report/1 document."""
+    """Assert that `doc` is exactly a trainbpf.report/2 document."""
     assert set(doc) == TOP_KEYS, set(doc) ^ TOP_KEYS
-    assert doc["schema"] == "trainbpf.report/1"
+    assert doc["schema"] == "trainbpf.report/2"
     _plain_json(doc)
     assert json.loads(json.dumps(doc)) == doc
 
@@ -71,6 +76,10 @@ def validate_report(doc: dict[str, Any]) -> None:
         assert isinstance(f["summary"], str) and f["summary"]
         assert isinstance(f["evidence"], dict)
         assert isinstance(f["recommendation"], str) and f["recommendation"]
+        if doc["cuda"] is None:
+            assert f["launch_gap_s"] is None
+        else:
+            assert type(f["launch_gap_s"]) is float and 0.0 <= f["launch_gap_s"] <= f["seconds"] + 1e-6
         shares.append(f["share"])
     assert shares == sorted(shares, reverse=True), "findings sorted by share, largest first"
     assert sum(shares) <= 1.0 + 1e-9
@@ -83,3 +92,36 @@ def validate_report(doc: dict[str, Any]) -> None:
             assert state in STATES
             assert type(sec) is float and sec >= 0
     assert len({t["tid"] for t in doc["threads"]}) == len(doc["threads"])
+    if doc["cuda"] is not None:
+        _validate_cuda(doc["cuda"])
+
+
+def _nonneg_float(value: Any, nullable: bool = False) -> None:
+    assert (nullable and value is None) or (type(value) is float and value >= 0), value
+
+
+def _validate_cuda(cuda: dict[str, Any]) -> None:
+    """The `cuda` section: the trainer's numbers, its steps, one row per CUDA thread."""
+    assert set(cuda) == CUDA_KEYS, set(cuda) ^ CUDA_KEYS
+    _nonneg_float(cuda["gpu_bound_s"])
+    _nonneg_float(cuda["launch_gap_s"])
+    st = cuda["steps"]
+    assert set(st) == STEPS_KEYS, set(st) ^ STEPS_KEYS
+    assert type(st["count"]) is int and st["count"] >= 0
+    _nonneg_float(st["per_s"])
+    for key in ("p50_ms", "p99_ms", "host_bound_share"):
+        _nonneg_float(st[key], nullable=not st["count"])
+    if st["count"]:
+        assert st["p50_ms"] <= st["p99_ms"] and st["host_bound_share"] <= 1.0
+    assert len(st["worst"]) <= st["count"]
+    for w in st["worst"]:
+        assert set(w) == WORST_KEYS and type(w["tid"]) is int
+        for key in WORST_KEYS - {"tid"}:
+            _nonneg_float(w[key])
+    for t in cuda["threads"]:
+        assert set(t) == CUDA_THREAD_KEYS, set(t) ^ CUDA_THREAD_KEYS
+        assert type(t["tid"]) is int and isinstance(t["comm"], str)
+        assert type(t["launches"]) is int and type(t["waits"]) is int and t["launches"] >= 0 and t["waits"] >= 0
+        _nonneg_float(t["wait_s"])
+        _nonneg_float(t["launch_gap_s"])
+    assert [t["tid"] for t in cuda["threads"]] == sorted({t["tid"] for t in cuda["threads"]})

@@ -383,7 +383,7 @@ def test_healthy_run_without_gpu_has_no_critical_finding(tmp_path):
 def test_findings_columns_and_dtypes(tmp_path):
     a = analyze(input_pipeline().read(tmp_path))
     # Numbers and names only: the report layer writes the summary and recommendation.
-    assert list(a.findings.columns) == ["category", "share", "seconds", "severity", "threads", "chain", "evidence"]
+    assert list(a.findings.columns) == ["category", "share", "seconds", "severity", "threads", "chain", "evidence", "launch_gap_s"]
     assert a.findings["share"].dtype == "float64"
     assert a.starved["category"].dtype == CATEGORY_DTYPE
     assert (a.findings["share"].diff().dropna() <= 0).all()  # sorted, largest first

@@ -302,3 +302,31 @@ def test_fine_grained_trainer_matches_the_truth(tmp_path):
     assert _within(analysis.gpu_bound_ns, truth["sync_ns"]), (analysis.gpu_bound_ns, truth["sync_ns"])
     assert _within(analysis.starved_ns, truth["data_wait_ns"]), (analysis.starved_ns, truth["data_wait_ns"])
     assert _within(analysis.cuda_steps["steps"], truth["step_count"])
+
+    # Every report carries it: the JSON `cuda` section, the text line, the HTML and
+    # Perfetto tracks count the trainer's launches and waits exactly.
+    from cuda_workloads import plan
+    from report_contract import validate_report
+    from trainbpf.html_report import render_html
+    from trainbpf.perfetto import CUDA_TID_BASE, trace_events
+    from trainbpf.report import Report, render_text
+
+    report = Report.of(whole)
+    validate_report(report.doc)
+    kernels, count = sum(k for _, _, k in plan(11, truth["step_count"])), truth["step_count"]
+    row = next(t for t in report.doc["cuda"]["threads"] if t["tid"] == trainer)
+    assert (row["comm"], row["launches"], row["waits"]) == ("tb_trainer", kernels, count), row
+    assert _within(row["wait_s"] * 1e9, truth["sync_ns"]) and report.doc["cuda"]["steps"]["count"] >= count - 2
+    first_wait = truth["data_waits"][0][1] - truth["data_waits"][0][0]
+    in_gaps = sum(f["launch_gap_s"] for f in Report.of(analysis).doc["findings"]) * 1e9
+    print(f"reports: trainer launches {row['launches']}, waits {row['waits']}, wait s {row['wait_s']:.3f}; launch gap "
+          f"s the findings explain {in_gaps / 1e9:.3f} (data waits after the first: "
+          f"{(truth['data_wait_ns'] - first_wait) / 1e9:.3f})")
+    assert _within(in_gaps, truth["data_wait_ns"] - first_wait), (in_gaps, truth["data_wait_ns"])
+    assert f"CUDA tb_trainer ({trainer}): {kernels} launches, {count} GPU waits" in render_text(report)
+    assert f'<g class="cuda-track" data-tid="{trainer}">' in render_html(report)
+    events = json.loads("[" + ",".join(trace_events(whole)) + "]")
+    track = CUDA_TID_BASE + 2 * [t["tid"] for t in report.doc["cuda"]["threads"]].index(trainer)
+    mine = [e for e in events if e["ph"] == "X" and e["pid"] == 0 and e["tid"] in (track, track + 1)]
+    assert sum(e["cat"] == "cuda_wait" for e in mine) == count
+    assert sum(e["args"]["launches"] for e in mine if e["cat"] == "cuda_launch") == kernels

@@ -3,7 +3,10 @@
 The timeline bins the analysed window into columns: each GPU's utilisation as a line on
 top, with the starved time of each column (the idle time the trainer's stalls explain)
 hanging above the line coloured by cause; the trainer's state mix per column stacked
-underneath; then one row of marks per finding where its starved time falls.
+underneath; then one row of marks per finding where its starved time falls.  With the
+CUDA probe's rows a second chart gives each thread that made CUDA calls a track on the
+same columns: its GPU waits and launch gaps (the share of each column), and its launches
+per column.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ LEFT = 150
 RIGHT = 40
 BINS = 400
 MAX_THREAD_BARS = 60
+MAX_CUDA_TRACKS = 16
+CUDA_COLORS = {"cuda-wait": "#6a3d9a", "cuda-gap": "#ff7f0e", "cuda-launch": "#2ca02c"}
 
 CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 24px; color: #1d1d1f; background: #fff; }
@@ -171,6 +176,74 @@ def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _per_bin_ns(start: np.ndarray, end: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    ia, ib, s, e = intersect(start, end, edges[:-1], edges[1:])
+    return np.bincount(ib, weights=(e - s).astype(np.float64), minlength=len(edges) - 1)
+
+
+def _cuda_chart(analysis: Analysis, report: dict[str, Any]) -> str:
+    """One track per CUDA thread (the first MAX_CUDA_TRACKS): per column its GPU waits
+    (purple, from the top) and launch gaps (orange, under them) as shares of the column,
+    and a launch lane whose marks darken with the launches issued in the column."""
+    cuda, rows = analysis.cuda, report["cuda"]["threads"][:MAX_CUDA_TRACKS]
+    edges = _bins(analysis)
+    xs = _x(edges, analysis, WIDTH)
+    bw, width_ns = np.diff(xs), np.maximum(np.diff(edges).astype(np.float64), 1.0)
+    wait_h, launch_h, gap = 26, 8, 12
+    height = 8 + len(rows) * (wait_h + launch_h + gap)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="CUDA tracks" shape-rendering="crispEdges">']
+    for i, t in enumerate(rows):
+        y = 4 + i * (wait_h + launch_h + gap)
+        out.append(f'<g class="cuda-track" data-tid="{t["tid"]}"><text x="4" y="{y + 12}">{_e((t["comm"] or "?")[:16])} {t["tid"]}</text>')
+        out.append(f'<text x="4" y="{y + 25}" fill="#666">waits · launches</text>')
+        out.append(f'<rect x="{LEFT}" y="{y}" width="{WIDTH - LEFT - RIGHT}" height="{wait_h + launch_h}" fill="#fafafa" stroke="#ddd"/>')
+        hang = np.zeros(len(edges) - 1)
+        for cls, frame in (("cuda-wait", cuda.waits), ("cuda-gap", cuda.gaps)):
+            mine = frame[frame["tid"].to_numpy(np.int64) == t["tid"]]
+            h = np.minimum(_per_bin_ns(mine["start_ns"].to_numpy(np.int64), mine["end_ns"].to_numpy(np.int64), edges)
+                           / width_ns, 1.0) * wait_h
+            for b in np.flatnonzero(h > 0):
+                out.append(f'<rect class="{cls}" x="{xs[b]:.1f}" y="{y + hang[b]:.1f}" width="{bw[b] + 0.3:.1f}" '
+                           f'height="{max(h[b], 0.5):.1f}" fill="{CUDA_COLORS[cls]}"/>')
+            hang = np.minimum(hang + h, wait_h)
+        mine = cuda.bursts[cuda.bursts["tid"].to_numpy(np.int64) == t["tid"]]
+        at = np.searchsorted(edges, mine["start_ns"].to_numpy(np.int64), side="right") - 1
+        ok = (at >= 0) & (at < len(edges) - 1)
+        count = np.bincount(at[ok], weights=mine["launches"].to_numpy(np.float64)[ok], minlength=len(edges) - 1)
+        for b in np.flatnonzero(count > 0):
+            alpha = 0.3 + 0.7 * count[b] / count.max()
+            out.append(f'<rect class="cuda-launch" x="{xs[b]:.1f}" y="{y + wait_h}" width="{max(1.0, bw[b] + 0.3):.1f}" '
+                       f'height="{launch_h}" fill="{CUDA_COLORS["cuda-launch"]}" fill-opacity="{alpha:.2f}"/>')
+        out.append("</g>")
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _cuda_section(analysis: Analysis, report: dict[str, Any]) -> list[str]:
+    """The CUDA heading, summary, per-thread tracks and table; nothing without CUDA rows."""
+    cuda = report["cuda"]
+    if cuda is None:
+        return []
+    st = cuda["steps"]
+    parts = ["<h2>CUDA</h2>",
+             f'<p class="meta"><b>Trainer:</b> {cuda["gpu_bound_s"]:.2f} s GPU-bound (inside CUDA waits), '
+             f'{cuda["launch_gap_s"]:.2f} s in launch gaps (from a GPU wait\'s end to the next launch)</p>']
+    if st["count"]:
+        parts.append(f'<p class="meta"><b>Steps:</b> {st["count"]}, {st["per_s"]:.1f}/s; step time p50 '
+                     f'{st["p50_ms"]:.1f} ms, p99 {st["p99_ms"]:.1f} ms; host-bound {100 * st["host_bound_share"]:.1f}% '
+                     "of step time</p>")
+    if cuda["threads"]:
+        parts += [_cuda_chart(analysis, report),
+                  _legend({"GPU wait": CUDA_COLORS["cuda-wait"], "launch gap": CUDA_COLORS["cuda-gap"],
+                           "launches": CUDA_COLORS["cuda-launch"]}, ("GPU wait", "launch gap", "launches"))]
+        rows = "".join(f'<tr><td>{t["tid"]}</td><td>{_e(t["comm"] or "?")}</td><td class="n">{t["launches"]}</td>'
+                       f'<td class="n">{t["waits"]}</td><td class="n">{t["wait_s"]:.3f}</td>'
+                       f'<td class="n">{t["launch_gap_s"]:.3f}</td></tr>' for t in cuda["threads"])
+        parts.append('<table class="num"><tr><th>tid</th><th>comm</th><th class="n">launches</th><th class="n">GPU waits</th>'
+                     f'<th class="n">wait s</th><th class="n">launch gap s</th></tr>{rows}</table>')
+    return parts
+
+
 def _legend(colors: dict[str, str], names: Iterable[str]) -> str:
     return '<div class="legend">' + "".join(
         f'<span><i style="background:{colors[n]}"></i>{_e(n)}</span>' for n in names
@@ -234,6 +307,8 @@ def _findings(report: dict[str, Any]) -> str:
             f'<p>{_e(f["summary"])}</p>'
             + (f"<p><b>Threads:</b> {threads}</p>" if threads else "")
             + (f"<p><b>Chain:</b> {chain}</p>" if chain else "")
+            + (f'<p><b>Launch gaps:</b> {f["launch_gap_s"]:.2f} s of it fell in launch gaps</p>'
+               if f["launch_gap_s"] is not None else "")
             + f'<p><b>What to do:</b> {_e(f["recommendation"])}</p>'
             + "<details open><summary>Evidence</summary>" + _evidence_table(f["evidence"]) + "</details></div>"
         )
@@ -289,6 +364,7 @@ def render_html(rendered: Report) -> str:
         "<h2>GPU-starvation timeline</h2>",
         _timeline(analysis, report),
         _legend(STATE_COLORS, STATES),
+        *_cuda_section(analysis, report),
         "<h2>Findings</h2>",
         _findings(report),
         "<h2>Threads</h2>",

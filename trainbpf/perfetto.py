@@ -1,9 +1,12 @@
 """Export a trace as Chrome trace-event JSON, which ui.perfetto.dev and chrome://tracing open.
 
 One track per thread with its states as complete ("X") slices, a GPU utilisation counter
-("C"), one track per finding category with the starved time it explains, and flow arrows
-("s" -> "f") from each waker to the wait it ended.  Timestamps are microseconds from the
-trace start.  Events are serialised column-wise with pandas, not one dict per event.
+("C"), one track per finding category with the starved time it explains, flow arrows
+("s" -> "f") from each waker to the wait it ended, and for each thread that made CUDA
+calls two tracks: its GPU waits (synchronisations, blocking copies) and launch gaps, and
+its launch bursts (a slice per burst, `args.launches` the count).  Timestamps are
+microseconds from the trace start.  Events are serialised column-wise with pandas, not
+one dict per event.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from trainbpf.tracefile import read_trace
 
 GPU_PID = 0  # a pseudo-process holding the GPU counter and the starved-time tracks
 STARVED_TID_BASE = 1000
+CUDA_TID_BASE = 2000  # CUDA thread i: waits and gaps on CUDA_TID_BASE + 2i, launches on + 2i + 1
 
 
 def _us(ns: np.ndarray, origin: int) -> np.ndarray:
@@ -57,7 +61,17 @@ def trace_events(analysis: Analysis) -> list[str]:
     for i, cat in enumerate(CATEGORIES):
         meta.append({"name": "thread_name", "ph": "M", "pid": GPU_PID, "tid": STARVED_TID_BASE + i,
                      "args": {"name": f"starved: {cat}"}})
+    cuda_rows = analysis.cuda.threads if analysis.cuda is not None else pd.DataFrame({"tid": []})
+    comm = dict(zip(threads["tid"].tolist(), threads["comm"].tolist()))
+    for i, tid in enumerate(cuda_rows["tid"].tolist()):
+        for j, what in enumerate(("CUDA waits", "CUDA launches")):
+            track = CUDA_TID_BASE + 2 * i + j
+            meta.append({"name": "thread_name", "ph": "M", "pid": GPU_PID, "tid": track,
+                         "args": {"name": f"{what}: {comm.get(tid) or '?'} ({tid})"}})
+            meta.append({"name": "thread_sort_index", "ph": "M", "pid": GPU_PID, "tid": track,
+                         "args": {"sort_index": track}})
     chunks = [json.dumps(meta)[1:-1]]
+    chunks += _cuda_events(analysis, cuda_rows["tid"].to_numpy(np.int64), origin)
 
     st = analysis.states
     tids = st["tid"].to_numpy(np.int64)
@@ -100,6 +114,34 @@ def trace_events(analysis: Analysis) -> list[str]:
         finish = pd.DataFrame({**common, "ph": "f", "bp": "e", "pid": pid_of.reindex(tids[woken]).to_numpy(np.int64), "tid": tids[woken]})
         chunks += [_records(start), _records(finish)]
     return [c for c in chunks if c]
+
+
+def _cuda_events(analysis: Analysis, tids: np.ndarray, origin: int) -> list[str]:
+    """The CUDA tracks' slices: per thread (track index = position in `tids`) its GPU
+    waits named by call and its launch gaps on one track, its launch bursts on the next."""
+    if analysis.cuda is None or not len(tids):
+        return []
+    cuda = analysis.cuda
+    track = pd.Series(CUDA_TID_BASE + 2 * np.arange(len(tids)), index=tids)
+
+    def slices(frame: pd.DataFrame, name: Any, cat: str, lane: int, **args: Any) -> str:
+        frame = frame[np.isin(frame["tid"].to_numpy(np.int64), tids)]
+        start, end = frame["start_ns"].to_numpy(np.int64), frame["end_ns"].to_numpy(np.int64)
+        out = pd.DataFrame({
+            "name": name(frame) if callable(name) else name, "cat": cat, "ph": "X", "ts": _us(start, origin),
+            "dur": (end - start) / 1000.0, "pid": GPU_PID,
+            "tid": track.reindex(frame["tid"].to_numpy(np.int64)).to_numpy(np.int64) + lane,
+        })
+        for key, column in args.items():
+            out["args"] = [{key: int(v)} for v in frame[column].to_numpy(np.int64)]
+        return _records(out)
+
+    gaps = cuda.gaps[cuda.gaps["gap_ns"].to_numpy(np.int64) > 0]
+    return [c for c in (
+        slices(cuda.waits, lambda f: f["name"].astype(str).to_numpy(dtype=object), "cuda_wait", 0),
+        slices(gaps, "launch gap", "cuda_gap", 0),
+        slices(cuda.bursts, "launches", "cuda_launch", 1, launches="launches"),
+    ) if c]
 
 
 def write_trace_events(analysis: Analysis, output: str | os.PathLike, *, force: bool = False) -> Path:

@@ -24,7 +24,7 @@ from trainbpf.safefile import check_output, invoker, write_new
 from trainbpf.text_report import render_text
 from trainbpf.tracefile import read_trace
 
-REPORT_SCHEMA = "trainbpf.report/1"
+REPORT_SCHEMA = "trainbpf.report/2"
 _ROLE_ORDER = {role: i for i, role in enumerate(ROLES)}
 
 
@@ -70,6 +70,7 @@ def build_report(analysis: Analysis) -> dict[str, Any]:
             "summary": finding_summary(str(f.category), f.share, f.seconds, f.threads, f.evidence),
             "evidence": plain(f.evidence),
             "recommendation": BY_NAME[str(f.category)].recommendation,
+            "launch_gap_s": None if math.isnan(f.launch_gap_s) else _seconds(f.launch_gap_s),
         })
     findings.sort(key=lambda f: (-f["share"], -f["seconds"]))
     seconds = state_seconds(analysis.totals)
@@ -97,6 +98,41 @@ def build_report(analysis: Analysis) -> dict[str, Any]:
         "starved_s": _seconds(analysis.starved_ns / NS_PER_S),
         "findings": findings,
         "threads": rows,
+        "cuda": cuda_section(analysis),
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else _seconds(seconds * 1e3)
+
+
+def cuda_section(analysis: Analysis) -> dict[str, Any] | None:
+    """The report's `cuda` section (docs/design.md, "The JSON report"): the trainer's
+    GPU-bound and launch-gap seconds and step rhythm, and each CUDA thread's launches and
+    waits over the window; None when the trace holds no CUDA rows."""
+    cuda = analysis.cuda
+    if cuda is None:
+        return None
+    comm = dict(zip(analysis.threads["tid"].tolist(), analysis.threads["comm"].astype(str).tolist()))
+    th = cuda.threads
+    st = analysis.cuda_steps or {}
+    origin = analysis.span.start_ns
+    return {
+        "gpu_bound_s": _seconds(analysis.gpu_bound_ns / NS_PER_S),
+        "launch_gap_s": _seconds(th.loc[th["tid"] == analysis.trainer_tid, "gap_ns"].sum() / NS_PER_S),
+        "steps": {
+            "count": int(st.get("steps", 0)),
+            "per_s": _seconds(st.get("steps_per_s", 0.0)),
+            "p50_ms": _ms(st.get("step_p50_s")),
+            "p99_ms": _ms(st.get("step_p99_s")),
+            "host_bound_share": None if st.get("host_bound_share") is None else _seconds(st["host_bound_share"]),
+            "worst": [{"tid": int(w["tid"]), "at_s": _seconds((w["start_ns"] - origin) / NS_PER_S),
+                       "step_ms": _ms(w["step_s"]), "host_ms": _ms(w["host_s"]), "gpu_wait_ms": _ms(w["gpu_wait_s"]),
+                       "host_share": _seconds(w["host_share"])} for w in st.get("worst", [])],
+        },
+        "threads": [{"tid": int(r.tid), "comm": comm.get(int(r.tid), ""), "launches": int(r.launches),
+                     "waits": int(r.waits), "wait_s": _seconds(r.wait_ns / NS_PER_S),
+                     "launch_gap_s": _seconds(r.gap_ns / NS_PER_S)} for r in th.itertuples(index=False)],
     }
 
 

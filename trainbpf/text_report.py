@@ -86,7 +86,7 @@ def render_text(rendered: Report) -> str:
             f"  Starved time: {report['starved_s']:.2f} s. Without GPU samples, starved time is the "
             "trainer's non-running time (off-CPU, runnable, or on-CPU in the kernel's fault/reclaim paths)."
         )
-    lines.extend(_cuda_lines(analysis))
+    lines.extend(_cuda_lines(report, analysis))
     lines.append("")
     findings = report["findings"]
     if not findings:
@@ -102,6 +102,9 @@ def render_text(rendered: Report) -> str:
                 lines.append("    threads: " + ", ".join(_thread_label(t) for t in f["threads"]))
             if len(f["chain"]) > 1:
                 lines.append("    chain: " + " <- ".join(f"{c['role']} {c['tid']} [{c['state']}]" for c in f["chain"]))
+            if f["launch_gap_s"] is not None:
+                lines.append(f"    launch gaps: {f['launch_gap_s']:.2f} s of it fell in launch gaps (the GPU had "
+                             "finished its work and the trainer had not yet launched more)")
             lines.append(f"    do: {f['recommendation']}")
     if not any(f["severity"] == "critical" for f in findings):
         lines.append("")
@@ -124,16 +127,24 @@ def _thread_table(report: dict[str, Any], analysis: Analysis) -> list[str]:
     return ["Threads (seconds per state):", "  " + fmt(head)] + ["  " + fmt(r) for r in rows]
 
 
-def _cuda_lines(analysis: Any) -> list[str]:
-    """What the CUDA probe's rows add: the trainer's GPU-bound time and its step rhythm."""
-    if not analysis.uses_cuda:
+def _cuda_lines(report: dict[str, Any], analysis: Any) -> list[str]:
+    """What the CUDA probe's rows add (the JSON `cuda` section): the trainer's GPU-bound
+    time, launch gaps and step rhythm, and a line per thread that made CUDA calls."""
+    cuda = report["cuda"]
+    if cuda is None:
         return []
-    lines = [f"  GPU-bound: {analysis.gpu_bound_ns / NS_PER_S:.2f} s of the trainer's stalls were inside CUDA "
-             "synchronisations or blocking copies (waiting for a busy GPU: not starvation)"]
-    st = analysis.cuda_steps
-    if st:
-        lines.append(f"  Steps (from CUDA waits and launches): {st['steps']}, {st['steps_per_s']:.1f}/s; step time "
-                     f"p50 {st['step_p50_s'] * 1e3:.1f} ms, p99 {st['step_p99_s'] * 1e3:.1f} ms; host-bound "
+    lines = []
+    if analysis.uses_cuda:
+        lines.append(f"  GPU-bound: {cuda['gpu_bound_s']:.2f} s of the trainer's stalls were inside CUDA "
+                     "synchronisations or blocking copies (waiting for a busy GPU: not starvation); launch gaps "
+                     f"{cuda['launch_gap_s']:.2f} s (from a GPU wait's end to the next launch)")
+    st = cuda["steps"]
+    if st["count"]:
+        lines.append(f"  Steps (from CUDA waits and launches): {st['count']}, {st['per_s']:.1f}/s; step time "
+                     f"p50 {st['p50_ms']:.1f} ms, p99 {st['p99_ms']:.1f} ms; host-bound "
                      f"{_pct(st['host_bound_share'])} of step time (launch gaps)")
+    for t in cuda["threads"]:
+        lines.append(f"  CUDA {t['comm'] or '?'} ({t['tid']}): {t['launches']} launches, {t['waits']} GPU waits "
+                     f"({t['wait_s']:.2f} s), launch gaps {t['launch_gap_s']:.2f} s")
     return lines
 
