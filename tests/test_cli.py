@@ -3,6 +3,7 @@ line, sudo."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pty
 import select
@@ -17,6 +18,7 @@ from kernel_env import require_root, which_or_fail
 from trainbpf.tracefile import read_trace
 
 TRAINBPF = str(Path(sys.executable).with_name("trainbpf"))
+ROOT = Path(__file__).resolve().parents[1]
 
 
 COMMANDS = ("record", "analyze", "export", "doctor", "recover", "health", "fleet")
@@ -95,6 +97,54 @@ def test_doctor_fails_without_tracefs(tmp_path):
     assert res.returncode == 12
     assert "recording cannot work: tracefs" in res.stdout
     assert "fix: sudo mount -t tracefs" in res.stdout
+
+
+def test_doctor_pid_lists_cuda_libraries_per_process(tmp_path):
+    """A plain parent whose child loaded the stand-in CUDA runtime through ctypes (and, by
+    its rpath, the driver): doctor --pid lists both libraries and their probed symbols
+    for the child, and no CUDA library for the parent."""
+    require_root()
+    spec = importlib.util.spec_from_file_location("fake_cuda_build", ROOT / "scripts" / "fake-cuda" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    runtime = build.build(tmp_path / "wheel")
+    child = f"import ctypes, os, sys; ctypes.CDLL({str(runtime)!r}); print(os.getpid(), flush=True); sys.stdin.read()"
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                               f"subprocess.run([sys.executable, '-c', {child!r}])"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        child_pid = int(parent.stdout.readline())  # the child loaded it
+        res = subprocess.run([TRAINBPF, "doctor", "--no-load", "--pid", str(parent.pid)],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+        listed = res.stdout.split("\nCUDA libraries of process ", 1)[1].splitlines()
+        assert listed[0].startswith(f"{parent.pid} and its 1 descendant "), listed
+        assert any(ln.startswith(f"  pid {parent.pid} (") and ln.endswith("): no CUDA library mapped") for ln in listed)
+        at = next(i for i, ln in enumerate(listed) if ln.startswith(f"  pid {child_pid} ("))
+        assert listed[at].endswith(")"), listed[at]  # libraries follow, indented
+        libs = [ln.strip() for ln in listed[at + 1:]]
+        rt = next(ln for ln in libs if ln.startswith(str(runtime)))
+        assert ": 12 probed symbols (9 of the 32 calls):" in rt, rt
+        assert any("cuda_driver/lib/libcuda.so.1: 14 probed symbols" in ln for ln in libs), libs
+        symbols = " ".join(libs)
+        for sym in ("cudaLaunchKernel,", "cudaLaunchKernel_ptsz,", "cudaStreamSynchronize_ptsz", "cuMemAlloc_v2,"):
+            assert sym in symbols, symbols
+        assert "cudaGetDeviceCount" not in symbols  # exported, but not a probed call
+    finally:
+        parent.stdin.close()  # the child reads EOF and ends, then the parent
+        try:
+            parent.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            parent.kill()
+            parent.wait()
+
+
+def test_doctor_without_pid_says_cuda_is_found_at_record_time_and_bad_pid_fails():
+    res = subprocess.run([TRAINBPF, "doctor", "--no-load"], capture_output=True, text=True, timeout=120)
+    assert "CUDA probing available" in res.stdout and "doctor --pid PID" in res.stdout, res.stdout
+    assert "CUDA libraries of process" not in res.stdout
+    res = subprocess.run([TRAINBPF, "doctor", "--no-load", "--pid", "999999999"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 11 and res.stderr.count("\n") == 1 and "no such process: 999999999" in res.stderr, res.stderr
 
 
 def test_live_status_line_on_a_terminal(tmp_path):

@@ -145,12 +145,19 @@ def record(
 @app.command(cls=_Command)
 def doctor(
     no_load: bool = typer.Option(False, "--no-load", help="Skip compiling and loading the probes."),
+    pid: Optional[int] = typer.Option(None, "--pid", "-p", help="Also list the CUDA libraries each process of this process's tree maps, and the probed symbols they export."),
 ) -> None:
     """Check that this machine can record, with a fix for everything that is missing."""
-    from trainbpf.doctor import FAIL, render, run_checks
+    from trainbpf.doctor import FAIL, cuda_report, render, run_checks
 
+    try:
+        cuda = cuda_report(pid) if pid is not None else None
+    except TrainbpfError as exc:
+        _fail(exc)
     checks = run_checks(load_probes=not no_load)
     typer.echo(render(checks))
+    if cuda is not None:
+        typer.echo("\n" + cuda)
     if any(c.status == FAIL for c in checks):
         raise typer.Exit(12)
 

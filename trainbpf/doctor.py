@@ -2,16 +2,19 @@
 
 Each check gives a status (ok / warn / fail), what it found, and a fix hint.  The checks
 `record` also runs before it compiles anything (and stops at the first failure, with one
-line pointing here) live in tracer/preflight.py."""
+line pointing here) live in tracer/preflight.py.  With a process id, doctor also lists
+the CUDA libraries each process of its tree maps and the probed symbols they export:
+what `record --pid` would probe (cuda_report)."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import shutil
+import textwrap
 from pathlib import Path
 
-from trainbpf.errors import TrainbpfError
+from trainbpf.errors import TargetError, TrainbpfError
 from trainbpf.tracer.preflight import (
     CAP_BPF,
     CAP_SYS_ADMIN,
@@ -68,8 +71,8 @@ def check_uprobes() -> Check:
     from trainbpf.tracer.loader import TRACEFS
 
     if Path("/sys/bus/event_source/devices/uprobe").is_dir() or (TRACEFS / "uprobe_events").exists():
-        return Check("uprobes", OK, "supported: CUDA calls are traced where a traced process maps "
-                                    "libcudart/libcuda (kprobes/fentry are not needed)")
+        return Check("uprobes", OK, "supported: CUDA probing available; `record` finds libcudart/libcuda in "
+                                    "each traced process's maps as it runs (`doctor --pid PID` lists them now)")
     return Check("uprobes", WARN, "no uprobe PMU and no uprobe_events",
                  "a kernel with CONFIG_UPROBE_EVENTS; without it CUDA calls are not traced, the rest works")
 
@@ -156,4 +159,68 @@ def render(checks: list[Check]) -> str:
     failed = [c.name for c in checks if c.status == FAIL]
     lines.append("")
     lines.append(f"recording cannot work: {', '.join(failed)}" if failed else "recording can work on this machine")
+    return "\n".join(lines)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+Exported = list[tuple[str, str]] | str  # (symbol, call) pairs, or why they could not be read
+
+
+def process_cuda(pid: int, probed: dict[tuple[str, int], Exported] | None = None) -> list[tuple[str, Exported]] | str:
+    """(path, exported) of each CUDA library process `pid` maps: the probed symbols it
+    exports (tracer.cuda.exported_calls, read through /proc/PID/root as `record` does)
+    or why they could not be read; or why the maps could not be read.  `probed` caches
+    the symbols per library file (device, inode) across processes."""
+    from trainbpf.tracer.cuda import cuda_libraries, exported_calls
+
+    probed = {} if probed is None else probed
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError as exc:
+        return f"maps not readable ({exc.strerror or exc}{'; run doctor with sudo' if os.geteuid() else ''})"
+    out = []
+    for path, file in cuda_libraries(maps):
+        if file not in probed:
+            try:
+                probed[file] = exported_calls(f"/proc/{pid}/root{path}")
+            except Exception as exc:  # bcc raises bare Exception on an unreadable or non-ELF file
+                probed[file] = f"not readable: {exc}"
+        out.append((path, probed[file]))
+    return out
+
+
+def cuda_report(pid: int) -> str:
+    """Per process of `pid`'s tree: the CUDA libraries it maps and the probed symbols each
+    exports, or that it maps none.  Raises TargetError when `pid` does not run."""
+    from trainbpf.tracer.cuda import CALLS
+    from trainbpf.tracer.proctree import is_alive, process_tree
+
+    if pid <= 0 or not is_alive(pid):
+        raise TargetError(f"no such process: {pid} (--pid takes a process id, the kernel's tgid)")
+    tree = process_tree(pid)
+    more = len(tree) - 1
+    lines = [f"CUDA libraries of process {pid}" + (f" and its {more} descendant{'s' * (more > 1)}" if more else "")
+             + " (what `record --pid` would probe now; it rescans while recording):"]
+    probed: dict = {}
+    for p in tree:
+        found = process_cuda(p, probed)
+        head = f"  pid {p} ({_comm(p)})"
+        if isinstance(found, str) or not found:
+            lines.append(f"{head}: {found or 'no CUDA library mapped'}")
+            continue
+        lines.append(head)
+        for path, exported in found:
+            if isinstance(exported, str):
+                lines.append(f"    {path}: {exported}")
+                continue
+            symbols, calls = [sym for sym, _ in exported], {call for _, call in exported}
+            lines.append(f"    {path}: {len(symbols)} probed symbols ({len(calls)} of the {len(CALLS)} calls)"
+                         + (":" if symbols else ", nothing to probe"))
+            lines += textwrap.wrap(", ".join(symbols), 100, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines)

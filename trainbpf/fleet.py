@@ -1,5 +1,6 @@
 """`trainbpf fleet`: many nodes' health JSON documents merged into one table that ranks
-the nodes by starved share, with each node's top stall category."""
+the nodes by starved share, with each node's top stall category and, where the CUDA
+calls were traced, its training step time and host-bound share."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ class FleetRow:
     top_category: str | None
     top_share: float | None
     targets: int
+    cuda_traced: bool | None  # the worst target's CUDA calls; None: no target analysed
+    step_p50_s: float | None
+    step_p99_s: float | None
+    steps_per_s: float | None
+    host_bound_share: float | None
     finished: str
     error: str | None
     file: str
@@ -83,6 +89,12 @@ def document_problem(doc: dict[str, Any]) -> str | None:
     targets = doc.get("targets", [])
     if not isinstance(targets, list) or not all(isinstance(t, dict) for t in targets):
         return "targets is not a list of objects"
+    for steps in [doc.get("steps")] + [t.get("steps") for t in targets]:
+        if steps is not None and not isinstance(steps, dict):
+            return "steps is not an object"
+        for key, value in (steps or {}).items():
+            if value is not None and not (isinstance(value, bool) if key == "traced" else _number(value)):
+                return f"steps.{key} is not a {'boolean' if key == 'traced' else 'number'}"
     for t in targets:
         if t.get("starved_ratio") is not None and not _number(t["starved_ratio"]):
             return "a target's starved_ratio is not a number"
@@ -111,16 +123,29 @@ def fleet_rows(documents: list[tuple[Path, dict[str, Any]]]) -> list[FleetRow]:
 
     rows = []
     for rank, (path, doc) in enumerate(sorted(documents, key=order), start=1):
+        steps = doc.get("steps") or {}
         rows.append(FleetRow(
             rank=rank, host=str(doc.get("host")), status=str(doc.get("status")), exit_code=int(doc.get("exit_code", 3)),
             starved_ratio=doc.get("starved_ratio"), top_category=doc.get("top_category"), top_share=_top_share(doc),
-            targets=len(doc.get("targets", [])), finished=str(doc.get("finished", "")), error=doc.get("error"), file=str(path),
+            targets=len(doc.get("targets", [])), cuda_traced=steps.get("traced"), step_p50_s=steps.get("step_p50_s"),
+            step_p99_s=steps.get("step_p99_s"), steps_per_s=steps.get("steps_per_s"),
+            host_bound_share=steps.get("host_bound_share"), finished=str(doc.get("finished", "")), error=doc.get("error"), file=str(path),
         ))
     return rows
 
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
+
+
+def _step_cell(r: FleetRow) -> str:
+    if r.cuda_traced is None:
+        return "-"
+    if not r.cuda_traced:
+        return "not traced"
+    if r.step_p50_s is None or r.step_p99_s is None:
+        return "no step"
+    return f"{r.step_p50_s * 1e3:.3g}/{r.step_p99_s * 1e3:.3g} ms"
 
 
 def category_counts(rows: list[FleetRow]) -> dict[str, int]:
@@ -139,10 +164,12 @@ def render(rows: list[FleetRow], fmt: str) -> str:
         for r in rows:
             writer.writerow(["" if v is None else v for v in (getattr(r, n) for n in names)])
         return buf.getvalue()
-    table = [("rank", "host", "status", "starved", "top category", "share", "targets", "checked (UTC)")]
+    table = [("rank", "host", "status", "starved", "top category", "share", "step p50/p99", "steps/s", "host-bound",
+              "targets", "checked (UTC)")]
     for r in rows:
-        table.append((str(r.rank), r.host, r.status, _pct(r.starved_ratio), r.top_category or "-",
-                      _pct(r.top_share), str(r.targets), r.finished.replace("T", " ").rstrip("Z")))
+        table.append((str(r.rank), r.host, r.status, _pct(r.starved_ratio), r.top_category or "-", _pct(r.top_share),
+                      _step_cell(r), "-" if r.steps_per_s is None else f"{r.steps_per_s:.3g}", _pct(r.host_bound_share),
+                      str(r.targets), r.finished.replace("T", " ").rstrip("Z")))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     counts = category_counts(rows)

@@ -17,7 +17,8 @@ The modules, in the order a run uses them:
 - config:  HealthConfig, thresholds and every default; the TOML file and its checks.
 - targets: the processes to grade and the tree to record (/proc through tracer.proctree).
 - run:     lock, time limit, recording, assess (analysis per target), run_health.
-- results: Check, TargetResult, HealthResult and the grading.
+- results: Check, TargetResult (with the trainer's StepMetrics when its CUDA calls were
+           traced), HealthResult and the grading.
 - outputs: the Prometheus textfile, the JSON document, the summary.
 """
 
@@ -46,14 +47,19 @@ from trainbpf.health.config import (
 from trainbpf.health.outputs import (
     HEALTH_SCHEMA,
     METRICS,
+    STEP_METRICS,
     health_document,
     metric_samples,
     render_summary,
     render_textfile,
+    steps_document,
+    steps_summary,
     write_atomic,
     write_outputs,
 )
-from trainbpf.health.results import Check, HealthResult, TargetResult, grade, make_check, overall_status
+from trainbpf.health.results import (
+    Check, HealthResult, StepMetrics, TargetResult, grade, make_check, overall_status, step_metrics,
+)
 from trainbpf.health.run import (
     CheckInterrupted,
     CheckTimeout,

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from trainbpf.health.config import CRITICAL, STATUS_NAMES, TEXTFILE_NAME, HealthConfig
-from trainbpf.health.results import HealthResult
+from trainbpf.health.results import HealthResult, StepMetrics
 from trainbpf.safefile import write_new
 
 HEALTH_SCHEMA = "trainbpf.health/1"
@@ -36,6 +36,12 @@ METRICS: dict[str, str] = {
     "trainbpf_target_starved_ratio": "Starved seconds per recorded second.",
     "trainbpf_finding_share_ratio": "Share of the target's starved time that one cause explains.",
     "trainbpf_finding_seconds": "Starved seconds that one cause explains.",
+    "trainbpf_target_cuda_traced": "1 when the trainer's CUDA calls were traced (the step metrics follow), 0 when none was seen (no step metrics).",
+    "trainbpf_target_steps": "Training steps the trainer completed during the check, from its CUDA waits and launches.",
+    "trainbpf_target_steps_per_second": "Training steps per second over the stretch the complete steps cover.",
+    "trainbpf_target_step_p50_seconds": "Median training step time.",
+    "trainbpf_target_step_p99_seconds": "99th percentile of the training step time.",
+    "trainbpf_target_host_bound_ratio": "Share of the step time from the end of a GPU wait to the next kernel launch (the host preparing work; reported, not graded).",
     "trainbpf_thread_state_seconds": "Seconds the target's threads of one role spent in one state, summed over those threads.",
     "trainbpf_node_runqueue_seconds": "Seconds traced threads spent runnable, waiting for a CPU, summed over threads.",
     "trainbpf_node_runqueue_latency_p99_seconds": "99th percentile of the wake-up (or preemption) to switch-in latency of traced threads.",
@@ -49,6 +55,11 @@ METRICS: dict[str, str] = {
     "trainbpf_node_numa_task_moves": "Scheduler NUMA moves and swaps of traced tasks during the check.",
     "trainbpf_gpu_idle_ratio": "Share of the recorded time a GPU was idle (1 - mean utilisation).",
 }
+
+# StepMetrics field -> metric; written only for a target whose CUDA calls were traced.
+STEP_METRICS = {"steps": "trainbpf_target_steps", "steps_per_s": "trainbpf_target_steps_per_second",
+                "step_p50_s": "trainbpf_target_step_p50_seconds", "step_p99_s": "trainbpf_target_step_p99_seconds",
+                "host_bound_share": "trainbpf_target_host_bound_ratio"}
 
 Sample = tuple[str, dict[str, str], float]
 
@@ -83,6 +94,10 @@ def metric_samples(result: HealthResult) -> list[Sample]:
         for f in t.findings:
             add("trainbpf_finding_share_ratio", f["share"], pid=pid, category=f["category"])
             add("trainbpf_finding_seconds", f["seconds"], pid=pid, category=f["category"])
+        if t.steps is not None:
+            add("trainbpf_target_cuda_traced", int(t.steps.traced), pid=pid)
+            for key, metric in STEP_METRICS.items():
+                add(metric, getattr(t.steps, key), pid=pid)
         for (role, state), seconds in sorted(t.role_seconds.items()):
             add("trainbpf_thread_state_seconds", seconds, pid=pid, role=role, state=state)
     if result.node is not None:
@@ -128,6 +143,14 @@ def _json_number(value: float | None) -> float | None:
     return None if value is None or not math.isfinite(value) else float(value)
 
 
+def steps_document(steps: StepMetrics | None) -> dict[str, Any]:
+    """A target's steps in the JSON: always the same keys; `traced` null and every value
+    null when the target was not analysed, false (values null) when no CUDA call was seen."""
+    if steps is None:
+        return {"traced": None, **dict.fromkeys(StepMetrics.FIELDS)}
+    return steps.as_dict()
+
+
 def health_document(result: HealthResult) -> dict[str, Any]:
     """The JSON document of one run (schema trainbpf.health/1)."""
     config = result.config or HealthConfig()
@@ -145,10 +168,11 @@ def health_document(result: HealthResult) -> dict[str, Any]:
         "mode": result.mode,
         "starved_ratio": None if worst is None else worst.starved_ratio,
         "top_category": result.top_category(),
+        "steps": steps_document(None if worst is None else worst.steps),
         "targets": [{
             "pid": t.target.pid, "comm": t.target.comm, "cmdline": t.target.cmdline[:200], "reason": t.target.reason,
             "status": STATUS_NAMES[t.status], "error": t.error, "starved_s": t.starved_s, "starved_ratio": t.starved_ratio,
-            "gpu_idle_fraction": t.gpu_idle_fraction, "findings": t.findings,
+            "gpu_idle_fraction": t.gpu_idle_fraction, "findings": t.findings, "steps": steps_document(t.steps),
             "thread_seconds": [{"role": r, "state": s, "seconds": v} for (r, s), v in sorted(t.role_seconds.items())],
         } for t in result.targets],
         "node": result.node,
@@ -177,6 +201,24 @@ def write_outputs(result: HealthResult, config: HealthConfig) -> None:
         write_atomic(config.json_file, json.dumps(health_document(result), indent=2) + "\n")
 
 
+def _ms(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{seconds * 1e3:.3g} ms"
+
+
+def steps_summary(steps: StepMetrics) -> str:
+    """The steps of one target in a few words."""
+    if not steps.traced:
+        return "CUDA not traced"
+    if not steps.steps:
+        return "CUDA traced, no complete step"
+    text = f"step {_ms(steps.step_p50_s)} p50, {_ms(steps.step_p99_s)} p99"
+    if steps.steps_per_s is not None:
+        text += f", {steps.steps_per_s:.3g} steps/s"
+    if steps.host_bound_share is not None:
+        text += f", {steps.host_bound_share:.0%} host-bound"
+    return text
+
+
 def render_summary(result: HealthResult) -> str:
     """A few lines for a person (or a cron mail)."""
     node = result.node or {}
@@ -191,6 +233,8 @@ def render_summary(result: HealthResult) -> str:
             line += f", starved {t.starved_ratio:.0%} of the time"
         if t.top is not None:
             line += f"; top cause {t.top['category']} ({t.top['share']:.0%} of starved time)"
+        if t.steps is not None:
+            line += "; " + steps_summary(t.steps)
         lines.append(line)
     for c in result.checks:
         if c.status and c.pid is None:

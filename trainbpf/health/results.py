@@ -36,6 +36,40 @@ def make_check(name: str, value: float | None, thresholds: Mapping[str, Threshol
     return Check(name, value, th, grade(value, th), pid)
 
 
+@dataclass(frozen=True)
+class StepMetrics:
+    """The trainer's training steps, from its CUDA calls (analyzers/cuda.step_summary).
+    `traced` False: no CUDA call of the trainer was seen, and every other field is None
+    (never a zero that reads like a measurement).  Traced without a complete step: steps
+    0, the rest None."""
+
+    traced: bool
+    steps: int | None = None
+    steps_per_s: float | None = None
+    step_p50_s: float | None = None
+    step_p99_s: float | None = None
+    host_bound_share: float | None = None  # launch-gap time / step time
+
+    FIELDS = ("steps", "steps_per_s", "step_p50_s", "step_p99_s", "host_bound_share")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"traced": self.traced, **{k: getattr(self, k) for k in self.FIELDS}}
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if value is not None and math.isfinite(float(value)) else None
+
+
+def step_metrics(uses_cuda: bool, summary: Mapping[str, Any] | None) -> StepMetrics:
+    """StepMetrics of an Analysis's `uses_cuda` and `cuda_steps`."""
+    if not uses_cuda:
+        return StepMetrics(False)
+    if not summary or not summary.get("steps"):
+        return StepMetrics(True, steps=0)
+    return StepMetrics(True, int(summary["steps"]), _finite(summary.get("steps_per_s")), _finite(summary.get("step_p50_s")),
+                       _finite(summary.get("step_p99_s")), _finite(summary.get("host_bound_share")))
+
+
 @dataclass
 class TargetResult:
     target: Target
@@ -46,6 +80,7 @@ class TargetResult:
     findings: list[dict[str, Any]] = field(default_factory=list)
     role_seconds: dict[tuple[str, str], float] = field(default_factory=dict)  # (role, state) -> s
     error: str | None = None
+    steps: StepMetrics | None = None  # None: not analysed
 
     @property
     def top(self) -> dict[str, Any] | None:
@@ -53,10 +88,12 @@ class TargetResult:
 
 
 def grade_report(target: Target, report: Mapping[str, Any], *, tids: set[int],
-                 thresholds: Mapping[str, Threshold]) -> TargetResult:
+                 thresholds: Mapping[str, Threshold], steps: StepMetrics | None = None) -> TargetResult:
     """Grade one target from its `trainbpf analyze` report (trainbpf.report.build_report,
-    the JSON contract); `tids` are the threads of its process tree."""
-    result = TargetResult(target)
+    the JSON contract); `tids` are the threads of its process tree, `steps` its trainer's
+    steps (step_metrics).  Only the starved ratio grades: step time and host-bound share
+    are reported, never graded (docs/health.md)."""
+    result = TargetResult(target, steps=steps)
     duration = float(report["trace"]["duration_s"] or 0.0)
     result.starved_s = float(report["starved_s"])
     result.starved_ratio = result.starved_s / duration if duration > 0 else None

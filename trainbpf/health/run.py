@@ -23,7 +23,9 @@ from trainbpf.analyzers.node import node_check_values, node_metrics
 from trainbpf.errors import OutputError, TrainbpfError
 from trainbpf.health.config import TEXTFILE_NAME, UNKNOWN, HealthConfig, Threshold
 from trainbpf.health.outputs import write_outputs
-from trainbpf.health.results import HealthResult, TargetResult, failed_result, grade_report, make_check, overall_status
+from trainbpf.health.results import (
+    HealthResult, TargetResult, failed_result, grade_report, make_check, overall_status, step_metrics,
+)
 from trainbpf.health.targets import Target, find_targets, recording_root, scan_processes, target_trees, tree_tids
 from trainbpf.safefile import check_output
 from trainbpf.tracer.preflight import check_privileges, require
@@ -55,12 +57,14 @@ def analyze_target(*, trace: Any, target: Target, tids: set[int], thresholds: Ma
     from trainbpf.report import build_report
 
     try:
-        report = build_report(analyze(trace, trainer_tid=target.pid))
+        analysis = analyze(trace, trainer_tid=target.pid)
+        report = build_report(analysis)
     except TrainbpfError as exc:
         return TargetResult(target, error=f"pid {target.pid}: {exc}")
     except Exception as exc:  # a crash in analysis is "could not check", never "healthy"
         return TargetResult(target, error=f"pid {target.pid}: analysis failed ({type(exc).__name__}: {exc})")
-    return grade_report(target, report, tids=tids, thresholds=thresholds)
+    return grade_report(target, report, tids=tids, thresholds=thresholds,
+                        steps=step_metrics(analysis.uses_cuda, analysis.cuda_steps))
 
 
 def assess(*, trace_path: Path, targets: list[Target], trees: Mapping[int, tuple[set[int], set[int]]],
