@@ -48,7 +48,6 @@ ANALYZE_TIMEOUT_S = 120
 QUIET_BELOW_CORES = 0.5
 QUIET_WAIT_S = 20
 
-KiB = 1 << 10
 MiB = 1 << 20
 
 
@@ -91,10 +90,7 @@ SCENARIOS = (
     # The GIL, named by its address in _PyRuntime: lock_contention would be the wrong answer.
     Scenario("gil_threads", ("gil_contention",)),
     Scenario("mmap_churn", ("allocator_churn", "page_faults")),
-    # Limits of 512/256 KiB: the kernel's longest throttling pause scales with the dirty
-    # pages a device holds over its write bandwidth, so on a slow disk (1-2 MB/s at times)
-    # limits of MiBs made pauses of 200 ms, longer than a sample.
-    Scenario("checkpoint_dirty", ("dirty_throttling",), dirty_limits=(512 * KiB, 256 * KiB)),
+    Scenario("checkpoint_dirty", ("dirty_throttling",), dirty_limits=(2 * MiB, 1 * MiB)),
     Scenario("reclaim_cgroup", ("memory_reclaim",), memory_limit=256 * MiB),
     Scenario("numa_wrong_node", ("numa_remote",), declares_topology=True),
     Scenario("demo_trainer", ("input_pipeline",)),

@@ -179,16 +179,17 @@ def die_with_parent() -> None:
 
 
 def start_thread(name: str, target, *args, comm: str | None = None,
-                 cpus: set[int] | None = None) -> threading.Thread:
+                 cpus: set[int] | None = None, held: bool = True) -> threading.Thread:
     """A daemon thread named `name` in Python and `comm` (default: name) in the kernel,
     pinned to `cpus` when given, running `target` once the workload may start
-    (wait_for_go)."""
+    (wait_for_go), or at once when not `held`."""
 
     def run():
         set_comm(comm or name)
         if cpus is not None:
             pin_current_thread(cpus)
-        wait_for_go()
+        if held:
+            wait_for_go()
         target(*args)
 
     thread = threading.Thread(target=run, name=name, daemon=True)
@@ -257,16 +258,17 @@ def rewrite_file_forever(path: str, file_bytes: int, write_bytes: int,
 
 @contextlib.contextmanager
 def file_rewriters(name: str, paths: list[str], file_bytes: int, write_bytes: int, *,
-                   cpus: set[int] | None = None, in_place: bool = False):
+                   cpus: set[int] | None = None, in_place: bool = False, held: bool = True):
     """Threads named `name`, one per path, running rewrite_file_forever (pinned to `cpus`
-    when given); stopped and joined on exit (before anyone removes their folder, or they
-    may recreate a file)."""
+    when given; from the go on, or at once when not `held`); stopped and joined on exit
+    (before anyone removes their folder, or they may recreate a file)."""
     stop = threading.Event()
     threads = []
     try:
         for path in paths:
             rewrite = functools.partial(rewrite_file_forever, in_place=in_place)
-            threads.append(start_thread(name, rewrite, path, file_bytes, write_bytes, stop, cpus=cpus))
+            threads.append(start_thread(name, rewrite, path, file_bytes, write_bytes, stop, cpus=cpus,
+                                        held=held))
         yield threads
     finally:
         stop.set()
