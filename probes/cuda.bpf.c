@@ -2,22 +2,25 @@
  * (attached by tracer/cuda.py to whichever of these symbols, and their _v2/_ptsz/_ptds
  * aliases, a library exports).
  *
- * Launches are counted per (thread, CUDA_BUCKET_NS bucket, layer, nesting) in a hash the
- * collector drains: training issues tens of thousands a second, so none is streamed.
+ * Launches are counted per (thread, CUDA_BUCKET_NS bucket, layer, nesting), none is
+ * streamed: training issues tens of thousands a second.  Each thread counts its current
+ * bucket in its own record (cuda_threads, one lookup by tid per launch) and moves it into
+ * the hash the collector drains (cuda_launches) when a launch falls in a later bucket;
+ * the collector takes the records' last buckets at the stop.
  * Waits, copies, allocations and frees lasting at least MIN_CUDA_NS are streamed with
  * their start, duration, stream (or pointer) argument, bytes, return value and the user
  * stack at the call.  The runtime calls the driver inside its own calls, so entries are
  * kept per (tid, layer) and a driver call made inside a runtime call is marked nested.
  * Launches have no return probe (a uretprobe costs several times the uprobe): a runtime
- * launch leaves a mark that the driver launch it makes within CUDA_NEST_NS consumes. */
+ * launch leaves a mark that the driver launch it makes within CUDA_NEST_JIFFIES consumes. */
 #ifndef MIN_CUDA_NS
 #define MIN_CUDA_NS 20000
 #endif
 #ifndef CUDA_BUCKET_NS
 #define CUDA_BUCKET_NS 10000000
 #endif
-#ifndef CUDA_NEST_NS
-#define CUDA_NEST_NS 1000000
+#ifndef CUDA_NEST_JIFFIES
+#define CUDA_NEST_JIFFIES 1 /* the same timer tick as the runtime launch, or the next */
 #endif
 #ifndef CUDA_LAUNCH_ENTRIES
 #define CUDA_LAUNCH_ENTRIES 65536
@@ -39,6 +42,20 @@
 #endif
 #ifndef CUDA_CALLS
 #error "CUDA_CALLS must be defined by the loader"
+#endif
+/* The slots of a thread's record (tracer/cuda.py LAUNCH_SLOTS): runtime launches, driver
+ * launches made directly, driver launches made inside a runtime launch. */
+#ifndef CUDA_SLOTS
+#error "CUDA_SLOTS must be defined by the loader"
+#endif
+#ifndef CUDA_SLOT_RUNTIME
+#error "CUDA_SLOT_RUNTIME must be defined by the loader"
+#endif
+#ifndef CUDA_SLOT_DRIVER
+#error "CUDA_SLOT_DRIVER must be defined by the loader"
+#endif
+#ifndef CUDA_SLOT_NESTED
+#error "CUDA_SLOT_NESTED must be defined by the loader"
 #endif
 
 struct cuda_event {
@@ -78,15 +95,96 @@ struct cuda_launch_key {
 
 BPF_RINGBUF_OUTPUT(cuda_events, RINGBUF_PAGES);
 BPF_HASH(cuda_calls, struct cuda_key, struct cuda_call, MAX_THREADS);
-/* Launches in a bucket, and the first one's time (set when the entry is made: no cost
- * per launch), which makes a launch gap after a wait exact. */
+/* Launches in a finished bucket, and the first one's time, which makes a launch gap
+ * after a wait exact. */
 struct cuda_launch_count {
     u64 launches;
     u64 first_ns;
 };
 
 BPF_HASH(cuda_launches, struct cuda_launch_key, struct cuda_launch_count, CUDA_LAUNCH_ENTRIES);
-BPF_HASH(cuda_launching, u32, u64, MAX_THREADS); /* tid -> time of its last runtime launch */
+
+/* A thread's current bucket: launches and first launch time per slot, and the time of
+ * its last runtime launch not yet matched by the driver launch it makes (0: none).
+ * Written only by the thread itself. */
+struct cuda_thread {
+    u64 end_ns; /* the bucket's end */
+    u64 mark_ns;
+    u64 mark_jiffies;
+    u64 launches[CUDA_SLOTS];
+    u64 first_ns[CUDA_SLOTS];
+    u32 pid;
+    u32 pad;
+};
+
+BPF_HASH(cuda_threads, u32, struct cuda_thread, MAX_THREADS);
+
+/* Move a thread's finished bucket into cuda_launches: once per bucket, not per launch. */
+static __always_inline void cuda_flush(u32 tid, struct cuda_thread *t)
+{
+    for (int slot = 0; slot < CUDA_SLOTS; slot++) {
+        if (!t->launches[slot])
+            continue;
+        struct cuda_launch_key key = {.bucket = t->end_ns / CUDA_BUCKET_NS - 1, .tid = tid, .pid = t->pid,
+                                      .layer = slot == CUDA_SLOT_RUNTIME ? LAYER_RUNTIME : LAYER_DRIVER,
+                                      .nested = slot == CUDA_SLOT_NESTED};
+        struct cuda_launch_count first = {.first_ns = t->first_ns[slot]};
+        struct cuda_launch_count *n = cuda_launches.lookup_or_try_init(&key, &first);
+        if (n)
+            __sync_fetch_and_add(&n->launches, t->launches[slot]);
+        else
+            count_lost(PROBE_CUDA);
+    }
+}
+
+/* Count a launch: one lookup, of the thread's record.  A record is made only for a
+ * traced thread, and threads leave the traced set only when they exit, so a record of
+ * the same process stands for the traced check; a tid reused by another process fails
+ * the pid check and is checked again.  A driver launch consuming a runtime launch's mark
+ * is counted in the runtime launch's bucket, at its time, without reading the clock
+ * (~80 ns in a VM): jiffies (~5 ns) bound the mark's age. */
+static __always_inline int cuda_launch(u32 layer)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id, pid = id >> 32;
+    struct cuda_thread *t = cuda_threads.lookup(&tid);
+    if (t && t->pid != pid) {
+        if (!is_traced(tid))
+            return 0;
+    } else if (!t && !is_traced(tid)) {
+        return 0;
+    }
+    if (layer == LAYER_DRIVER && t && t->pid == pid && t->mark_ns) {
+        u64 mark = t->mark_ns;
+        t->mark_ns = 0;
+        if (bpf_jiffies64() - t->mark_jiffies <= CUDA_NEST_JIFFIES) {
+            t->launches[CUDA_SLOT_NESTED]++;
+            if (!t->first_ns[CUDA_SLOT_NESTED])
+                t->first_ns[CUDA_SLOT_NESTED] = mark;
+            return 0;
+        }
+    }
+    u64 now = bpf_ktime_get_ns();
+    if (!t || now >= t->end_ns || t->pid != pid) {
+        struct cuda_thread fresh = {.end_ns = (now / CUDA_BUCKET_NS + 1) * CUDA_BUCKET_NS, .pid = pid};
+        if (t) {
+            cuda_flush(tid, t);
+            *t = fresh;
+        } else if (cuda_threads.update(&tid, &fresh) || !(t = cuda_threads.lookup(&tid))) {
+            count_lost(PROBE_CUDA);
+            return 0;
+        }
+    }
+    int slot = layer == LAYER_RUNTIME ? CUDA_SLOT_RUNTIME : CUDA_SLOT_DRIVER;
+    t->launches[slot]++;
+    if (!t->first_ns[slot])
+        t->first_ns[slot] = now;
+    if (layer == LAYER_RUNTIME) {
+        t->mark_ns = now;
+        t->mark_jiffies = bpf_jiffies64();
+    }
+    return 0;
+}
 
 /* Register arguments by the x86-64 calling convention; none of the calls read here has
  * what we need beyond the sixth (cuLaunchKernel's stream, the 9th, is on the stack, but
@@ -106,42 +204,18 @@ static __always_inline u64 cuda_arg(struct pt_regs *ctx, int n)
 
 static __always_inline int cuda_enter(struct pt_regs *ctx, u32 call, u32 layer, u32 kind, u64 arg, u64 bytes)
 {
+    if (kind == CUDA_LAUNCH)
+        return cuda_launch(layer);
     u32 tid = current_tid();
     if (!is_traced(tid))
         return 0;
-    u64 now = bpf_ktime_get_ns();
     u32 nested = 0;
-    if (layer == LAYER_DRIVER && kind == CUDA_LAUNCH) {
-        u64 *mark = cuda_launching.lookup(&tid);
-        if (mark && *mark) {
-            nested = now - *mark < CUDA_NEST_NS;
-            *mark = 0; /* consumed in place: a hash delete and re-insert per launch cost more */
-        }
-    } else if (layer == LAYER_DRIVER) {
+    if (layer == LAYER_DRIVER) {
         struct cuda_key outer = {.tid = tid, .layer = LAYER_RUNTIME};
         nested = cuda_calls.lookup(&outer) != NULL;
     }
-    if (kind == CUDA_LAUNCH) {
-        struct cuda_launch_key lk = {.bucket = now / CUDA_BUCKET_NS, .tid = tid, .pid = current_tgid(),
-                                     .layer = layer, .nested = nested};
-        struct cuda_launch_count first = {.first_ns = now};
-        struct cuda_launch_count *n = cuda_launches.lookup_or_try_init(&lk, &first);
-        if (!n) {
-            count_lost(PROBE_CUDA);
-            return 0;
-        }
-        __sync_fetch_and_add(&n->launches, 1);
-        if (layer == LAYER_RUNTIME) {
-            u64 *mark = cuda_launching.lookup(&tid);
-            if (mark)
-                *mark = now;
-            else
-                cuda_launching.update(&tid, &now);
-        }
-        return 0;
-    }
     struct cuda_key key = {.tid = tid, .layer = layer};
-    struct cuda_call c = {.ts_ns = now, .arg = arg, .bytes = bytes, .call = call, .nested = nested};
+    struct cuda_call c = {.ts_ns = bpf_ktime_get_ns(), .arg = arg, .bytes = bytes, .call = call, .nested = nested};
     cuda_calls.update(&key, &c);
     return 0;
 }

@@ -72,6 +72,8 @@ def test_launch_counts_exact_per_thread(fake):
     # each row spans from its bucket's first launch to the bucket's end
     end = launches.ts_ns + launches.dur_ns
     assert (end % 10_000_000 == 0).all() and (launches.dur_ns > 0).all() and (launches.dur_ns <= 10_000_000).all()
+    # a thread's bucket is counted in its record and moved out whole: one row per bucket
+    assert not launches.assign(end=end).duplicated(["tid", "name", "op", "end"]).any()
     assert (launches[launches.tid == child].pid == child).all()
 
 

@@ -3,11 +3,14 @@ call table shared with probes/cuda.bpf.c."""
 
 from __future__ import annotations
 
+import ctypes
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 from trainbpf.tracer.collector import Settings
-from trainbpf.tracer.cuda import CALLS, KINDS, LAYERS, CudaCollector, base_name, cuda_libraries
+from trainbpf.tracer.cuda import (CALLS, KINDS, LAUNCH_SLOTS, LAYERS, CudaCollector, base_name, cuda_libraries,
+                                  thread_buckets)
 
 PROBE = Path(__file__).resolve().parents[1] / "probes" / "cuda.bpf.c"
 
@@ -53,3 +56,19 @@ def test_call_table_matches_the_probe():
     text = PROBE.read_text()
     assert re.findall(r"^#define ARGS_(\w+) \d, \d$", text, re.M) == [name for name, _, _ in CALLS]
     assert re.search(r"^CUDA_CALLS$", text, re.M) and '#error "CUDA_CALLS must be defined by the loader"' in text
+
+
+def test_thread_buckets_read_each_slot_with_launches():
+    """A thread's last bucket, still in its record at the stop: one row per slot (runtime,
+    direct driver, nested driver) that counted launches, in the bucket ending at end_ns."""
+    rec = SimpleNamespace(end_ns=30_000_000, pid=7, launches=[5, 0, 4], first_ns=[21_000_000, 0, 21_000_100])
+    idle = SimpleNamespace(end_ns=10_000_000, pid=8, launches=[0, 0, 0], first_ns=[0, 0, 0])
+    assert thread_buckets([(ctypes.c_uint32(70), rec), (ctypes.c_uint32(80), idle)], 10_000_000) == [
+        (2, 70, 7, 5, 21_000_000, 0, 0),
+        (2, 70, 7, 4, 21_000_100, 1, 1),
+    ]
+    assert [(name, LAYERS[layer], nested) for name, layer, nested in LAUNCH_SLOTS] == [
+        ("runtime", "runtime", 0), ("driver", "driver", 0), ("nested", "driver", 1)]
+    defines = CudaCollector(Settings()).defines()
+    assert [defines[f"CUDA_SLOT_{n}"] for n in ("RUNTIME", "DRIVER", "NESTED")] == [0, 1, 2]
+    assert defines["CUDA_SLOTS"] == 3

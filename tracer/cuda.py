@@ -34,6 +34,8 @@ CALLS: tuple[tuple[str, int, int], ...] = (
     ("cuMemAlloc", 1, 3), ("cuMemAllocAsync", 1, 3), ("cuMemAllocHost", 1, 3), ("cuMemAllocManaged", 1, 3),
     ("cuMemFree", 1, 4), ("cuMemFreeHost", 1, 4), ("cuMemFreeAsync", 1, 4),
 )
+# The slots of a thread's current bucket in the probe (cuda_thread): (name, layer, nested).
+LAUNCH_SLOTS = (("runtime", 0, 0), ("driver", 1, 0), ("nested", 1, 1))
 CALL_INDEX = {name: i for i, (name, _, _) in enumerate(CALLS)}
 # A base name and any exported versioned aliases of it.
 SYMBOL_RE = r"^(" + "|".join(n for n, _, _ in CALLS) + r")((_v2|_v3)?(_ptsz|_ptds)?)$"
@@ -57,6 +59,21 @@ def cuda_libraries(maps_text: str) -> list[tuple[str, tuple[str, int]]]:
         if LIBRARY_RE.search(m.path):
             seen.setdefault(m.file, m.path)
     return [(path, file) for file, path in seen.items()]
+
+
+def thread_buckets(records: list[tuple], width: int) -> list[tuple]:
+    """The bucket each thread is counting (probes/cuda.bpf.c cuda_threads: (tid, record)
+    pairs) as cuda_launches rows: (bucket, tid, pid, launches, first_ns, layer, nested)
+    for each slot with launches.  A bucket is moved out of its record only when the
+    thread launches in a later one, so the last is read here, at the stop."""
+    rows = []
+    for tid, rec in records:
+        tid = getattr(tid, "value", tid)
+        for slot, (_, layer, nested) in enumerate(LAUNCH_SLOTS):
+            if rec.launches[slot]:
+                rows.append((rec.end_ns // width - 1, tid, rec.pid, rec.launches[slot], rec.first_ns[slot],
+                             layer, nested))
+    return rows
 
 
 def exported_calls(path: str) -> list[tuple[str, str]]:
@@ -88,7 +105,8 @@ class CudaCollector(Collector):
         return {"MIN_CUDA_NS": self.settings.min_cuda_ns, "CUDA_BUCKET_NS": self.settings.cuda_bucket_ns,
                 **{f"LAYER_{layer.upper()}": i for i, layer in enumerate(LAYERS)},
                 **{f"CUDA_{kind.upper()}": i for i, kind in enumerate(KINDS)},
-                "CUDA_CALLS": call_list()}
+                "CUDA_CALLS": call_list(), "CUDA_SLOTS": len(LAUNCH_SLOTS),
+                **{f"CUDA_SLOT_{name.upper()}": i for i, (name, _, _) in enumerate(LAUNCH_SLOTS)}}
 
     def seeded(self, bpf, walked, threads, now_ns: int) -> None:
         self._pids.update(threads.tgids())
@@ -170,6 +188,8 @@ class CudaCollector(Collector):
             self.scan(bpf)
         counts = [(k.bucket, k.tid, k.pid, v.launches, v.first_ns, k.layer, k.nested)
                   for k, v in drain_hash(bpf["cuda_launches"])]
+        if final:  # each thread's last bucket, still in its record
+            counts += thread_buckets(drain_hash(bpf["cuda_threads"]), self.settings.cuda_bucket_ns)
         return bucket_batches("cuda_launch", counts, self.settings.cuda_bucket_ns, first_ns=True, extra={
             "name": lambda layer: [LAYERS[x] for x in layer.tolist()],
             "op": lambda nested: nested.astype(np.int32),
