@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from kernel_env import require_root
@@ -213,3 +214,25 @@ def test_an_empty_bcc_kernel_source_does_not_hide_the_running_kernels_headers(tm
     monkeypatch.setenv("BCC_KERNEL_SOURCE", "")  # bcc would compile against "" + /include
     assert kheaders.use_headers().exact
     assert "BCC_KERNEL_SOURCE" not in os.environ
+
+
+def test_an_open_interval_woken_after_the_stop_is_still_blocked():
+    """open_intervals reads the maps after taking end_ns: a waking stamped after it came
+    after the stop, so the interval has no waker and no run-queue time (never a negative
+    one, which the trace reader refuses)."""
+    from types import SimpleNamespace as NS
+
+    from trainbpf.tracer.sched import SchedCollector
+    from trainbpf.tracer.settings import Settings
+
+    def table(rows):
+        return NS(items=lambda: [(NS(value=tid), v) for tid, v in rows])
+
+    blocked = NS(ts_ns=1_000_000, state=1, tgid=7, kstack_id=-1, ustack_id=-1)
+    waking = dict(waker_tid=8, waker_pid=8, kstack_id=-1)
+    bpf = {"switched_out_at": table([(7, blocked), (9, blocked)]),
+           "woken_at": table([(7, NS(ts_ns=60_000_000, **waking)), (9, NS(ts_ns=40_000_000, **waking))])}
+    batch = SchedCollector(Settings()).open_intervals(bpf, 50_000_000, {7, 9})[0].to_pandas().set_index("tid")
+    assert batch.loc[7, "runq_ns"] == 0 and pd.isna(batch.loc[7, "peer_tid"])
+    assert batch.loc[9, "runq_ns"] == 10_000_000 and batch.loc[9, "peer_tid"] == 8
+    assert (batch["dur_ns"] == 49_000_000).all()

@@ -170,7 +170,9 @@ class SchedCollector(Collector):
             if tid not in live or dur < self.settings.min_block_ns or so.ts_ns > end_ns:
                 continue
             w = woken.get(tid)
-            woke = w is not None and w.ts_ns >= so.ts_ns
+            # A waking stamped after end_ns (read from the clock before the maps) came
+            # after the stop: the thread was still blocked then.
+            woke = w is not None and so.ts_ns <= w.ts_ns <= end_ns
             preempted = so.state in (0, STATE_PREEMPTED)
             runq = dur if preempted else (end_ns - w.ts_ns if woke else 0)
             rows.append((so.ts_ns, dur, tid, so.tgid, so.state, runq,
