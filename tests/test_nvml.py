@@ -90,8 +90,7 @@ def samples(kind, last):
     except nv.NVMLError_NotFound:
         return None, []
     return vt, [(s.timeStamp, s.sampleValue.uiVal) for s in got]
-from trainbpf.tracer.gpu import wall_minus_mono_ns
-offset = wall_minus_mono_ns()
+from trainbpf.tracer.clock import wall_minus_mono_ns
 """
 
 
@@ -101,7 +100,8 @@ def test_driver_samples_are_each_period_busy_share_on_a_fixed_grid(nvml_env):
     out = run_nvml(nvml_env, SAMPLES + """
 vt, util = samples(nv.NVML_GPU_UTILIZATION_SAMPLES, 0)
 _, mem = samples(nv.NVML_MEMORY_UTILIZATION_SAMPLES, 0)
-print(json.dumps({"vt": vt, "util": util, "mem": dict(mem), "offset": offset}))
+# read right after: the samples were stamped when first reported, as a driver does
+print(json.dumps({"vt": vt, "util": util, "mem": dict(mem), "offset": wall_minus_mono_ns()}))
 """)
     assert out["vt"] == 1  # NVML_VALUE_TYPE_UNSIGNED_INT
     util = out["util"]
@@ -194,8 +194,8 @@ print(json.dumps({"gpus": gpus, "stamps": [s.timeStamp for s in got]}))
 
 
 SAMPLER = """
-from trainbpf.tracer.gpu import GpuSampler, wall_minus_mono_ns
-s = GpuSampler(mode="nvml", wall_minus_mono_ns=wall_minus_mono_ns())
+from trainbpf.tracer.gpu import GpuSampler
+s = GpuSampler(mode="nvml")
 s.start()
 time.sleep(1.2)
 s.stop()
@@ -236,6 +236,28 @@ def test_sampler_writes_each_driver_sample_on_the_trace_clock(nvml_env, sleepers
         assert count is None
         # b ran 20 % of every period; a's share is the quarters pattern, averaged.
         assert abs(value - 20) <= 1 if pid == b else 0 <= value <= 75
+
+
+
+def test_a_wall_clock_step_during_sampling_moves_no_sample(nvml_env, tmp_path):
+    """The driver stamps with the wall clock; the sampler converts each poll's samples with
+    the offset of that poll, so a step (NTP, a VM's time agent) shifts nothing."""
+    from standin_build import compile_library
+
+    shim = compile_library(tmp_path / "wall_step.so", [ROOT / "tests" / "data" / "wall_step.c"], "-ldl",
+                           what="wall-clock step shim")
+    period = PERIOD_MS * MS
+    write_periods(Path(nvml_env["TRAINBPF_SIM_GPU"]), period, quarters)
+    step_env = dict(nvml_env, LD_PRELOAD=str(shim), TRAINBPF_TEST_WALL_STEP_NS=str(5 * MS),
+                    TRAINBPF_TEST_WALL_STEP_AFTER_NS=str(500 * MS))
+    code = "from trainbpf.tracer.clock import wall_minus_mono_ns\noffset_at_start = wall_minus_mono_ns()\n" + \
+        SAMPLER.replace('{"meta"', '{"step_seen": wall_minus_mono_ns() - offset_at_start, "meta"')
+    out = run_nvml(step_env, code)
+    assert abs(out["step_seen"] - 5 * MS) < MS / 10  # the shim did step the clock
+    device = [r for r in out["rows"] if r[7] is None]
+    assert len(device) >= 1000 // PERIOD_MS
+    for ts, *_ in device:
+        assert abs(ts - round(ts / period) * period) < 2 * MS, ts % period
 
 
 def test_sampler_reads_rates_when_the_driver_keeps_no_samples(nvml_env):

@@ -2,7 +2,7 @@
 timestamped samples, and each process's share), else `nvidia-smi -lms`.
 
 NVML and nvidia-smi stamp samples with the wall clock; each is converted to the trace
-clock (CLOCK_MONOTONIC) with the offset measured at start."""
+clock (CLOCK_MONOTONIC) with the offset measured when it is read (tracer/clock.py)."""
 
 from __future__ import annotations
 
@@ -17,24 +17,12 @@ import pyarrow as pa
 
 from trainbpf.errors import EnvironmentCheckError
 from trainbpf.tracefile import make_batch
+from trainbpf.tracer.clock import wall_minus_mono_ns
 from trainbpf.tracer.nvml import NvmlSource
 
 QUERY = "timestamp,index,uuid,pci.bus_id,utilization.gpu,utilization.memory,memory.used"
 APPS_QUERY = "pid,gpu_uuid"
 APPS_TIMEOUT_S = 10
-
-
-def wall_minus_mono_ns() -> int:
-    """CLOCK_REALTIME minus CLOCK_MONOTONIC, from the tightest of a few brackets: a
-    preemption between two reads would shift every converted sample by its length."""
-    best = None
-    for _ in range(5):
-        before = time.monotonic_ns()
-        wall = time.time_ns()
-        after = time.monotonic_ns()
-        if best is None or after - before < best[0]:
-            best = (after - before, wall - (before + after) // 2)
-    return best[1]
 
 
 def parse_smi_line(line: str, wall_minus_mono_ns: int) -> tuple | None:
@@ -88,10 +76,8 @@ def _ints(values) -> list:
 class GpuSampler:
     """Samples every GPU every `interval_ms` in a background thread."""
 
-    def __init__(self, *, mode: str, wall_minus_mono_ns: int, interval_ms: int = 100,
-                 smi: str = "nvidia-smi"):
+    def __init__(self, *, mode: str, interval_ms: int = 100, smi: str = "nvidia-smi"):
         self.mode = mode  # auto | nvml | nvidia-smi | off
-        self.offset = wall_minus_mono_ns
         self.interval_ms = interval_ms
         self.smi = smi
         self.source: str | None = None
@@ -132,7 +118,7 @@ class GpuSampler:
             self._start_smi()
 
     def _start_nvml(self) -> bool:
-        nvml = NvmlSource(self.offset)
+        nvml = NvmlSource()
         if not nvml.open():
             return False
         self._nvml = nvml
@@ -165,7 +151,9 @@ class GpuSampler:
         def reader() -> None:
             assert self._proc and self._proc.stdout
             for line in self._proc.stdout:
-                sample = parse_smi_line(line, self.offset)
+                # read now: the line was stamped a moment ago, and the wall clock may
+                # have been stepped since the start
+                sample = parse_smi_line(line, wall_minus_mono_ns())
                 if sample is None:
                     continue
                 if not any(g["index"] == sample[1] for g in self.gpus):

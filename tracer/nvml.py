@@ -19,13 +19,15 @@ import time
 
 import numpy as np
 
+from trainbpf.tracer.clock import wall_minus_mono_ns
+
 # nvmlValueType_t -> the nvmlValue_t member holding the value
 VALUE_FIELDS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 
 
 class NvmlSource:
-    def __init__(self, wall_minus_mono_ns: int):
-        self.offset = wall_minus_mono_ns
+    def __init__(self):
+        self.offset = wall_minus_mono_ns()  # measured again at each poll
         self.gpus: list[dict] = []  # index, uuid, bus_id
         self.sampling: str | None = None  # "driver_samples" or "rates"
         self.period_ns: int | None = None  # the driver's sample period, when seen
@@ -82,6 +84,9 @@ class NvmlSource:
         """The rows that arrived since the last poll, every GPU."""
         nv = self._nv
         rows: list[tuple] = []
+        # The driver stamped these samples within the last poll interval: the wall clock's
+        # offset now converts them, wherever a step has moved it since the start.
+        self.offset = wall_minus_mono_ns()
         for i, (g, h) in enumerate(zip(self.gpus, self._handles)):
             try:
                 mem_mib = nv.nvmlDeviceGetMemoryInfo(h).used / 2**20

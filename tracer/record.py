@@ -23,7 +23,8 @@ from trainbpf.tracefile import SpoolWriter, check_spool_free, finalize, make_bat
 from trainbpf.tracer import loader, preflight, proctree, procfs, taskstats
 from trainbpf.tracer.addrs import AddressDescriber, ProcMaps, futex_pairs
 from trainbpf.tracer.collector import Collector, Settings, ThreadTable
-from trainbpf.tracer.gpu import GpuSampler, wall_minus_mono_ns
+from trainbpf.tracer.clock import wall_minus_mono_ns
+from trainbpf.tracer.gpu import GpuSampler
 from trainbpf.tracer.ringbuf import open_rings
 from trainbpf.tracer.stacks import StackSymbolizer, drop_irq_wakers, stack_refs
 
@@ -143,7 +144,7 @@ class Recorder:
         for c in self.collectors:
             c.notice = self.notice
         self.wall_minus_mono = wall_minus_mono_ns()
-        self.gpu = GpuSampler(mode=self.gpu_mode, wall_minus_mono_ns=self.wall_minus_mono)
+        self.gpu = GpuSampler(mode=self.gpu_mode)
         self.gpu.check()
         self.seed = self._walk()
         if self.trainer_tid is not None and self.trainer_tid not in {t.tid for t in self.seed}:

@@ -42,9 +42,11 @@ static int initialized;
 static unsigned int gpu_count = 1;
 static long long period_ns = 167000000LL;
 static int samples_supported = 1;
-/* Wall minus monotonic, fixed at init: a sample keeps one timestamp across calls, so
- * lastSeenTimeStamp compares exactly. */
-static long long wall_minus_mono_ns;
+/* Like a driver, a sample is stamped with the wall clock when it is first reported, and
+ * keeps that stamp across calls (lastSeenTimeStamp compares exactly): a wall-clock step
+ * moves only the samples reported after it. */
+#define STAMPS 1024
+static struct { long long k; unsigned long long wall_us; } stamps[STAMPS];
 static struct nvmlDevice_st devices[MAX_GPUS];
 
 struct interval {
@@ -58,8 +60,36 @@ static long long clock_ns(clockid_t id) {
     return ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+/* CLOCK_REALTIME minus CLOCK_MONOTONIC, from the tightest of a few brackets: a
+ * preemption between the reads would skew it.  The value held changes only when the
+ * clock was stepped (by more than STEP_NS), so stamps keep exact spacing otherwise. */
+#define STEP_NS 100000LL
+static long long offset_held, offset_known;
+static long long wall_minus_mono_ns(void) {
+    long long best = -1, offset = 0;
+    for (int i = 0; i < 5; i++) {
+        long long mono = clock_ns(CLOCK_MONOTONIC), wall = clock_ns(CLOCK_REALTIME);
+        long long mono2 = clock_ns(CLOCK_MONOTONIC);
+        if (best < 0 || mono2 - mono < best) {
+            best = mono2 - mono;
+            offset = wall - (mono + mono2) / 2;
+        }
+    }
+    if (!offset_known || llabs(offset - offset_held) > STEP_NS) offset_held = offset;
+    offset_known = 1;
+    return offset_held;
+}
+
+/* The wall µs stamp of the sample ending at mono_ns (a grid point, or a process
+ * sample's end, which is one too). */
 static unsigned long long wall_us(long long mono_ns) {
-    return (unsigned long long)((mono_ns + wall_minus_mono_ns) / 1000);
+    long long k = mono_ns / period_ns;
+    unsigned int slot = (unsigned long long)k % STAMPS;
+    if (stamps[slot].k != k || stamps[slot].wall_us == 0) {
+        stamps[slot].k = k;
+        stamps[slot].wall_us = (unsigned long long)((mono_ns + wall_minus_mono_ns()) / 1000);
+    }
+    return stamps[slot].wall_us;
 }
 
 static void sim_file(unsigned int index, const char *suffix, char *out, size_t len) {
@@ -209,18 +239,7 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     period_ns = (ms < 1 ? 167 : ms) * 1000000LL;
     samples_supported = env_int("TRAINBPF_SIM_NVML_NO_SAMPLES", 0) == 0;
     for (unsigned int i = 0; i < MAX_GPUS; i++) devices[i].index = i;
-    if (initialized++ == 0) {
-        /* The tightest of a few brackets: a preemption between the reads would skew it. */
-        long long best = -1;
-        for (int i = 0; i < 5; i++) {
-            long long mono = clock_ns(CLOCK_MONOTONIC), wall = clock_ns(CLOCK_REALTIME);
-            long long mono2 = clock_ns(CLOCK_MONOTONIC);
-            if (best < 0 || mono2 - mono < best) {
-                best = mono2 - mono;
-                wall_minus_mono_ns = wall - (mono + mono2) / 2;
-            }
-        }
-    }
+    if (initialized++ == 0) memset(stamps, 0, sizeof(stamps)); /* the period may differ */
     return NVML_SUCCESS;
 }
 
