@@ -34,6 +34,7 @@ import pandas as pd
 from trainbpf.analyzers.attribution import RunSplit
 from trainbpf.analyzers.categories import CATEGORY_CODE
 from trainbpf.analyzers.chains import interval_category_codes, is_followed
+from trainbpf.analyzers.cuda import in_gaps_ns
 from trainbpf.analyzers.intervals import Span, as_int64, intersect, merge_intervals
 from trainbpf.analyzers.vocab import RUN_CLASS_DTYPE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes
 from trainbpf.schema import named_frame
@@ -236,14 +237,18 @@ def stall_pieces(trainer_states: pd.DataFrame, start_ns: np.ndarray, end_ns: np.
 
 def starved_pieces(
     trainer_states: pd.DataFrame, windows: pd.DataFrame, run_split: RunSplit, trainer_tid: int | None,
-    *, budget: bool = True,
+    *, budget: bool = True, gaps: pd.DataFrame | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The starved part of the trainer's stalls, and WINDOW_COLUMNS per window.
 
     `windows` (gpu, start_ns, end_ns, idle_ns, weight; disjoint per GPU).  With `budget`,
     a window's named stalls explain at most its idle time (min(idle, named), shared in
     proportion to length) and unwoken sleeps explain none of it; without (no GPU
-    samples), every stall counts whole.  Each piece's `ns` carries its GPU's weight."""
+    samples), every stall counts whole.  Each piece's `ns` carries its GPU's weight.
+
+    `gaps`: the trainer's exact launch gaps (cuda.GAP_COLUMNS), where the GPU had finished
+    its work and nothing new was queued.  A window's idle time is then at least its named
+    stalls inside them, wherever the sample's averaging placed the idle time."""
     pieces, summaries = [], []
     for gpu, rows in windows.groupby("gpu", sort=False):
         rows = rows.sort_values("start_ns", kind="stable")
@@ -255,6 +260,9 @@ def starved_pieces(
         unwoken = ~named & ~bound
         unwoken_ns = np.bincount(win[unwoken], weights=ns[unwoken], minlength=len(rows))
         bound_ns = np.bincount(win[bound], weights=ns[bound], minlength=len(rows))
+        if budget and gaps is not None and len(gaps):
+            in_gap = in_gaps_ns(part, gaps)
+            idle = np.maximum(idle, np.bincount(win[named], weights=in_gap[named], minlength=len(rows)))
         if budget:
             starved = np.minimum(idle, named_ns)
             factor = np.divide(starved, named_ns, out=np.zeros(len(rows)), where=named_ns > 0)

@@ -237,7 +237,8 @@ def analyze(
     uses_cuda = bool(len(cuda_waits) or len(launches))
     stall_states = split_at_waits(trainer_states, cuda_waits) if uses_cuda else trainer_states
     step_rows = steps(cuda_waits, launches, window=win)
-    pieces, gpu_windows = starved_pieces(stall_states, windows, run_split, trainer, budget=basis == "gpu_idle")
+    pieces, gpu_windows = starved_pieces(stall_states, windows, run_split, trainer, budget=basis == "gpu_idle",
+                                         gaps=launch_gap_rows)
     # Only the waits that starved the GPU are followed.
     stalled = pieces.loc[pieces["run_class"] == "", "interval"].unique()
     waits = followed_waits(trainer_states, stalled[followed[stalled]])

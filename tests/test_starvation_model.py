@@ -236,3 +236,27 @@ def test_cuda_waits_make_gpu_bound_time_exact():
     plain, plain_summary = starved_pieces(timer, windows(("g", 0, 100, 40.0)), NO_SAMPLES, TRAINER)
     assert float(plain["ns"].sum()) / MS == pytest.approx(30.0)
     assert plain_summary["gpu_bound_ns"].iloc[0] == 0.0
+
+
+def test_launch_gaps_lift_a_windows_idle_to_the_stalls_inside_them():
+    """A sample's average can put a step's idle time in the neighbouring window.  With
+    the trainer's exact launch gaps, a window's idle time is at least its named stalls
+    inside them: a 30 ms data wait inside a gap counts whole in a window sampled 90 %
+    busy (I = 10 ms), while a wait outside any gap stays capped."""
+    from trainbpf.analyzers.cuda import split_at_waits
+
+    trainer = states((0, 10, "running", -1), (10, 40, "futex", WORKER), (40, 60, "running", -1),
+                     (60, 100, "sleep", -1), (100, 110, "running", -1), (110, 140, "futex", WORKER),
+                     (140, 200, "running", -1))
+    sync = pd.DataFrame({"tid": [TRAINER], "start_ns": [60 * MS], "end_ns": [100 * MS]})
+    cut = split_at_waits(trainer, sync)
+    # the gap from the wait's end (0 ms: an earlier one) to the next launch at 45 ms
+    gaps = pd.DataFrame({"tid": [TRAINER], "start_ns": [0], "end_ns": [45 * MS], "gap_ns": [45 * MS], "wait": [0]})
+    busy = windows(("g", 0, 100, 90.0), ("g", 100, 200, 90.0))
+    pieces, summary = starved_pieces(cut, busy, NO_SAMPLES, TRAINER, gaps=gaps)
+    assert summary["idle_ns"].to_numpy() / MS == pytest.approx([30.0, 10.0])
+    assert summary["starved_ns"].to_numpy() / MS == pytest.approx([30.0, 10.0])  # the second wait: no gap
+    assert float(pieces["ns"].sum()) / MS == pytest.approx(40.0)
+    # Without the gaps both windows are capped at the sampled 10 ms.
+    plain, _ = starved_pieces(cut, busy, NO_SAMPLES, TRAINER)
+    assert float(plain["ns"].sum()) / MS == pytest.approx(20.0)
