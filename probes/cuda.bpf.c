@@ -109,7 +109,8 @@ BPF_HASH(cuda_launches, struct cuda_launch_key, struct cuda_launch_count, CUDA_L
  * Written only by the thread itself. */
 struct cuda_thread {
     u64 end_ns; /* the bucket's end */
-    u64 mark_ns;
+    u64 checked_jiffies; /* the tick in which the clock last said the bucket was current */
+    u64 marked; /* a runtime launch is waiting for its driver launch */
     u64 mark_jiffies;
     u64 launches[CUDA_SLOTS];
     u64 first_ns[CUDA_SLOTS];
@@ -140,9 +141,11 @@ static __always_inline void cuda_flush(u32 tid, struct cuda_thread *t)
 /* Count a launch: one lookup, of the thread's record.  A record is made only for a
  * traced thread, and threads leave the traced set only when they exit, so a record of
  * the same process stands for the traced check; a tid reused by another process fails
- * the pid check and is checked again.  A driver launch consuming a runtime launch's mark
- * is counted in the runtime launch's bucket, at its time, without reading the clock
- * (~80 ns in a VM): jiffies (~5 ns) bound the mark's age. */
+ * the pid check and is checked again.  The clock (~80 ns in a VM) is read only when
+ * jiffies (~5 ns) moved since it last said the bucket was current, and for a slot's first
+ * launch in a bucket: a launch less than a tick after a bucket's end may count in it (as
+ * faults.bpf.c does).  A driver launch consuming a runtime launch's mark is counted in
+ * the runtime launch's bucket, first at that bucket's first runtime launch. */
 static __always_inline int cuda_launch(u32 layer)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -154,34 +157,38 @@ static __always_inline int cuda_launch(u32 layer)
     } else if (!t && !is_traced(tid)) {
         return 0;
     }
-    if (layer == LAYER_DRIVER && t && t->pid == pid && t->mark_ns) {
-        u64 mark = t->mark_ns;
-        t->mark_ns = 0;
-        if (bpf_jiffies64() - t->mark_jiffies <= CUDA_NEST_JIFFIES) {
+    u64 jiffies = bpf_jiffies64();
+    if (layer == LAYER_DRIVER && t && t->pid == pid && t->marked) {
+        t->marked = 0;
+        if (jiffies - t->mark_jiffies <= CUDA_NEST_JIFFIES) {
             t->launches[CUDA_SLOT_NESTED]++;
             if (!t->first_ns[CUDA_SLOT_NESTED])
-                t->first_ns[CUDA_SLOT_NESTED] = mark;
+                t->first_ns[CUDA_SLOT_NESTED] = t->first_ns[CUDA_SLOT_RUNTIME];
             return 0;
         }
     }
-    u64 now = bpf_ktime_get_ns();
-    if (!t || now >= t->end_ns || t->pid != pid) {
-        struct cuda_thread fresh = {.end_ns = (now / CUDA_BUCKET_NS + 1) * CUDA_BUCKET_NS, .pid = pid};
-        if (t) {
-            cuda_flush(tid, t);
-            *t = fresh;
-        } else if (cuda_threads.update(&tid, &fresh) || !(t = cuda_threads.lookup(&tid))) {
-            count_lost(PROBE_CUDA);
-            return 0;
+    u64 now = 0;
+    if (!t || t->pid != pid || t->checked_jiffies != jiffies) {
+        now = bpf_ktime_get_ns();
+        if (!t || now >= t->end_ns || t->pid != pid) {
+            struct cuda_thread fresh = {.end_ns = (now / CUDA_BUCKET_NS + 1) * CUDA_BUCKET_NS, .pid = pid};
+            if (t) {
+                cuda_flush(tid, t);
+                *t = fresh;
+            } else if (cuda_threads.update(&tid, &fresh) || !(t = cuda_threads.lookup(&tid))) {
+                count_lost(PROBE_CUDA);
+                return 0;
+            }
         }
+        t->checked_jiffies = jiffies;
     }
     int slot = layer == LAYER_RUNTIME ? CUDA_SLOT_RUNTIME : CUDA_SLOT_DRIVER;
     t->launches[slot]++;
     if (!t->first_ns[slot])
-        t->first_ns[slot] = now;
+        t->first_ns[slot] = now ? now : bpf_ktime_get_ns();
     if (layer == LAYER_RUNTIME) {
-        t->mark_ns = now;
-        t->mark_jiffies = bpf_jiffies64();
+        t->marked = 1;
+        t->mark_jiffies = jiffies;
     }
     return 0;
 }
