@@ -4,7 +4,7 @@
  *
  * Launches are counted per (thread, CUDA_BUCKET_NS bucket, layer, nesting), none is
  * streamed: training issues tens of thousands a second.  Each thread counts its current
- * bucket in its own record (cuda_threads, one lookup by tid per launch) and moves it into
+ * bucket in its own record (cuda_threads, one array lookup per launch) and moves it into
  * the hash the collector drains (cuda_launches) when a launch falls in a later bucket;
  * the collector takes the records' last buckets at the stop.
  * Waits, copies, allocations and frees lasting at least MIN_CUDA_NS are streamed with
@@ -20,7 +20,7 @@
 #define CUDA_BUCKET_NS 10000000
 #endif
 #ifndef CUDA_NEST_JIFFIES
-#define CUDA_NEST_JIFFIES 1 /* the same timer tick as the runtime launch, or the next */
+#define CUDA_NEST_JIFFIES 25 /* tracer/cuda.py: a tenth of a second; a preemption between the probes is no new launch */
 #endif
 #ifndef CUDA_LAUNCH_ENTRIES
 #define CUDA_LAUNCH_ENTRIES 65536
@@ -104,9 +104,9 @@ struct cuda_launch_count {
 
 BPF_HASH(cuda_launches, struct cuda_launch_key, struct cuda_launch_count, CUDA_LAUNCH_ENTRIES);
 
-/* A thread's current bucket: launches and first launch time per slot, and the time of
- * its last runtime launch not yet matched by the driver launch it makes (0: none).
- * Written only by the thread itself. */
+/* A thread's current bucket: launches and first launch time per slot, and whether its
+ * last runtime launch is still waiting for the driver launch it makes.  Written only by
+ * the thread that owns the record. */
 struct cuda_thread {
     u64 end_ns; /* the bucket's end */
     u64 checked_jiffies; /* the tick in which the clock last said the bucket was current */
@@ -114,19 +114,27 @@ struct cuda_thread {
     u64 mark_jiffies;
     u64 launches[CUDA_SLOTS];
     u64 first_ns[CUDA_SLOTS];
+    u32 tid; /* the owner (0: none yet) */
     u32 pid;
-    u32 pad;
 };
 
-BPF_HASH(cuda_threads, u32, struct cuda_thread, MAX_THREADS);
+/* Records in an array at tid % CUDA_THREAD_RECORDS: an array lookup is inlined by the
+ * verifier, a hash lookup hashes and walks a bucket, and this is paid twice per runtime
+ * launch.  A traced thread whose slot another thread owns takes it over after moving the
+ * owner's bucket out (counts stay exact; two such threads launching on two CPUs at the
+ * same moment could lose a count to the race). */
+#ifndef CUDA_THREAD_RECORDS
+#define CUDA_THREAD_RECORDS 16384 /* a power of two */
+#endif
+BPF_ARRAY(cuda_threads, struct cuda_thread, CUDA_THREAD_RECORDS);
 
 /* Move a thread's finished bucket into cuda_launches: once per bucket, not per launch. */
-static __always_inline void cuda_flush(u32 tid, struct cuda_thread *t)
+static __always_inline void cuda_flush(struct cuda_thread *t)
 {
     for (int slot = 0; slot < CUDA_SLOTS; slot++) {
         if (!t->launches[slot])
             continue;
-        struct cuda_launch_key key = {.bucket = t->end_ns / CUDA_BUCKET_NS - 1, .tid = tid, .pid = t->pid,
+        struct cuda_launch_key key = {.bucket = t->end_ns / CUDA_BUCKET_NS - 1, .tid = t->tid, .pid = t->pid,
                                       .layer = slot == CUDA_SLOT_RUNTIME ? LAYER_RUNTIME : LAYER_DRIVER,
                                       .nested = slot == CUDA_SLOT_NESTED};
         struct cuda_launch_count first = {.first_ns = t->first_ns[slot]};
@@ -140,25 +148,23 @@ static __always_inline void cuda_flush(u32 tid, struct cuda_thread *t)
 
 /* Count a launch: one lookup, of the thread's record.  A record is made only for a
  * traced thread, and threads leave the traced set only when they exit, so a record of
- * the same process stands for the traced check; a tid reused by another process fails
- * the pid check and is checked again.  The clock (~80 ns in a VM) is read only when
- * jiffies (~5 ns) moved since it last said the bucket was current, and for a slot's first
- * launch in a bucket: a launch less than a tick after a bucket's end may count in it (as
- * faults.bpf.c does).  A driver launch consuming a runtime launch's mark is counted in
- * the runtime launch's bucket, first at that bucket's first runtime launch. */
+ * the same thread and process stands for the traced check; anything else is checked.
+ * The clock (~80 ns in a VM) is read only when jiffies (~5 ns) moved since it last said
+ * the bucket was current, and for a slot's first launch in a bucket: a launch less than
+ * a tick after a bucket's end may count in it (as faults.bpf.c does).  A driver launch
+ * consuming a runtime launch's mark is counted in the runtime launch's bucket, first at
+ * that bucket's first runtime launch. */
 static __always_inline int cuda_launch(u32 layer)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id, pid = id >> 32;
-    struct cuda_thread *t = cuda_threads.lookup(&tid);
-    if (t && t->pid != pid) {
-        if (!is_traced(tid))
-            return 0;
-    } else if (!t && !is_traced(tid)) {
+    u32 index = tid & (CUDA_THREAD_RECORDS - 1);
+    struct cuda_thread *t = cuda_threads.lookup(&index);
+    if (!t)
         return 0;
-    }
     u64 jiffies = bpf_jiffies64();
-    if (layer == LAYER_DRIVER && t && t->pid == pid && t->marked) {
+    int owner = t->tid == tid && t->pid == pid;
+    if (owner && layer == LAYER_DRIVER && t->marked) {
         t->marked = 0;
         if (jiffies - t->mark_jiffies <= CUDA_NEST_JIFFIES) {
             t->launches[CUDA_SLOT_NESTED]++;
@@ -168,17 +174,15 @@ static __always_inline int cuda_launch(u32 layer)
         }
     }
     u64 now = 0;
-    if (!t || t->pid != pid || t->checked_jiffies != jiffies) {
+    if (!owner || t->checked_jiffies != jiffies) {
+        if (!owner && !is_traced(tid))
+            return 0;
         now = bpf_ktime_get_ns();
-        if (!t || now >= t->end_ns || t->pid != pid) {
-            struct cuda_thread fresh = {.end_ns = (now / CUDA_BUCKET_NS + 1) * CUDA_BUCKET_NS, .pid = pid};
-            if (t) {
-                cuda_flush(tid, t);
-                *t = fresh;
-            } else if (cuda_threads.update(&tid, &fresh) || !(t = cuda_threads.lookup(&tid))) {
-                count_lost(PROBE_CUDA);
-                return 0;
-            }
+        if (!owner || now >= t->end_ns) {
+            if (t->tid)
+                cuda_flush(t);
+            struct cuda_thread fresh = {.end_ns = (now / CUDA_BUCKET_NS + 1) * CUDA_BUCKET_NS, .tid = tid, .pid = pid};
+            *t = fresh;
         }
         t->checked_jiffies = jiffies;
     }

@@ -77,6 +77,24 @@ def test_launch_counts_exact_per_thread(fake):
     assert (launches[launches.tid == child].pid == child).all()
 
 
+def test_launch_counts_exact_when_threads_share_one_record(tmp_path):
+    """Threads whose tids meet at the same record (here all of them: one record) take it
+    over in turn, each moving the owner's bucket out first: the counts stay exact."""
+    require_root()
+    runtime = _fake_cuda_build().build(tmp_path / "wheel")
+    rec = record_workload(tmp_path / "trace.parquet", "cuda_fake", runtime, settings=Settings(cuda_thread_records=1))
+    launches = rec.trace.frame("cuda_launch")
+    issued = launches[launches.op == 0].groupby("tid")["count"].sum().to_dict()
+    main = rec.tids["main"]
+    assert issued == {
+        main: CUDA_LAUNCHES["runtime"] + CUDA_LAUNCHES["runtime_ptsz"] + len(CUDA_WAIT_MS),
+        rec.tids["driver_thread"]: CUDA_LAUNCHES["driver_thread"],
+        rec.tids["child"]: CUDA_LAUNCHES["child"],
+    }
+    nested = launches[launches.op == 1].groupby("tid")["count"].sum().to_dict()
+    assert nested == {t: n for t, n in issued.items() if t != rec.tids["driver_thread"]}
+
+
 def test_waits_within_1ms_of_truth(fake):
     calls = fake.trace.frame("cuda_call")
     runtime_waits = calls[(calls.state == "wait") & (calls.op == 0)]

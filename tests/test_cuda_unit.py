@@ -61,9 +61,10 @@ def test_call_table_matches_the_probe():
 def test_thread_buckets_read_each_slot_with_launches():
     """A thread's last bucket, still in its record at the stop: one row per slot (runtime,
     direct driver, nested driver) that counted launches, in the bucket ending at end_ns."""
-    rec = SimpleNamespace(end_ns=30_000_000, pid=7, launches=[5, 0, 4], first_ns=[21_000_000, 0, 21_000_100])
-    idle = SimpleNamespace(end_ns=10_000_000, pid=8, launches=[0, 0, 0], first_ns=[0, 0, 0])
-    assert thread_buckets([(ctypes.c_uint32(70), rec), (ctypes.c_uint32(80), idle)], 10_000_000) == [
+    rec = SimpleNamespace(end_ns=30_000_000, tid=70, pid=7, launches=[5, 0, 4], first_ns=[21_000_000, 0, 21_000_100])
+    idle = SimpleNamespace(end_ns=10_000_000, tid=80, pid=8, launches=[0, 0, 0], first_ns=[0, 0, 0])
+    unused = SimpleNamespace(end_ns=0, tid=0, pid=0, launches=[0, 3, 0], first_ns=[0, 0, 0])  # never owned
+    assert thread_buckets([rec, idle, unused], 10_000_000) == [
         (2, 70, 7, 5, 21_000_000, 0, 0),
         (2, 70, 7, 4, 21_000_100, 1, 1),
     ]

@@ -177,3 +177,11 @@ def drain_hash(table) -> list[tuple]:
             except KeyError:
                 pass
         return items
+
+
+def array_values(table) -> list:
+    """Every value of a BPF array, in index order (one batch read where supported)."""
+    try:
+        return [v for _, v in table.items_lookup_batch()]
+    except Exception:  # kernels without batch ops on arrays
+        return list(table.values())

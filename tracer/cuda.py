@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from trainbpf.tracefile import make_batch
 from trainbpf.tracer.addrs import parse_maps
-from trainbpf.tracer.collector import Collector, bucket_batches, drain_hash, stack_ids
+from trainbpf.tracer.collector import Collector, array_values, bucket_batches, drain_hash, stack_ids
 
 LAYERS = ("runtime", "driver")
 KINDS = ("launch", "wait", "copy", "alloc", "free")
@@ -61,17 +61,19 @@ def cuda_libraries(maps_text: str) -> list[tuple[str, tuple[str, int]]]:
     return [(path, file) for file, path in seen.items()]
 
 
-def thread_buckets(records: list[tuple], width: int) -> list[tuple]:
-    """The bucket each thread is counting (probes/cuda.bpf.c cuda_threads: (tid, record)
-    pairs) as cuda_launches rows: (bucket, tid, pid, launches, first_ns, layer, nested)
-    for each slot with launches.  A bucket is moved out of its record only when the
-    thread launches in a later one, so the last is read here, at the stop."""
+def thread_buckets(records: list, width: int) -> list[tuple]:
+    """The bucket each thread is counting (probes/cuda.bpf.c cuda_threads: its records,
+    owner 0 for a record never used) as cuda_launches rows: (bucket, tid, pid, launches,
+    first_ns, layer, nested) for each slot with launches.  A bucket is moved out of its
+    record only when the thread launches in a later one, so the last is read here, at
+    the stop."""
     rows = []
-    for tid, rec in records:
-        tid = getattr(tid, "value", tid)
+    for rec in records:
+        if not rec.tid:
+            continue
         for slot, (_, layer, nested) in enumerate(LAUNCH_SLOTS):
             if rec.launches[slot]:
-                rows.append((rec.end_ns // width - 1, tid, rec.pid, rec.launches[slot], rec.first_ns[slot],
+                rows.append((rec.end_ns // width - 1, rec.tid, rec.pid, rec.launches[slot], rec.first_ns[slot],
                              layer, nested))
     return rows
 
@@ -103,6 +105,10 @@ class CudaCollector(Collector):
 
     def defines(self) -> dict[str, int | str]:
         return {"MIN_CUDA_NS": self.settings.min_cuda_ns, "CUDA_BUCKET_NS": self.settings.cuda_bucket_ns,
+                "CUDA_THREAD_RECORDS": self.settings.cuda_thread_records,
+                # a runtime launch's mark waits this many ticks for its driver launch: the
+                # thread can be preempted between the two probes (4 ms was seen too short)
+                "CUDA_NEST_JIFFIES": max(1, self.settings.hz // 10),
                 **{f"LAYER_{layer.upper()}": i for i, layer in enumerate(LAYERS)},
                 **{f"CUDA_{kind.upper()}": i for i, kind in enumerate(KINDS)},
                 "CUDA_CALLS": call_list(), "CUDA_SLOTS": len(LAUNCH_SLOTS),
@@ -189,7 +195,7 @@ class CudaCollector(Collector):
         counts = [(k.bucket, k.tid, k.pid, v.launches, v.first_ns, k.layer, k.nested)
                   for k, v in drain_hash(bpf["cuda_launches"])]
         if final:  # each thread's last bucket, still in its record
-            counts += thread_buckets(drain_hash(bpf["cuda_threads"]), self.settings.cuda_bucket_ns)
+            counts += thread_buckets(array_values(bpf["cuda_threads"]), self.settings.cuda_bucket_ns)
         return bucket_batches("cuda_launch", counts, self.settings.cuda_bucket_ns, first_ns=True, extra={
             "name": lambda layer: [LAYERS[x] for x in layer.tolist()],
             "op": lambda nested: nested.astype(np.int32),

@@ -21,6 +21,7 @@ class Settings:
     fault_bucket_ns: int = 100_000_000
     min_cuda_ns: int = 20_000  # CUDA waits, copies and allocations streamed from this long
     cuda_bucket_ns: int = 10_000_000  # CUDA launches counted per thread and bucket this wide
+    cuda_thread_records: int = 16384  # launching threads' current buckets, at tid % this (a power of two)
     ringbuf_pages: int = 512
     stack_frames: int = 32  # frames kept per stack: the kernel walks no deeper (probes/common.h)
     stack_entries: int = 65536  # stacks the kernel's stack map holds
@@ -36,6 +37,7 @@ class Settings:
             "fault_bucket_ns": self.fault_bucket_ns,
             "min_cuda_ns": self.min_cuda_ns,
             "cuda_bucket_ns": self.cuda_bucket_ns,
+            "cuda_thread_records": self.cuda_thread_records,
             "ringbuf_pages": self.ringbuf_pages,
             "stack_frames": self.stack_frames,
             "stack_entries": self.stack_entries,
