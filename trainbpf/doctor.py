@@ -93,7 +93,7 @@ def check_gpu() -> Check:
     from trainbpf.tracer.nvml import NvmlSource
 
     # pynvml is always installed; NVML answers only where the driver's library loads.
-    nvml = NvmlSource(0)
+    nvml = NvmlSource()
     if nvml.open():
         detail = f"NVML: {len(nvml.gpus)} GPU(s), " + (
             "the driver's own samples" if nvml.sampling == "driver_samples" else "utilisation rates (no driver samples)")
