@@ -94,7 +94,9 @@ def observed_threads(thread_rows: pd.DataFrame, exit_rows: pd.DataFrame, seen: p
     newest = tr.sort_values("ts_ns", kind="stable").groupby("tid").last()
     exited = ex.sort_values("ts_ns", kind="stable").groupby("tid").first()
     seen_first = sn.sort_values("ts_ns", kind="stable").groupby("tid").first()
-    created = tr[tr["name"].isin(["thread", "process"])].groupby("tid")["ts_ns"].min().reindex(tids)
+    # Nullable ints through the reindexing: a float round trip would turn ns near 2**63
+    # into a value int64 cannot hold.
+    created = tr[tr["name"].isin(["thread", "process"])].groupby("tid")["ts_ns"].min().astype("Int64").reindex(tids)
 
     pid = newest["pid"].reindex(tids)
     pid = pid.fillna(exited["pid"].reindex(tids)).fillna(seen_first["pid"].reindex(tids)).fillna(-1)
@@ -104,10 +106,11 @@ def observed_threads(thread_rows: pd.DataFrame, exit_rows: pd.DataFrame, seen: p
     out["comm"] = comm.astype(str).to_numpy()
 
     named = np.isin(tids, tr["tid"].to_numpy())
-    first = np.where(named, span.start_ns, seen_first["ts_ns"].reindex(tids).fillna(span.start_ns).to_numpy(np.int64))
-    first = np.where(created.notna(), created.fillna(0).to_numpy(np.int64), first)
+    first = np.where(named, span.start_ns,
+                     seen_first["ts_ns"].astype("Int64").reindex(tids).fillna(span.start_ns).to_numpy(np.int64))
+    first = np.where(created.notna().to_numpy(bool), created.fillna(0).to_numpy(np.int64), first)
     first = np.clip(first, span.start_ns, span.end_ns)
-    last = exited["ts_ns"].reindex(tids).fillna(span.end_ns).to_numpy(np.int64)
+    last = exited["ts_ns"].astype("Int64").reindex(tids).fillna(span.end_ns).to_numpy(np.int64)
     last = np.clip(last, first, span.end_ns)
     out["first_ns"] = first.astype(np.int64)
     out["last_ns"] = last.astype(np.int64)

@@ -271,6 +271,13 @@ def test_analyze_bad_inputs(tmp_path):
         data = good.read_bytes()
         (tmp_path / "truncated.parquet").write_bytes(data[: len(data) // 2])
         cases.append((tmp_path / "truncated.parquet", TraceReadError, "truncated"))
+        # A time no CLOCK_MONOTONIC reaches (sums of such would overflow int64 further on).
+        table = pq.read_table(good)
+        ts = table["ts_ns"].to_pylist()
+        ts[0] = 2**63 - 1
+        far = table.set_column(table.schema.get_field_index("ts_ns"), "ts_ns", pa.array(ts, table.schema.field("ts_ns").type))
+        pq.write_table(far, tmp_path / "far.parquet")
+        cases.append((tmp_path / "far.parquet", TraceReadError, "beyond any clock reading"))
     for path, exc, words in cases:
         res = cli("analyze", str(path))
         assert_one_line_error(res, exc.exit_code, words)

@@ -152,6 +152,10 @@ class Trace:
 # never negative (thread ids, nanoseconds).
 REQUIRED_COLUMNS = ("ts_ns", "tid")
 NON_NEGATIVE_COLUMNS = ("ts_ns", "tid", "pid", "dur_ns", "runq_ns")
+# Nanoseconds of CLOCK_MONOTONIC stay below 2**62 (146 years of uptime); a larger one is
+# damage, and sums of such times would overflow int64 in the analysis.
+NS_COLUMNS = ("ts_ns", "dur_ns", "runq_ns")
+MAX_NS = 2**62
 
 
 def _check_rows(kind: str, rows: pa.Table, path: Path) -> None:
@@ -166,6 +170,12 @@ def _check_rows(kind: str, rows: pa.Table, path: Path) -> None:
             if low is not None and low < 0:
                 bad = pc.sum(pc.less(col, 0)).as_py()
                 raise TraceReadError(f"{path}: corrupt trace: {bad} {kind} rows have a negative {name} ({low})")
+        if name in NS_COLUMNS and len(col) > col.null_count:
+            high = pc.max(col).as_py()
+            if high is not None and high >= MAX_NS:
+                bad = pc.sum(pc.greater_equal(col, MAX_NS)).as_py()
+                raise TraceReadError(f"{path}: corrupt trace: {bad} {kind} rows have a {name} beyond any clock "
+                                     f"reading ({high})")
 
 
 def release_unused_memory() -> None:
