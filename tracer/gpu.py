@@ -10,7 +10,6 @@ import datetime as dt
 import shutil
 import subprocess
 import threading
-import time
 
 import numpy as np
 import pyarrow as pa

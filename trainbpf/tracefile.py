@@ -165,17 +165,17 @@ def _check_rows(kind: str, rows: pa.Table, path: Path) -> None:
         col = rows[name]
         if name in REQUIRED_COLUMNS and col.null_count:
             raise TraceReadError(f"{path}: corrupt trace: {col.null_count} {kind} rows have no {name}")
-        if name in NON_NEGATIVE_COLUMNS and len(col) > col.null_count:
-            low = pc.min(col).as_py()
-            if low is not None and low < 0:
-                bad = pc.sum(pc.less(col, 0)).as_py()
-                raise TraceReadError(f"{path}: corrupt trace: {bad} {kind} rows have a negative {name} ({low})")
-        if name in NS_COLUMNS and len(col) > col.null_count:
-            high = pc.max(col).as_py()
-            if high is not None and high >= MAX_NS:
-                bad = pc.sum(pc.greater_equal(col, MAX_NS)).as_py()
-                raise TraceReadError(f"{path}: corrupt trace: {bad} {kind} rows have a {name} beyond any clock "
-                                     f"reading ({high})")
+        if name not in NON_NEGATIVE_COLUMNS or len(col) == col.null_count:
+            continue
+        bounds = pc.min_max(col)  # one pass over the column for both checks
+        low, high = bounds["min"].as_py(), bounds["max"].as_py()
+        if low is not None and low < 0:
+            bad = pc.sum(pc.less(col, 0)).as_py()
+            raise TraceReadError(f"{path}: corrupt trace: {bad} {kind} rows have a negative {name} ({low})")
+        if name in NS_COLUMNS and high is not None and high >= MAX_NS:
+            bad = pc.sum(pc.greater_equal(col, MAX_NS)).as_py()
+            raise TraceReadError(f"{path}: corrupt trace: {bad} {kind} rows have a {name} beyond any clock "
+                                 f"reading ({high})")
 
 
 def release_unused_memory() -> None:
