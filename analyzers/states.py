@@ -28,12 +28,18 @@ from trainbpf.analyzers.intervals import (
     NS_PER_S, Span, as_int64, dense_rank, in_thread_order, intersect, row_chunks, run_parallel, sort_by_thread,
 )
 
-STATE_COLUMNS = ("tid", "start_ns", "end_ns", "state", "waker_tid", "kstack_id", "ustack_id")
+STATE_COLUMNS = ("tid", "start_ns", "end_ns", "state", "waker_tid", "kstack_id", "ustack_id", "pystack_id",
+                 "peer_pystack_id")
 # Where each part of a slot starts, and where the last one ends.
 SLOT_EDGES = ("start_ns", "short_ns", "queued_ns", "switch_out_ns", "wake_ns", "end_ns")
 # `state` names the blocked part; waker_tid ended it (and so applies to the runnable tail
-# too), the stacks were taken at its switch-out.
-SLOT_COLUMNS = ("tid", *SLOT_EDGES, "state", "waker_tid", "kstack_id", "ustack_id")
+# too), the stacks were taken at its switch-out; pystack_id is the thread's Python stack
+# there (where it resumes, so the runnable tail's too) and peer_pystack_id the waker's at
+# the wake-up, -1 where none was taken (trace-format.md).
+SLOT_COLUMNS = ("tid", *SLOT_EDGES, "state", "waker_tid", "kstack_id", "ustack_id", "pystack_id", "peer_pystack_id")
+# The offcpu columns of the ids slots carry (peer_tid as waker_tid); a frame without the
+# Python ones (a trace without Python stacks) gives -1.
+_ID_COLUMNS = ("peer_tid", "kstack_id", "ustack_id", "pystack_id", "peer_pystack_id")
 
 _CODE = {name: i for i, name in enumerate(STATES)}
 # The state of each part of a slot; the blocked part's is the slot's `state`.
@@ -48,7 +54,7 @@ _PART_OF_STATE[[_CODE["running"], _CODE["short_wait"], _CODE["runnable"]]] = (0,
 CHUNK_OFFCPU_ROWS = 1 << 18
 
 
-def _slots_frame(tid, edges, code, waker, kstack, ustack) -> pd.DataFrame:
+def _slots_frame(tid, edges, code, waker, kstack, ustack, pystack, peer_pystack) -> pd.DataFrame:
     return pd.DataFrame(
         {
             "tid": np.asarray(tid, dtype=np.int32),
@@ -57,6 +63,8 @@ def _slots_frame(tid, edges, code, waker, kstack, ustack) -> pd.DataFrame:
             "waker_tid": np.asarray(waker, dtype=np.int32),
             "kstack_id": np.asarray(kstack, dtype=np.int32),
             "ustack_id": np.asarray(ustack, dtype=np.int32),
+            "pystack_id": np.asarray(pystack, dtype=np.int32),
+            "peer_pystack_id": np.asarray(peer_pystack, dtype=np.int32),
         },
         copy=False,
     )
@@ -112,11 +120,12 @@ def state_slots(offcpu: pd.DataFrame, offcpu_short: pd.DataFrame, threads: pd.Da
     flushes = _short_flushes(offcpu_short)
     # The columns the slots take, as plain arrays (views where they have no nulls).
     columns = {"ts": ts, "dur": as_int64(offcpu["dur_ns"], 0), "runq": as_int64(offcpu["runq_ns"], 0),
-               **{name: offcpu[name].to_numpy(dtype=np.int32, na_value=-1) for name in ("peer_tid", "kstack_id", "ustack_id")}}
+               **{name: offcpu[name].to_numpy(dtype=np.int32, na_value=-1) if name in offcpu else None
+                  for name in _ID_COLUMNS}}
 
     n = len(pos) + len(t_tid)  # a slot per row, and one per thread after its rows
     out = (np.empty(n, np.int32), np.empty((_PARTS + 1, n), np.int64), np.empty(n, np.int8),
-           np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int32))
+           *(np.empty(n, np.int32) for _ in _ID_COLUMNS))
     thread_end = np.searchsorted(pos, np.arange(1, len(t_tid) + 1))  # where each thread's rows end
     jobs = []
     lo = 0
@@ -169,7 +178,7 @@ def _fill_slots(out, columns, rows, pos, thread_end, blocked_code, preempted, fl
         wake = np.minimum(np.maximum(wake, start), end)
 
     short_blk, short_rq = _carve_short(flushes, t_tid.tolist(), t_tid[pos], prev_end, start)
-    tid, edges, code, waker, kstack, ustack = out
+    tid, edges, code, *ids = out
     tid[:] = t_tid[pos]
     edges[0] = prev_end
     np.subtract(start, short_blk + short_rq, out=edges[1])
@@ -179,9 +188,10 @@ def _fill_slots(out, columns, rows, pos, thread_end, blocked_code, preempted, fl
     rows = src[real]
     code[:] = _CODE["other"]
     code[real] = blocked_code[rows]
-    for ids, name in ((waker, "peer_tid"), (kstack, "kstack_id"), (ustack, "ustack_id")):
-        ids[:] = -1
-        ids[real] = columns[name][rows]
+    for into, name in zip(ids, _ID_COLUMNS):
+        into[:] = -1
+        if columns[name] is not None:
+            into[real] = columns[name][rows]
 
 
 def expand_slots(slots: pd.DataFrame) -> pd.DataFrame:
@@ -196,7 +206,8 @@ def expand_slots(slots: pd.DataFrame) -> pd.DataFrame:
     state = codes(slots["state"])
     fclass = codes(slots["futex_class"]) if "futex_class" in slots else None
     tid, start, end, code = np.empty(n, np.int32), np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int8)
-    ids = {name: np.full(n, -1, np.int32) for name in ("waker_tid", "kstack_id", "ustack_id")}
+    ids = {name: np.full(n, -1, np.int32) for name in ("waker_tid", "kstack_id", "ustack_id", "pystack_id",
+                                                        "peer_pystack_id")}
     part_fclass = np.zeros(n, np.int8)
     slot_tid = slots["tid"].to_numpy()
     for rows in row_chunks(len(slots)):
@@ -210,7 +221,8 @@ def expand_slots(slots: pd.DataFrame) -> pd.DataFrame:
             end[here] = edges[part + 1][slot]
             code[here] = state[slot] if part == BLOCKED_PART else PART_CODES[part]
             if part >= BLOCKED_PART:  # the waker ended the blocked part; the tail followed
-                ids["waker_tid"][here] = slots["waker_tid"].to_numpy()[slot]
+                for name in ("waker_tid", "pystack_id", "peer_pystack_id"):
+                    ids[name][here] = slots[name].to_numpy()[slot]
             if part == BLOCKED_PART:
                 ids["kstack_id"][here] = slots["kstack_id"].to_numpy()[slot]
                 ids["ustack_id"][here] = slots["ustack_id"].to_numpy()[slot]
@@ -236,7 +248,8 @@ def as_slots(states: pd.DataFrame) -> pd.DataFrame:
     part = _PART_OF_STATE[code]
     out = _slots_frame(
         states["tid"].to_numpy(), [np.where(part >= p, start, end) for p in range(_PARTS + 1)], code,
-        *(states[name].to_numpy() if name in states else np.full(len(states), -1) for name in ("waker_tid", "kstack_id", "ustack_id")),
+        *(states[name].to_numpy() if name in states else np.full(len(states), -1)
+          for name in ("waker_tid", "kstack_id", "ustack_id", "pystack_id", "peer_pystack_id")),
     )
     if "futex_class" in states:
         out["futex_class"] = states["futex_class"].array
