@@ -26,7 +26,7 @@ from trainbpf.analyzers.intervals import Span, as_int64, dense_rank, resolve_win
 from trainbpf.analyzers.numa import gpu_node, memory_placement, thread_placement
 from trainbpf.analyzers.roles import assign_roles, observed_threads, pick_trainer
 from trainbpf.analyzers.stacks import classify_stacks, python_stacks
-from trainbpf.analyzers.states import expand_slots, state_slots, state_totals
+from trainbpf.analyzers.states import PYTHON_ID_COLUMNS, expand_slots, state_slots, state_totals
 from trainbpf.analyzers.vocab import codes
 from trainbpf.analyze_options import GPU_IDLE_THRESHOLD, Window
 from trainbpf.schema import KIND_COLUMNS
@@ -148,8 +148,9 @@ def _wake_counts(trainer_states: pd.DataFrame, followed: np.ndarray, trainer: in
 
 # The offcpu columns the analyzers read.
 OFFCPU_COLUMNS = ("ts_ns", "dur_ns", "tid", "pid", "cpu", "state", "runq_ns", "peer_tid", "kstack_id", "ustack_id")
-# The offcpu columns of Python stack ids (states.SLOT_COLUMNS).
-PYTHON_OFFCPU_COLUMNS = ("pystack_id", "peer_pystack_id")
+# The oncpu columns the analyzers read.  Python stack ids (offcpu: states.PYTHON_ID_COLUMNS,
+# oncpu: pystack_id) are read only from a trace that holds Python stacks.
+ONCPU_COLUMNS = ("ts_ns", "tid", "pid", "cpu", "kstack_id")
 # The kinds whose rows name a thread: every one of them shows when a thread was seen.
 THREAD_KINDS = tuple(kind for kind, columns in KIND_COLUMNS.items() if "tid" in columns)
 # Threads whose CPU use is the input pipeline's own.
@@ -187,10 +188,9 @@ def analyze(
 
     # Off-CPU intervals are most of a trace: their columns the analysis uses, read once
     # and let go (the frame is a view of Arrow's memory) once they are slots.
-    # Python stack ids are read only from a trace that holds Python stacks.
     stack_rows = view("stack")
     pystacks = python_stacks(stack_rows)
-    offcpu = frame("offcpu", OFFCPU_COLUMNS + (PYTHON_OFFCPU_COLUMNS if len(pystacks) else ()))
+    offcpu = frame("offcpu", OFFCPU_COLUMNS + (PYTHON_ID_COLUMNS if len(pystacks) else ()))
     offcpu_cpu = as_int64(offcpu["cpu"]).astype(np.int32)  # a copy: the frame goes
     seen = _seen([offcpu] + [frame(kind) for kind in THREAD_KINDS if kind != "offcpu"])
     base = observed_threads(view("thread"), frame("exit"), seen, span=span)
@@ -217,7 +217,7 @@ def analyze(
         trainer_wakers=_wake_counts(trainer_states, followed, trainer),
         writer_tids=np.unique(as_int64(frame("dirty_pause")["tid"])),
     )
-    samples = sample_classes(frame("oncpu"), stacks)
+    samples = sample_classes(frame("oncpu", ONCPU_COLUMNS + (("pystack_id",) if len(pystacks) else ())), stacks)
     run_split = RunSplit(samples, exact={kind: frames[kind] for kind, _ in EXACT_RUN_KINDS})
     totals = state_totals(slots, win)
 

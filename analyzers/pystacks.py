@@ -80,7 +80,7 @@ def _thread_samples(ctx: EvidenceContext, tid: int, category: str | None = None)
     """(ts_ns, pystack_id) of `tid`'s on-CPU samples that have a Python stack, by time;
     with `category`, those of its run classes when there are any."""
     s = ctx.samples
-    if s is None or not len(s):
+    if s is None or "pystack_id" not in s or not len(s):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     keep = (s["tid"].to_numpy(np.int64) == tid) & (s["pystack_id"].to_numpy(np.int64) >= 0)
     if category is not None:
