@@ -136,6 +136,21 @@ def sleeper(seconds: str) -> dict:
     return {"main": threading.get_native_id()}
 
 
+def forked_worker(seconds: str) -> dict:
+    """A forked worker that sleeps in short naps for `seconds` and exits; the parent
+    outlives it by a second and a half (its stacks must be named after the stop)."""
+    child = os.fork()
+    if child == 0:
+        set_thread_name("tb_worker")
+        end = time.monotonic() + float(seconds)
+        while time.monotonic() < end:
+            time.sleep(0.1)
+        os._exit(0)
+    os.waitpid(child, 0)
+    time.sleep(1.5)
+    return {"main": threading.get_native_id(), "worker": child}
+
+
 class Dim3(ctypes.Structure):
     _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
 
@@ -224,7 +239,7 @@ def cuda_real(runtime: str) -> dict:
 
 
 WORKLOADS = {"basic": basic, "dirty": dirty, "reclaim": reclaim, "sleeper": sleeper, "cuda_fake": cuda_fake,
-             "cuda_real": cuda_real}
+             "cuda_real": cuda_real, "forked_worker": forked_worker}
 
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]

@@ -27,6 +27,11 @@ META = json.loads(SMALL.schema.metadata[METADATA_KEY])
 # A few rows of every kind: enough for each analyzer to run, quick to analyse.
 SAMPLE = pa.concat_tables(
     SMALL.filter(pa.compute.equal(SMALL["kind"], kind)).slice(0, 40) for kind in set(SMALL["kind"].to_pylist()))
+# The stored trace is a version-1 file: the columns added since are appended (null), so
+# every column of today's schema can be crafted.
+for _name in COLUMNS:
+    if _name not in SAMPLE.column_names:
+        SAMPLE = SAMPLE.append_column(TRACE_SCHEMA.field(_name), pa.nulls(SAMPLE.num_rows, TRACE_SCHEMA.field(_name).type))
 EXIT_CODES = {0, 1, 2, 10, 11, 12, 13, 14, 15}
 
 

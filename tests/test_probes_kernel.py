@@ -142,6 +142,24 @@ def test_stacks_are_symbolised(basic):
     assert 0 <= meta["collisions"] <= 0.05 * walks <= 0.05 * meta["walks"], (meta, walks)
 
 
+def test_a_forked_worker_that_exits_before_the_stop_is_named(tmp_path):
+    """User stacks are named after the stop (tracer/stacks.py), from the maps and files
+    kept when the worker's stacks were first seen: the worker is gone by then."""
+    require_root()
+    rec = record_workload(tmp_path / "trace.parquet", "forked_worker", "2.5")
+    worker = rec.tids["worker"]
+    exits = rec.trace.frame("exit")
+    assert (exits.tid == worker).any(), "the worker's exit was not seen"
+    assert int(exits[exits.tid == worker].ts_ns.min()) < rec.trace.meta["clock"]["end_mono_ns"] - 10**9
+    off = rec.trace.frame("offcpu")
+    ids = set(off[(off.pid == worker) & (off.ustack_id >= 0)].ustack_id.astype(int))
+    assert ids, "no user stacks for the worker's naps"
+    stacks = rec.trace.frame("stack")
+    names = stacks[(stacks.state == "user") & (stacks.pid == worker) & stacks.kstack_id.isin(ids)].name
+    assert len(names) == len(ids), "user stacks of the worker without a name row"
+    assert all("[libc.so.6]" in n for n in names), list(names)[:5]
+
+
 def test_stack_map_collisions_are_counted_and_reported(tmp_path):
     """A stack map of 4 buckets: most distinct stacks find theirs taken, and the trace and
     the text report say how many were not kept."""

@@ -3,6 +3,8 @@ registry (analyzers/categories.py): one record per category, every other table d
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from synth import Synth, d, t
@@ -59,3 +61,20 @@ def test_every_state_class_and_check_has_one_category():
         assert c.summary.format(s=1.0, who="trainer python (1)") and c.recommendation and c.colour.startswith("#")
         assert callable(c.evidence)
     assert BY_NAME["numa_remote"].unmeasured
+
+
+def test_a_version_1_trace_reads_the_python_stack_columns_as_null():
+    """tests/data/small-trace.parquet predates the Python stack columns (schema v1)."""
+    import pyarrow.parquet as pq
+
+    from trainbpf.schema import V2_COLUMNS
+    from trainbpf.tracefile import read_trace
+
+    path = Path(__file__).with_name("data") / "small-trace.parquet"
+    assert not set(V2_COLUMNS) & set(pq.read_schema(path).names)
+    trace = read_trace(path)
+    assert trace.meta["schema"] == "trainbpf.trace/1"
+    offcpu = trace.frame("offcpu")
+    assert len(offcpu) > 0
+    assert offcpu["pystack_id"].isna().all() and offcpu["peer_pystack_id"].isna().all()
+    assert trace.table["pystack_id"].null_count == trace.num_rows

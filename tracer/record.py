@@ -127,6 +127,8 @@ class Recorder:
                 self.gpu.stop()
                 self.writer.release()  # the spool's lock, whatever happened
         finally:
+            if self.symbolizer is not None:
+                self.symbolizer.close()
             if self.rings is not None:
                 self.rings.close()
             loader.detach(self.bpf)  # every program and perf event we attached
@@ -163,6 +165,7 @@ class Recorder:
         blocked begin their off-CPU interval now."""
         self.rings = open_rings(self.bpf, loader.event_dtypes(self.bpf, self.collectors))
         self.symbolizer = StackSymbolizer(self.bpf)
+        self.symbolizer.load_kernel_symbols()
         self.procsampler = procfs.ProcSampler()
         self.threads.exec_listeners += [self.symbolizer.exec_seen, self.futex_addrs.exec_seen]
         self.start_ns = time.monotonic_ns()
@@ -219,6 +222,10 @@ class Recorder:
             if batch is not None:
                 self.writer.add(batch)
         self.writer.flush()
+        named = self.symbolizer.finish(self.end_ns)  # user stacks are named after the stop (tracer/stacks.py)
+        if named is not None:
+            self.writer.add(named)
+            self.writer.flush()
         self.writer.close(keep_open=True)  # finalised from this descriptor, still locked
         self.duration_s = time.monotonic() - self.start_ns / 1e9
 

@@ -19,7 +19,9 @@ from typing import Any
 import pyarrow as pa
 
 SCHEMA_NAME = "trainbpf.trace"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Versions this reader reads: a version-1 trace has no Python stack columns (read as null).
+READABLE_VERSIONS = (1, 2)
 SCHEMA_ID = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
 METADATA_KEY = b"trainbpf"
 
@@ -47,8 +49,18 @@ TRACE_SCHEMA = pa.schema(
         ("value", pa.float64()),
         ("name", pa.string()),
         ("node", pa.int32()),  # NUMA node
+        # Added in version 2 (older traces read them as null): Python stacks.
+        ("pystack_id", pa.int32()),
+        ("peer_pystack_id", pa.int32()),
     ]
 )
+
+# Columns a version-1 trace lacks; the reader fills them with nulls.
+V2_COLUMNS = ("pystack_id", "peer_pystack_id")
+
+# Python stack ids are assigned by the recorder from here up, so they never equal a
+# native stack id (bpf_get_stackid's ids are below the stack map's size, < 2**24).
+PY_STACK_ID_BASE = 1 << 30
 
 COLUMNS = tuple(TRACE_SCHEMA.names)
 
@@ -72,10 +84,11 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # for a CPU); the recorder takes the waker's user stack only for waits that long.
     # kstack_id/ustack_id: stacks at switch-out (-1 where unknown: for intervals seeded at
     # the start, and, on kernels with sched_exit_tp where stacks are taken at switch-in,
-    # for intervals still open at the stop).
+    # for intervals still open at the stop).  pystack_id / peer_pystack_id: the thread's
+    # and the waker's Python stacks where Python frames were walked (null elsewhere).
     "offcpu": (
         "ts_ns", "dur_ns", "tid", "pid", "cpu", "state", "runq_ns", "peer_tid", "peer_pid",
-        "kstack_id", "ustack_id", "peer_kstack_id", "peer_ustack_id",
+        "kstack_id", "ustack_id", "peer_kstack_id", "peer_ustack_id", "pystack_id", "peer_pystack_id",
     ),
     # While recording, at each flush of the spool: an off-CPU interval still open then,
     # cut at the flush (ts_ns + dur_ns = that segment's clock), cpu -1.  Only a recording
@@ -83,7 +96,7 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # (still marked open by cpu -1) when the spool is read or recovered; the rest go.
     "offcpu_open": (
         "ts_ns", "dur_ns", "tid", "pid", "cpu", "state", "runq_ns", "peer_tid", "peer_pid",
-        "kstack_id", "ustack_id", "peer_kstack_id", "peer_ustack_id",
+        "kstack_id", "ustack_id", "peer_kstack_id", "peer_ustack_id", "pystack_id", "peer_pystack_id",
     ),
     # The end of a spool segment: ts_ns is the clock up to which the segment's rows are
     # complete; a killed recording's duration ends at its last one.  Spool only.
@@ -93,10 +106,10 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # ts_ns is the flush time.
     "offcpu_short": ("ts_ns", "dur_ns", "tid", "pid", "state", "count", "runq_ns"),
     # A CPU-clock sample of a traced thread (rate in metadata thresholds.oncpu_hz).
-    "oncpu": ("ts_ns", "tid", "pid", "cpu", "kstack_id", "ustack_id"),
+    "oncpu": ("ts_ns", "tid", "pid", "cpu", "kstack_id", "ustack_id", "pystack_id"),
     # A futex wait >= min_futex_ns: addr = uaddr, op = futex command (op & 0x7f; 256+ for
-    # futex_wait / futex_waitv syscalls), ustack_id at entry.
-    "futex": ("ts_ns", "dur_ns", "tid", "pid", "addr", "op", "ustack_id"),
+    # futex_wait / futex_waitv syscalls), ustack_id at entry; pystack_id likewise.
+    "futex": ("ts_ns", "dur_ns", "tid", "pid", "addr", "op", "ustack_id", "pystack_id"),
     # What a futex address of a process is, described once while it was alive:
     # state = region (image: a program's or library's data, heap, stack, shared: a
     # MAP_SHARED or /dev/shm mapping, file, anon, unknown), name = the data symbol and
@@ -164,9 +177,10 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     "numa_maps": ("ts_ns", "pid", "state", "node", "count"),
     # Cumulative lost events for probe `name` (ring buffer full).
     "lost": ("ts_ns", "name", "count"),
-    # A symbolised stack: kstack_id = the stack id (kernel and user ids share one map),
-    # state = "kernel"/"user", pid = process for user stacks, name = frames leaf first,
-    # joined by ";".
+    # A symbolised stack: kstack_id = the stack id (kernel and user ids share one map;
+    # Python stack ids start at PY_STACK_ID_BASE), state = "kernel"/"user"/"python",
+    # pid = process for user and Python stacks, name = frames leaf first, joined by ";"
+    # (a Python frame reads "qualname (file:line)").
     "stack": ("ts_ns", "kstack_id", "state", "pid", "name"),
 }
 

@@ -33,7 +33,7 @@ from trainbpf.safefile import (
     try_lock,
     write_new,
 )
-from trainbpf.schema import COLUMNS, KIND_COLUMNS, KINDS, TRACE_SCHEMA
+from trainbpf.schema import COLUMNS, KIND_COLUMNS, KINDS, TRACE_SCHEMA, V2_COLUMNS
 from trainbpf.trace_meta import decode_meta, derive_final_meta, meta_bytes
 
 SPOOL_SUFFIX = ".spool"
@@ -42,7 +42,7 @@ ROW_GROUP_ROWS = 1 << 20  # pyarrow's default for a whole-table write
 # counts (timestamps arrive nearly sorted), zstd over all: smaller than the defaults and
 # faster to read.
 DICTIONARY_COLUMNS = ("kind", "tid", "pid", "cpu", "comm", "state", "peer_tid", "peer_pid", "kstack_id", "ustack_id",
-                      "peer_kstack_id", "peer_ustack_id", "addr", "op", "name", "node")
+                      "peer_kstack_id", "peer_ustack_id", "addr", "op", "name", "node", "pystack_id", "peer_pystack_id")
 DELTA_COLUMNS = ("ts_ns", "dur_ns", "runq_ns", "size", "count")
 # Rows finalize holds back, all kinds together, before it writes the largest kind's
 # rows as a shorter row group: its memory stays bounded whatever the mix of kinds.
@@ -178,11 +178,19 @@ def _spool_batches(fd: int, path: Path) -> tuple[Iterator[pa.RecordBatch], dict[
         # Arrow's own message quotes the file's first bytes: not for a root tool's stderr.
         raise TraceReadError(f"{path}: not a readable trainbpf spool") from None
     meta = decode_meta(reader.schema.metadata, path)
+    # An older version's spool lacks the columns added since (V2_COLUMNS, last in the
+    # schema): they are appended, all null.
+    missing = [TRACE_SCHEMA.field(n) for n in V2_COLUMNS if n not in reader.schema.names]
 
     def batches() -> Iterator[pa.RecordBatch]:
         while True:
             try:
-                yield reader.read_next_batch()
+                batch = reader.read_next_batch()
+                if missing:
+                    batch = pa.RecordBatch.from_arrays(
+                        list(batch.columns) + [pa.nulls(batch.num_rows, f.type) for f in missing],
+                        schema=pa.schema(list(batch.schema) + missing))
+                yield batch
             except StopIteration:
                 return
             except (pa.ArrowInvalid, OSError):

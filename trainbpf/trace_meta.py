@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trainbpf.errors import TraceReadError, TraceSchemaError
-from trainbpf.schema import METADATA_KEY, SCHEMA_ID, SCHEMA_NAME, SCHEMA_VERSION
+from trainbpf.schema import METADATA_KEY, READABLE_VERSIONS, SCHEMA_ID, SCHEMA_NAME, SCHEMA_VERSION
 
 
 def meta_bytes(meta: Mapping[str, Any]) -> dict[bytes, bytes]:
@@ -95,7 +95,7 @@ def decode_meta(raw: Mapping[bytes, bytes] | None, path: Path) -> dict[str, Any]
     name, _, version = schema.partition("/")
     if name != SCHEMA_NAME:
         raise TraceSchemaError(f"{path}: unknown trace schema {schema!r}, expected {SCHEMA_ID}")
-    if not version.isdigit() or int(version) != SCHEMA_VERSION:
+    if not version.isdigit() or int(version) not in READABLE_VERSIONS:
         newer = version.isdigit() and int(version) > SCHEMA_VERSION
         hint = "upgrade trainbpf to read it" if newer else "re-record it with this version"
         raise TraceSchemaError(f"{path}: trace schema {schema} is not {SCHEMA_ID}; {hint}")

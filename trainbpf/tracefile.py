@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from trainbpf.errors import TraceReadError
 from trainbpf.safefile import fd_path, open_input
-from trainbpf.schema import COLUMNS, KIND_COLUMNS, TRACE_SCHEMA, named_frame, storage_column
+from trainbpf.schema import COLUMNS, KIND_COLUMNS, TRACE_SCHEMA, V2_COLUMNS, named_frame, storage_column
 from trainbpf.spool import (
     SpoolWriter, check_spool_free, discard_stale_spool, finalize, make_batch, read_spool, recover, settle,
     spool_path_for,
@@ -59,7 +59,8 @@ class Trace:
     def table(self) -> pa.Table:
         """The whole long table (every kind, every column)."""
         if self._table is None:
-            self._table = self._read(lambda pf: pf.read(columns=list(COLUMNS)).cast(TRACE_SCHEMA))
+            table = self._read_columns(lambda pf, cols: pf.read(columns=cols), list(COLUMNS))
+            self._table = self._read(lambda _: table.cast(TRACE_SCHEMA))  # out of range: TraceReadError
         return self._table
 
     @property
@@ -73,7 +74,7 @@ class Trace:
             yield self._table.select(names)
             return
         for i in range(self._parquet.metadata.num_row_groups):
-            yield self._read(lambda pf: pf.read_row_group(i, columns=names))
+            yield self._read_columns(lambda pf, cols: pf.read_row_group(i, columns=cols), names)
 
     def frame(self, kind: str, columns: Iterable[str] | None = None) -> pd.DataFrame:
         """Rows of one kind with exactly that kind's columns (empty frame if none), or
@@ -115,7 +116,7 @@ class Trace:
             schema = pa.schema([TRACE_SCHEMA.field(n) for n in names])
             if not groups:
                 return schema.empty_table()
-            rows = self._read(lambda pf: pf.read_row_groups(groups, columns=names))
+            rows = self._read_columns(lambda pf, cols: pf.read_row_groups(groups, columns=cols), names)
             return rows if rows.schema.equals(schema) else self._read(lambda _: rows.cast(schema))
         # A spool, a table given, or a file written before row groups held one kind each.
         if self._kind_chunks is None:
@@ -140,6 +141,16 @@ class Trace:
                     mixed.append(i)
             self._row_groups = by_kind, mixed
         return self._row_groups
+
+    def _read_columns(self, read, names: list[str]) -> pa.Table:
+        """`read(parquet, columns)` of `names`; a column the file lacks (an older
+        schema version's file: V2_COLUMNS) comes back all null, in its place."""
+        present = set(self._parquet.schema_arrow.names)
+        table = self._read(lambda pf: read(pf, [n for n in names if n in present]))
+        if all(n in present for n in names):
+            return table
+        cols = [table[n] if n in present else pa.nulls(table.num_rows, TRACE_SCHEMA.field(n).type) for n in names]
+        return pa.Table.from_arrays(cols, schema=pa.schema([TRACE_SCHEMA.field(n) for n in names]))
 
     def _read(self, read):
         try:
@@ -219,6 +230,8 @@ def _check_column_types(schema: pa.Schema, path: Path) -> None:
     """Each column holds what TRACE_SCHEMA says (integers of another width pass: they
     are cast as they are read, and a value out of range is a TraceReadError then)."""
     for field in TRACE_SCHEMA:
+        if field.name not in schema.names:  # a V2 column of an older file (checked above)
+            continue
         found = schema.field(field.name).type
         if not pa.types.is_null(found) and _type_family(found) != _type_family(field.type):
             raise TraceReadError(f"{path}: not a trainbpf trace (column {field.name} holds {found}, "
@@ -242,7 +255,7 @@ def read_trace(path: str | os.PathLike) -> Trace:
                 meta = decode_meta(pf.schema_arrow.metadata, path)
             except (pa.ArrowInvalid, OSError) as exc:
                 raise TraceReadError(f"{path}: truncated or corrupt Parquet file ({exc})") from exc
-            missing = [c for c in COLUMNS if c not in pf.schema_arrow.names]
+            missing = [c for c in COLUMNS if c not in pf.schema_arrow.names and c not in V2_COLUMNS]
             if missing:
                 raise TraceReadError(f"{path}: not a trainbpf trace (missing columns {missing})")
             _check_column_types(pf.schema_arrow, path)

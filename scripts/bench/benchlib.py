@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -154,6 +155,7 @@ class Recording:
     proc: subprocess.Popen | None = None
     result: dict | None = None
     peak_rss_mib: float = 0.0
+    pythonpath: str | None = None  # another revision's package (revision_package), else this one
 
     def start(self, timeout: float = 180) -> "Recording":
         argv = [python(), str(BENCH / "record_attached.py"), "--pid", str(self.pid),
@@ -162,7 +164,8 @@ class Recording:
             argv += ["--probes", ",".join(self.probes)]
         if self.duration:
             argv += ["--duration", str(self.duration)]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        env = {**os.environ, "PYTHONPATH": self.pythonpath} if self.pythonpath else None
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
         line = readline(self.proc, timeout)
         if line.strip() != "attached":
             self.proc.kill()
@@ -185,6 +188,20 @@ class Recording:
             raise RuntimeError(f"recorder exited {self.proc.returncode}")
         self.result = json.loads(out.strip().splitlines()[-1])
         return self.result
+
+
+def revision_package(rev: str, dest: Path) -> Path:
+    """Git revision `rev` of the project laid out as the installed package (pyproject's
+    package-dir), under `dest`: a PYTHONPATH that runs that revision's recorder."""
+    src, pkg = dest / "src", dest / "pkg"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "trainbpf", "tracer", "probes", "analyzers"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    shutil.copytree(src / "trainbpf", pkg / "trainbpf")
+    for sub in ("tracer", "probes", "analyzers"):
+        shutil.copytree(src / sub, pkg / "trainbpf" / sub)
+    return pkg
 
 
 def readline(proc: subprocess.Popen, timeout: float) -> str:
