@@ -51,7 +51,7 @@ CHURN_MIN_BYTES_PER_S = 64 << 20
 _RUN_OF_STACK = np.array([RUN_CLASSES.index(c) if c in RUN_CLASSES else 0 for c in CLASS_CODE], dtype=np.int8)
 
 FUTEX_COLUMNS = ("pid", "tid", "addr", "start_ns", "end_ns", "waker_tid", "n_waiters", "handoff", "cls")
-SAMPLE_COLUMNS = ("tid", "ts_ns", "cpu", "cls")
+SAMPLE_COLUMNS = ("tid", "ts_ns", "cpu", "cls")  # and pystack_id where the oncpu rows have it
 CHURN_COLUMNS = (
     "tid", "calls", "calls_per_s", "map_bytes", "unmap_bytes", "median_size",
     "faults", "faults_per_s", "churning",
@@ -268,13 +268,17 @@ def _latest_before(key: np.ndarray, at: np.ndarray, q_key: np.ndarray, q_at: np.
 
 def sample_classes(oncpu: pd.DataFrame, stacks: pd.DataFrame) -> pd.DataFrame:
     """On-CPU samples with what their kernel stack says (RUN_CLASSES; "user" otherwise),
-    sorted by time."""
+    and their Python stack (-1: none) where `oncpu` has the column, sorted by time."""
     run_cls = _RUN_OF_STACK[stack_class_codes(stacks, oncpu["kstack_id"])]
     out = pd.DataFrame(
         {"tid": as_int64(oncpu["tid"]), "ts_ns": as_int64(oncpu["ts_ns"]), "cpu": as_int64(oncpu["cpu"]),
          "cls": pd.Categorical.from_codes(run_cls, categories=list(RUN_CLASSES))}
     )
-    return out.sort_values("ts_ns", kind="stable")[list(SAMPLE_COLUMNS)].reset_index(drop=True)
+    columns = list(SAMPLE_COLUMNS)
+    if "pystack_id" in oncpu:
+        out["pystack_id"] = oncpu["pystack_id"].to_numpy(dtype=np.int32, na_value=-1)
+        columns.append("pystack_id")
+    return out.sort_values("ts_ns", kind="stable")[columns].reset_index(drop=True)
 
 
 # Evidence rows whose intervals say exactly what a running thread was doing: reclaim and

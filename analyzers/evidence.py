@@ -14,7 +14,7 @@ import pandas as pd
 from trainbpf.analyzers.attribution import address_names
 from trainbpf.analyzers.intervals import NS_PER_S, Span, as_int64, pair_ids, thread_ranges
 from trainbpf.analyzers.numa import REMOTE_MIN_FRACTION
-from trainbpf.analyzers.stacks import stack_excerpt
+from trainbpf.analyzers.stacks import PYTHON_STACK_COLUMNS, merged_excerpt, stack_excerpt
 from trainbpf.analyzers.states import PART_CODES, SLOT_EDGES, clipped_lengths
 from trainbpf.analyzers.vocab import FUTEX_CODE, STATE_CODE, codes
 
@@ -37,6 +37,10 @@ class EvidenceContext:
     placement: pd.DataFrame
     memory_nodes: dict[int, int] = field(default_factory=dict)
     gpu_node: int | None = None
+    # The trace's Python stacks (stacks.python_stacks; empty: none) and the on-CPU samples
+    # (attribution.SAMPLE_COLUMNS) their ids are looked up for.
+    pystacks: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(PYTHON_STACK_COLUMNS)))
+    samples: pd.DataFrame | None = None
     _ranges: dict[int, tuple[int, int]] | None = field(default=None, repr=False)
 
     def rows(self, kind: str, tids: Any) -> pd.DataFrame:
@@ -103,6 +107,21 @@ def _top_stack(ctx: EvidenceContext, ids: Any) -> str:
     return stack_excerpt(ctx.stacks, int(pd.Series(ids).value_counts().idxmax()))
 
 
+def _with_python(ctx: EvidenceContext, native: str, ustacks: Any, frame: pd.DataFrame | None, waits: np.ndarray) -> str:
+    """The futex waits' top user stack `native` (_top_stack of `ustacks`) with the Python
+    frames the most of its waits held merged in (stacks.merged_excerpt); `native` as it is
+    without any.  Only the native part is ever classified (allocator_in_stack)."""
+    if not native or not len(ctx.pystacks) or frame is None or "pystack_id" not in frame:
+        return native
+    ustacks = as_int64(pd.Series(ustacks))
+    top = int(pd.Series(ustacks[ustacks >= 0]).value_counts().idxmax())
+    py = as_int64(frame["pystack_id"])[waits][ustacks == top]
+    py = py[py >= 0]
+    if not len(py):
+        return native
+    return merged_excerpt(ctx.stacks, ctx.pystacks, top, int(pd.Series(py).value_counts().idxmax()))
+
+
 def futex_class_waits(cls: str) -> Builder:
     """Lock and GIL findings: the waits of futex class `cls` on the top addresses."""
 
@@ -126,7 +145,8 @@ def _futex_evidence(ctx: EvidenceContext, cls: str, roots: list[int]) -> dict[st
     for p, a in top:
         on_addrs |= (pid == p) & (addr == a)
     frame = ctx.frames.get("futex")
-    stack = _top_stack(ctx, frame["ustack_id"].to_numpy()[waits] if frame is not None and len(waits) else [])
+    ustacks = frame["ustack_id"].to_numpy()[waits] if frame is not None and len(waits) else []
+    stack = _top_stack(ctx, ustacks)
     # What the recorder found at each address: "_PyRuntime+0x1b0 [python3.11]", a /dev/shm path.
     names = [str(n) for n in address_names(ctx.frames.get("futex_addr"), np.array([p for p, _ in top], np.int64),
                                            np.array(addrs, np.uint64))]
@@ -139,7 +159,7 @@ def _futex_evidence(ctx: EvidenceContext, cls: str, roots: list[int]) -> dict[st
         "address_names": names,
         "waiting_threads": int(len(np.unique(tid[on_addrs]))),
         "handoff_share": float(fw["handoff"].to_numpy()[waits].mean()) if len(waits) else 0.0,
-        "user_stack": stack,
+        "user_stack": _with_python(ctx, stack, ustacks, frame, waits),
         "allocator_in_stack": allocator,
     }
 

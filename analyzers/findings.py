@@ -25,6 +25,7 @@ from trainbpf.analyzers.cuda import in_gaps_ns
 from trainbpf.analyzers.evidence import MAX_THREADS, EvidenceContext, contenders, numa_placement, trainer_waits
 from trainbpf.analyzers.intervals import NS_PER_S, run_parallel
 from trainbpf.analyzers.numa import REMOTE_MIN_FRACTION
+from trainbpf.analyzers.pystacks import no_python_frames, python_frames
 from trainbpf.analyzers.vocab import RUN_CLASSES, STATE_DTYPE, codes
 
 # Severity: share of starved time, and how much of the analysed window that time is
@@ -209,8 +210,8 @@ def build_findings(
         ns = float(per_cat.get(category, 0.0))
         if ns < MIN_FINDING_NS:
             if category == "numa_remote" and len(ctx.placement) and (ctx.placement["remote_fraction"] > REMOTE_MIN_FRACTION).any():
-                return _finding(category, 0.0, 0.0, window_s, [], [], numa_placement(ctx, []), ctx,
-                                float("nan") if gaps is None else 0.0)
+                return _finding(category, 0.0, 0.0, window_s, [], [], _with(numa_placement(ctx, []), no_python_frames(ctx)),
+                                ctx, float("nan") if gaps is None else 0.0)
             return None
         pieces = attributed.iloc[in_category[category]]
         by_root = pieces.groupby("root_tid")["ns"].sum().sort_values(ascending=False)
@@ -219,6 +220,7 @@ def build_findings(
         share = min(1.0, ns / total) if total > 0 else 0.0
         chain = _dominant_chain(pieces, links, ends, keys, ctx, trainer)
         evidence = {"starved_s": ns / NS_PER_S, **trainer_waits(ctx, pieces), **BY_NAME[category].evidence(ctx, pieces, roots)}
+        evidence = _with(evidence, python_frames(ctx, category, pieces, chain, trainer))
         gap_s = float("nan") if gaps is None else float(in_gaps_ns(pieces, gaps).sum()) / NS_PER_S
         return _finding(category, share, ns / NS_PER_S, window_s, shown[:MAX_THREADS], chain, evidence, ctx, gap_s)
 
@@ -233,6 +235,11 @@ def build_findings(
     out["seconds"] = out["seconds"].astype(np.float64)
     out["launch_gap_s"] = out["launch_gap_s"].astype(np.float64)
     return out.sort_values(["share", "seconds"], ascending=False, kind="stable").reset_index(drop=True)
+
+
+def _with(evidence: dict[str, Any], frames: dict[str, Any] | None) -> dict[str, Any]:
+    """Evidence with `python_frames` when the trace has Python stacks (frames not None)."""
+    return evidence if frames is None else {**evidence, "python_frames": frames}
 
 
 def _finding(

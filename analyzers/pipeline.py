@@ -25,8 +25,8 @@ from trainbpf.analyzers.gpu import (
 from trainbpf.analyzers.intervals import Span, as_int64, dense_rank, resolve_window, trace_span
 from trainbpf.analyzers.numa import gpu_node, memory_placement, thread_placement
 from trainbpf.analyzers.roles import assign_roles, observed_threads, pick_trainer
-from trainbpf.analyzers.stacks import classify_stacks
-from trainbpf.analyzers.states import expand_slots, state_slots, state_totals
+from trainbpf.analyzers.stacks import classify_stacks, python_stacks
+from trainbpf.analyzers.states import PYTHON_ID_COLUMNS, expand_slots, state_slots, state_totals
 from trainbpf.analyzers.vocab import codes
 from trainbpf.analyze_options import GPU_IDLE_THRESHOLD, Window
 from trainbpf.schema import KIND_COLUMNS
@@ -67,6 +67,7 @@ class Analysis:
     uses_cuda: bool = False  # the trainer's CUDA calls were traced (its GPU waits are exact)
     cuda_steps: dict[str, Any] | None = None  # cuda.step_summary of the trainer's steps
     cuda: CudaTimeline | None = None  # every thread's CUDA waits, bursts and gaps; None: CUDA not traced
+    pystacks: pd.DataFrame | None = None  # stacks.python_stacks: the trace's Python stacks (states' pystack ids)
     _states: pd.DataFrame | None = field(default=None, repr=False)
 
     @property
@@ -147,6 +148,9 @@ def _wake_counts(trainer_states: pd.DataFrame, followed: np.ndarray, trainer: in
 
 # The offcpu columns the analyzers read.
 OFFCPU_COLUMNS = ("ts_ns", "dur_ns", "tid", "pid", "cpu", "state", "runq_ns", "peer_tid", "kstack_id", "ustack_id")
+# The oncpu columns the analyzers read.  Python stack ids (offcpu: states.PYTHON_ID_COLUMNS,
+# oncpu: pystack_id) are read only from a trace that holds Python stacks.
+ONCPU_COLUMNS = ("ts_ns", "tid", "pid", "cpu", "kstack_id")
 # The kinds whose rows name a thread: every one of them shows when a thread was seen.
 THREAD_KINDS = tuple(kind for kind, columns in KIND_COLUMNS.items() if "tid" in columns)
 # Threads whose CPU use is the input pipeline's own.
@@ -184,7 +188,9 @@ def analyze(
 
     # Off-CPU intervals are most of a trace: their columns the analysis uses, read once
     # and let go (the frame is a view of Arrow's memory) once they are slots.
-    offcpu = frame("offcpu", OFFCPU_COLUMNS)
+    stack_rows = view("stack")
+    pystacks = python_stacks(stack_rows)
+    offcpu = frame("offcpu", OFFCPU_COLUMNS + (PYTHON_ID_COLUMNS if len(pystacks) else ()))
     offcpu_cpu = as_int64(offcpu["cpu"]).astype(np.int32)  # a copy: the frame goes
     seen = _seen([offcpu] + [frame(kind) for kind in THREAD_KINDS if kind != "offcpu"])
     base = observed_threads(view("thread"), frame("exit"), seen, span=span)
@@ -196,7 +202,7 @@ def analyze(
     slots = state_slots(offcpu, frame("offcpu_short"), base)
     del offcpu
     release_unused_memory()
-    stacks = classify_stacks(view("stack"))
+    stacks = classify_stacks(stack_rows)
     evidence_kinds = ("futex", "futex_addr", "mmap_lock", "reclaim", "compaction", "dirty_pause", "block_rq")
     frames = {kind: view(kind) for kind in evidence_kinds}
     slots, futex_waits = attribute_states(slots, frames, stacks)
@@ -211,7 +217,7 @@ def analyze(
         trainer_wakers=_wake_counts(trainer_states, followed, trainer),
         writer_tids=np.unique(as_int64(frame("dirty_pause")["tid"])),
     )
-    samples = sample_classes(frame("oncpu"), stacks)
+    samples = sample_classes(frame("oncpu", ONCPU_COLUMNS + (("pystack_id",) if len(pystacks) else ())), stacks)
     run_split = RunSplit(samples, exact={kind: frames[kind] for kind, _ in EXACT_RUN_KINDS})
     totals = state_totals(slots, win)
 
@@ -257,7 +263,7 @@ def analyze(
         window=win, threads=threads, slots=slots, trainer_states=trainer_states,
         futex_waits=futex_waits, stacks=stacks, frames={**frames, "faults": view("faults"), "mm_syscall": view("mm_syscall")},
         churn=churn, placement=placement, memory_nodes=memory_placement(view("numa_maps"), topology),
-        gpu_node=gpu_node(topology),
+        gpu_node=gpu_node(topology), pystacks=pystacks, samples=samples,
     )
     findings = build_findings(starved, chains, chain_ends, ctx, trainer_tid=trainer,
                               gaps=launch_gap_rows)
@@ -267,7 +273,7 @@ def analyze(
         futex_waits=futex_waits, samples=samples, gpu=util, idle=idle, gpu_windows=gpu_windows, starved=starved, chains=chains, chain_ends=chain_ends,
         churn=churn, placement=placement, findings=findings, lost=lost_counts(meta, view("lost")),
         idle_fraction=gpu_idle, uses_cuda=uses_cuda, cuda_steps=step_summary(step_rows) if len(step_rows) else None,
-        cuda=cuda,
+        cuda=cuda, pystacks=pystacks,
     )
 
 

@@ -1,11 +1,17 @@
 """What a symbolised stack says a thread was doing.
 
-``stack`` rows carry frames leaf first, joined by ";".  Each distinct stack is classified
-once by substring patterns (a few thousand stacks at most), then stack ids are mapped to
-classes with array lookups.
+``stack`` rows carry frames leaf first, joined by ";".  Each distinct native stack is
+classified once by substring patterns (a few thousand stacks at most), then stack ids are
+mapped to classes with array lookups.  Python stacks (space "python") are never
+classified: a Python function named `free_pages` or `take_gil_snapshot` says nothing
+about the allocator or the GIL, so classes come from native frames alone.  They are kept
+in a table of their own (`python_stacks`) and joined to a native user stack only for
+display (`merge_frames`): native leaf -> Python frames -> native root.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pandas as pd
@@ -42,8 +48,10 @@ MAX_TABLE_ID = 1 << 24
 
 
 def classify_stacks(stack: pd.DataFrame) -> pd.DataFrame:
-    """One row per stack id: whether it is a kernel stack, its class (STACK_CLASSES),
-    whether it runs through the allocator, and its frames."""
+    """One row per native stack id: whether it is a kernel stack, its class
+    (STACK_CLASSES), whether it runs through the allocator, and its frames.  Python
+    stacks are left out (python_stacks has them)."""
+    stack = stack[~is_python(stack)]
     df = pd.DataFrame(
         {
             "stack_id": as_int64(stack["stack_id"]),
@@ -87,9 +95,75 @@ def stack_class_codes(stacks: pd.DataFrame, ids: object) -> np.ndarray:
     return out
 
 
+def stack_frames(stacks: pd.DataFrame, stack_id: int) -> list[str]:
+    """A stack's frames, leaf first; [] for an unknown id."""
+    row = stacks.loc[stacks["stack_id"] == stack_id, "frames"]
+    return str(row.iloc[0]).split(";") if len(row) and str(row.iloc[0]) else []
+
+
 def stack_excerpt(stacks: pd.DataFrame, stack_id: int, frames: int = 6) -> str:
     """The leaf-most frames of a stack, for evidence."""
-    row = stacks.loc[stacks["stack_id"] == stack_id, "frames"]
-    if not len(row):
-        return ""
-    return ";".join(str(row.iloc[0]).split(";")[:frames])
+    return ";".join(stack_frames(stacks, stack_id)[:frames])
+
+
+# -- Python stacks -------------------------------------------------------------------
+
+PYTHON_SPACE = "python"
+PYTHON_STACK_COLUMNS = ("stack_id", "pid", "frames")
+# A native frame that runs Python code: where a native stack enters the interpreter.
+INTERPRETER_FRAME = re.compile(r"_PyEval_EvalFrame|PyEval_EvalFrame|PyEval_EvalCode")
+# One recorded Python frame: "qualname (file:line)" (docs/trace-format.md).
+PYTHON_FRAME = re.compile(r"^(?P<function>.*?) \((?P<file>.*):(?P<line>-?\d+)\)$")
+
+
+def is_python(stack: pd.DataFrame) -> np.ndarray:
+    """Which `stack` rows (trace view) are Python stacks."""
+    return stack["space"].fillna("").astype(str).to_numpy(dtype=object) == PYTHON_SPACE
+
+
+def python_stacks(stack: pd.DataFrame) -> pd.DataFrame:
+    """The Python stacks of a trace's `stack` rows (PYTHON_STACK_COLUMNS), frames leaf
+    first as recorded; empty for a trace without any (version 1, or the walk off)."""
+    rows = stack[is_python(stack)]
+    return pd.DataFrame({
+        "stack_id": as_int64(rows["stack_id"]),
+        "pid": as_int64(rows["pid"]),
+        "frames": rows["frames"].fillna("").astype(str).to_numpy(dtype=object),
+    }).drop_duplicates("stack_id", keep="last").reset_index(drop=True)
+
+
+def python_frame(text: str) -> dict[str, object]:
+    """A recorded Python frame as {"function", "file", "line"}; text that is not in the
+    recorded form is the function, with no file and line 0."""
+    m = PYTHON_FRAME.match(text)
+    if m is None:
+        return {"function": text, "file": "", "line": 0}
+    return {"function": m["function"], "file": m["file"], "line": int(m["line"])}
+
+
+def merge_frames(native: list[str], python: list[str]) -> list[str]:
+    """One stack, leaf first: the native frames up to the first interpreter frame, the
+    Python frames, then the native frames from that interpreter frame on to the root.  A
+    native stack that never enters the interpreter (walk cut short) is all leaf side: the
+    Python frames follow it.  Without Python frames, the native stack as it is."""
+    if not python:
+        return list(native)
+    at = _interpreter_at(native)
+    return native[:at] + python + native[at:]
+
+
+def _interpreter_at(native: list[str]) -> int:
+    """The position of a native stack's first interpreter frame (its length if none)."""
+    return next((i for i, f in enumerate(native) if INTERPRETER_FRAME.search(f)), len(native))
+
+
+def merged_excerpt(native: pd.DataFrame, python: pd.DataFrame, ustack_id: int, pystack_id: int,
+                   frames: int = 6, python_frames: int = 4) -> str:
+    """A user stack's leaf-most native frames up to the interpreter (at most `frames`),
+    then its leaf-most Python frames (at most `python_frames`), for evidence.  Without a
+    Python stack, stack_excerpt's text."""
+    user = stack_frames(native, ustack_id)
+    py = stack_frames(python, pystack_id) if pystack_id >= 0 else []
+    if not py:
+        return ";".join(user[:frames])
+    return ";".join(user[:min(_interpreter_at(user), frames)] + py[:python_frames])

@@ -34,6 +34,13 @@ SLOT_EDGES = ("start_ns", "short_ns", "queued_ns", "switch_out_ns", "wake_ns", "
 # `state` names the blocked part; waker_tid ended it (and so applies to the runnable tail
 # too), the stacks were taken at its switch-out.
 SLOT_COLUMNS = ("tid", *SLOT_EDGES, "state", "waker_tid", "kstack_id", "ustack_id")
+# The offcpu columns of the ids slots carry (peer_tid as waker_tid).
+_ID_COLUMNS = ("peer_tid", "kstack_id", "ustack_id")
+# Slots and state intervals from offcpu rows read with Python stack ids (a trace that has
+# Python stacks) carry them too, -1 where none was taken: the thread's at the switch-out
+# (where it resumes, so the runnable tail's as well) and the waker's at the wake-up.
+# Other traces go without: two columns of -1 would cost 8 bytes a slot.
+PYTHON_ID_COLUMNS = ("pystack_id", "peer_pystack_id")
 
 _CODE = {name: i for i, name in enumerate(STATES)}
 # The state of each part of a slot; the blocked part's is the slot's `state`.
@@ -48,7 +55,7 @@ _PART_OF_STATE[[_CODE["running"], _CODE["short_wait"], _CODE["runnable"]]] = (0,
 CHUNK_OFFCPU_ROWS = 1 << 18
 
 
-def _slots_frame(tid, edges, code, waker, kstack, ustack) -> pd.DataFrame:
+def _slots_frame(tid, edges, code, waker, kstack, ustack, **python) -> pd.DataFrame:
     return pd.DataFrame(
         {
             "tid": np.asarray(tid, dtype=np.int32),
@@ -57,6 +64,7 @@ def _slots_frame(tid, edges, code, waker, kstack, ustack) -> pd.DataFrame:
             "waker_tid": np.asarray(waker, dtype=np.int32),
             "kstack_id": np.asarray(kstack, dtype=np.int32),
             "ustack_id": np.asarray(ustack, dtype=np.int32),
+            **{name: np.asarray(ids, dtype=np.int32) for name, ids in python.items()},
         },
         copy=False,
     )
@@ -89,8 +97,9 @@ def _positions(tid: np.ndarray, keys: np.ndarray) -> np.ndarray:
 
 
 def state_slots(offcpu: pd.DataFrame, offcpu_short: pd.DataFrame, threads: pd.DataFrame) -> pd.DataFrame:
-    """The state slots (SLOT_COLUMNS) of every thread in `threads`, over its observed life
-    [first_ns, last_ns), sorted by (tid, start_ns); a thread's slots tile its life."""
+    """The state slots (SLOT_COLUMNS, and PYTHON_ID_COLUMNS where `offcpu` has them) of
+    every thread in `threads`, over its observed life [first_ns, last_ns), sorted by
+    (tid, start_ns); a thread's slots tile its life."""
     t_tid = threads["tid"].to_numpy(np.int64)
     order = np.argsort(t_tid)
     t_tid = t_tid[order]
@@ -108,15 +117,16 @@ def state_slots(offcpu: pd.DataFrame, offcpu_short: pd.DataFrame, threads: pd.Da
         order = sort_by_thread(pos, np.minimum(np.maximum(ts[rows], t_first[pos]), t_last[pos]))
         rows, pos = rows[order], pos[order]
         del order
+    python = tuple(name for name in PYTHON_ID_COLUMNS if name in offcpu)
     blocked_code, preempted = _sched_codes(offcpu["state"])
     flushes = _short_flushes(offcpu_short)
     # The columns the slots take, as plain arrays (views where they have no nulls).
     columns = {"ts": ts, "dur": as_int64(offcpu["dur_ns"], 0), "runq": as_int64(offcpu["runq_ns"], 0),
-               **{name: offcpu[name].to_numpy(dtype=np.int32, na_value=-1) for name in ("peer_tid", "kstack_id", "ustack_id")}}
+               **{name: offcpu[name].to_numpy(dtype=np.int32, na_value=-1) for name in _ID_COLUMNS + python}}
 
     n = len(pos) + len(t_tid)  # a slot per row, and one per thread after its rows
     out = (np.empty(n, np.int32), np.empty((_PARTS + 1, n), np.int64), np.empty(n, np.int8),
-           np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int32))
+           *(np.empty(n, np.int32) for _ in _ID_COLUMNS + python))
     thread_end = np.searchsorted(pos, np.arange(1, len(t_tid) + 1))  # where each thread's rows end
     jobs = []
     lo = 0
@@ -132,7 +142,7 @@ def state_slots(offcpu: pd.DataFrame, offcpu_short: pd.DataFrame, threads: pd.Da
         ))
         lo = hi
     run_parallel(jobs)  # each writes its own slots
-    return _slots_frame(*out)
+    return _slots_frame(*out[:6], **dict(zip(python, out[6:])))
 
 
 def _fill_slots(out, columns, rows, pos, thread_end, blocked_code, preempted, flushes, t_tid, t_first, t_last) -> None:
@@ -169,7 +179,7 @@ def _fill_slots(out, columns, rows, pos, thread_end, blocked_code, preempted, fl
         wake = np.minimum(np.maximum(wake, start), end)
 
     short_blk, short_rq = _carve_short(flushes, t_tid.tolist(), t_tid[pos], prev_end, start)
-    tid, edges, code, waker, kstack, ustack = out
+    tid, edges, code, *ids = out
     tid[:] = t_tid[pos]
     edges[0] = prev_end
     np.subtract(start, short_blk + short_rq, out=edges[1])
@@ -179,14 +189,14 @@ def _fill_slots(out, columns, rows, pos, thread_end, blocked_code, preempted, fl
     rows = src[real]
     code[:] = _CODE["other"]
     code[real] = blocked_code[rows]
-    for ids, name in ((waker, "peer_tid"), (kstack, "kstack_id"), (ustack, "ustack_id")):
-        ids[:] = -1
-        ids[real] = columns[name][rows]
+    for into, name in zip(ids, [n for n in _ID_COLUMNS + PYTHON_ID_COLUMNS if n in columns]):
+        into[:] = -1
+        into[real] = columns[name][rows]
 
 
 def expand_slots(slots: pd.DataFrame) -> pd.DataFrame:
-    """The state intervals (STATE_COLUMNS, and futex_class when the slots have one) the
-    slots stand for: each slot's non-empty parts in order."""
+    """The state intervals (STATE_COLUMNS, and futex_class and PYTHON_ID_COLUMNS when the
+    slots have them) the slots stand for: each slot's non-empty parts in order."""
     edges = [slots[name].to_numpy() for name in SLOT_EDGES]
     counts = np.zeros(len(slots), np.int64)
     for part in range(_PARTS):
@@ -196,7 +206,8 @@ def expand_slots(slots: pd.DataFrame) -> pd.DataFrame:
     state = codes(slots["state"])
     fclass = codes(slots["futex_class"]) if "futex_class" in slots else None
     tid, start, end, code = np.empty(n, np.int32), np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int8)
-    ids = {name: np.full(n, -1, np.int32) for name in ("waker_tid", "kstack_id", "ustack_id")}
+    python = tuple(name for name in PYTHON_ID_COLUMNS if name in slots)
+    ids = {name: np.full(n, -1, np.int32) for name in ("waker_tid", "kstack_id", "ustack_id") + python}
     part_fclass = np.zeros(n, np.int8)
     slot_tid = slots["tid"].to_numpy()
     for rows in row_chunks(len(slots)):
@@ -210,7 +221,8 @@ def expand_slots(slots: pd.DataFrame) -> pd.DataFrame:
             end[here] = edges[part + 1][slot]
             code[here] = state[slot] if part == BLOCKED_PART else PART_CODES[part]
             if part >= BLOCKED_PART:  # the waker ended the blocked part; the tail followed
-                ids["waker_tid"][here] = slots["waker_tid"].to_numpy()[slot]
+                for name in ("waker_tid",) + python:
+                    ids[name][here] = slots[name].to_numpy()[slot]
             if part == BLOCKED_PART:
                 ids["kstack_id"][here] = slots["kstack_id"].to_numpy()[slot]
                 ids["ustack_id"][here] = slots["ustack_id"].to_numpy()[slot]
@@ -237,6 +249,7 @@ def as_slots(states: pd.DataFrame) -> pd.DataFrame:
     out = _slots_frame(
         states["tid"].to_numpy(), [np.where(part >= p, start, end) for p in range(_PARTS + 1)], code,
         *(states[name].to_numpy() if name in states else np.full(len(states), -1) for name in ("waker_tid", "kstack_id", "ustack_id")),
+        **{name: states[name].to_numpy() for name in PYTHON_ID_COLUMNS if name in states},
     )
     if "futex_class" in states:
         out["futex_class"] = states["futex_class"].array

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from trainbpf.schema import KIND_COLUMNS, SCHEMA_ID
+from trainbpf.schema import KIND_COLUMNS, PY_STACK_ID_BASE, SCHEMA_ID
 from trainbpf.tracefile import SpoolWriter, finalize, make_batch, read_trace, spool_path_for
 
 START_NS = 1_000_000_000_000
@@ -93,13 +93,15 @@ class Synth:
         self.rows[kind].append(columns)
 
     def stack(self, frames: Sequence[str] | str | None, kind: str = "kernel", pid: int | None = None) -> int | None:
-        """The id of a symbolised stack (registered once)."""
+        """The id of a symbolised stack (registered once); kind "python": a Python stack,
+        frames "qualname (file:line)" leaf first, its id at PY_STACK_ID_BASE and up."""
         if frames is None:
             return None
         frames = tuple(frames.split(";")) if isinstance(frames, str) else tuple(frames)
         key = (kind, frames)
         if key not in self._stacks:
-            sid = len(self._stacks) + 1
+            python = sum(k == "python" for k, _ in self._stacks)
+            sid = PY_STACK_ID_BASE + python if kind == "python" else len(self._stacks) - python + 1
             self._stacks[key] = sid
             self.add("stack", ts_ns=START_NS, kstack_id=sid, state=kind, pid=pid, name=";".join(frames))
         return self._stacks[key]
@@ -113,28 +115,39 @@ class Synth:
     def offcpu(
         self, tid: int, ts: float, dur: float, *, state: str = "S", runq: float = 0.0, waker: int | None = None,
         kstack: Sequence[str] | None = None, ustack: Sequence[str] | None = None, cpu: int = 0, pid: int | None = None,
+        pystack: Sequence[str] | None = None, waker_pystack: Sequence[str] | None = None,
     ) -> None:
         self.add(
             "offcpu", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, pid), cpu=cpu, state=state,
             runq_ns=d(runq), peer_tid=waker, peer_pid=self._pid(waker, None) if waker is not None else None,
             kstack_id=self.stack(kstack), ustack_id=self.stack(ustack, "user"),
+            **self._python(pystack_id=pystack, peer_pystack_id=waker_pystack),
         )
+
+    def _python(self, **stacks: Sequence[str] | None) -> dict[str, int]:
+        """Python stack id columns for the stacks given (none: the row leaves them null)."""
+        return {name: self.stack(frames, "python") for name, frames in stacks.items() if frames is not None}
 
     def offcpu_short(self, tid: int, ts: float, *, dur: float, count: int, runq: float = 0.0, state: str = "S") -> None:
         self.add("offcpu_short", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), state=state, count=count, runq_ns=d(runq))
 
-    def oncpu(self, tid: int, ts: float, *, cpu: int = 0, kstack: Sequence[str] | None = None) -> None:
-        self.add("oncpu", ts_ns=t(ts), tid=tid, pid=self._pid(tid, None), cpu=cpu, kstack_id=self.stack(kstack))
+    def oncpu(self, tid: int, ts: float, *, cpu: int = 0, kstack: Sequence[str] | None = None,
+              pystack: Sequence[str] | None = None) -> None:
+        self.add("oncpu", ts_ns=t(ts), tid=tid, pid=self._pid(tid, None), cpu=cpu, kstack_id=self.stack(kstack),
+                 **self._python(pystack_id=pystack))
 
     def oncpu_every(self, tid: int, start: float, end: float, hz: float = 99.0, *, cpu: int | Callable[[float], int] = 0,
-                    kstack: Sequence[str] | None | Callable[[float], Sequence[str] | None] = None) -> None:
+                    kstack: Sequence[str] | None | Callable[[float], Sequence[str] | None] = None,
+                    pystack: Sequence[str] | None = None) -> None:
         for ts in np.arange(start, end, 1.0 / hz):
             c = cpu(ts) if callable(cpu) else cpu
             k = kstack(ts) if callable(kstack) else kstack
-            self.oncpu(tid, float(ts), cpu=c, kstack=k)
+            self.oncpu(tid, float(ts), cpu=c, kstack=k, pystack=pystack)
 
-    def futex(self, tid: int, ts: float, dur: float, addr: int, *, op: int = 128 + 9, ustack: Sequence[str] | None = None) -> None:
-        self.add("futex", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), addr=addr, op=op, ustack_id=self.stack(ustack, "user"))
+    def futex(self, tid: int, ts: float, dur: float, addr: int, *, op: int = 128 + 9, ustack: Sequence[str] | None = None,
+              pystack: Sequence[str] | None = None) -> None:
+        self.add("futex", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), addr=addr, op=op,
+                 ustack_id=self.stack(ustack, "user"), **self._python(pystack_id=pystack))
 
     def futex_addr(self, addr: int, name: str, *, region: str = "image", pid: int | None = None, ts: float = 0.5) -> None:
         """What the recorder found at a futex address of process `pid` (default: the target)."""

@@ -21,6 +21,7 @@ from trainbpf.analyzers import Analysis, observed_ns
 from trainbpf.analyzers.categories import REGISTRY
 from trainbpf.analyzers.intervals import NS_PER_S, ClassTime, intersect
 from trainbpf.analyzers.vocab import STATES
+from trainbpf.python_frames import python_line
 
 if TYPE_CHECKING:
     from trainbpf.report import Report
@@ -300,6 +301,7 @@ def _findings(report: dict[str, Any]) -> str:
         color = CATEGORY_COLORS.get(f["category"], "#999")
         chain = " ← ".join(f"{_e(c['role'])} {c['tid']} [{_e(c['state'])}]" for c in f["chain"])
         threads = ", ".join(f"{_e(t['comm'] or '?')} ({t['tid']}, {_e(t['role'])})" for t in f["threads"])
+        python = python_line(f)
         out.append(
             f'<div class="finding {sev}"><div><b>{i}. {_e(f["category"])}</b><span class="badge {sev}">{sev}</span>'
             f' &nbsp; {100 * f["share"]:.1f}% of starved time, {f["seconds"]:.2f} s'
@@ -307,6 +309,7 @@ def _findings(report: dict[str, Any]) -> str:
             f'<p>{_e(f["summary"])}</p>'
             + (f"<p><b>Threads:</b> {threads}</p>" if threads else "")
             + (f"<p><b>Chain:</b> {chain}</p>" if chain else "")
+            + (f'<p class="python"><b>Python:</b> {_e(python)}</p>' if python else "")
             + (f'<p><b>Launch gaps:</b> {f["launch_gap_s"]:.2f} s of it fell in launch gaps</p>'
                if f["launch_gap_s"] is not None else "")
             + f'<p><b>What to do:</b> {_e(f["recommendation"])}</p>'

@@ -4,7 +4,10 @@ One track per thread with its states as complete ("X") slices, a GPU utilisation
 ("C"), one track per finding category with the starved time it explains, flow arrows
 ("s" -> "f") from each waker to the wait it ended, and for each thread that made CUDA
 calls two tracks: its GPU waits (synchronisations, blocking copies) and launch gaps, and
-its launch bursts (a slice per burst, `args.launches` the count).  Timestamps are
+its launch bursts (a slice per burst, `args.launches` the count).  A state slice with a
+Python stack (a trace recorded with the Python walk) carries it in `args.python` (the
+thread's frames at the switch-out, leaf first, "qualname (file:line)") and
+`args.waker_python` (the waker's at the wake-up).  Timestamps are
 microseconds from the trace start.  Events are serialised column-wise with pandas, not
 one dict per event.
 """
@@ -81,7 +84,13 @@ def trace_events(analysis: Analysis) -> list[str]:
         "dur": (st["end_ns"].to_numpy() - st["start_ns"].to_numpy()) / 1000.0,
         "pid": pid_of.reindex(tids).fillna(-1).to_numpy(np.int64), "tid": tids,
     })
-    chunks.append(_records(slices))
+    python = _python_args(analysis, st)
+    if python is None:
+        chunks.append(_records(slices))
+    else:  # only the slices that have a Python stack carry args
+        rows, args = python
+        chunks.append(_records(slices.drop(index=rows)))
+        chunks.append(_records(slices.loc[rows].assign(args=args)))
 
     g = analysis.gpu
     if len(g):
@@ -114,6 +123,28 @@ def trace_events(analysis: Analysis) -> list[str]:
         finish = pd.DataFrame({**common, "ph": "f", "bp": "e", "pid": pid_of.reindex(tids[woken]).to_numpy(np.int64), "tid": tids[woken]})
         chunks += [_records(start), _records(finish)]
     return [c for c in chunks if c]
+
+
+def _python_args(analysis: Analysis, states: pd.DataFrame) -> tuple[np.ndarray, list[dict[str, Any]]] | None:
+    """The state slices (rows of `states`) that have a Python stack, and their args; None
+    when none has."""
+    stacks = analysis.pystacks
+    if stacks is None or not len(stacks):
+        return None
+    frames = dict(zip(stacks["stack_id"].tolist(), (str(f).split(";") for f in stacks["frames"])))
+    own, waker = states["pystack_id"].to_numpy(np.int64), states["peer_pystack_id"].to_numpy(np.int64)
+    rows = np.flatnonzero(np.isin(own, list(frames)) | np.isin(waker, list(frames)))
+    if not len(rows):
+        return None
+    args = []
+    for a, b in zip(own[rows].tolist(), waker[rows].tolist()):
+        arg = {}
+        if a in frames:
+            arg["python"] = frames[a]
+        if b in frames:
+            arg["waker_python"] = frames[b]
+        args.append(arg)
+    return rows, args
 
 
 def _cuda_events(analysis: Analysis, tids: np.ndarray, origin: int) -> list[str]:

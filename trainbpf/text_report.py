@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from trainbpf.analyzers import observed_ns
 from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.vocab import STATES
+from trainbpf.python_frames import python_line
 
 if TYPE_CHECKING:
     from trainbpf.analyzers import Analysis
@@ -102,6 +103,9 @@ def render_text(rendered: Report) -> str:
                 lines.append("    threads: " + ", ".join(_thread_label(t) for t in f["threads"]))
             if len(f["chain"]) > 1:
                 lines.append("    chain: " + " <- ".join(f"{c['role']} {c['tid']} [{c['state']}]" for c in f["chain"]))
+            python = python_line(f)
+            if python:
+                lines.append(f"    python: {python}")
             if f["launch_gap_s"] is not None:
                 lines.append(f"    launch gaps: {f['launch_gap_s']:.2f} s of it fell in launch gaps (the GPU had "
                              "finished its work and the trainer had not yet launched more)")
