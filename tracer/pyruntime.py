@@ -7,7 +7,9 @@ list (_PyRuntime -> interpreters.head -> threads.head -> next) into tid ->
 PyThreadState address, and self-tests the offsets against the live process before
 anything trusts them.  Everything is read through /proc/PID/mem; nothing here needs BPF.
 
-3.10-3.12 have no debug offsets; their tables are not here yet (status says so).
+3.11 and 3.12 have no debug offsets: their tables below were computed by compiling a
+tiny C program (offsetof/sizeof, Py_BUILD_CORE) against each pyenv version's own
+headers (include/python3.X/internal/*.h; 3.11.7, 3.12.1).  3.10 has no table yet.
 """
 
 from __future__ import annotations
@@ -45,10 +47,33 @@ _DEBUG_FIELDS = (
     "bytes.size", "bytes.ob_size", "bytes.ob_sval",
     "unicode.size", "unicode.state", "unicode.length", "unicode.asciiobject_size",
 )
+# Keys as in _DEBUG_FIELDS; "ts.cframe" + "cframe.current_frame" stand for 3.13's
+# "ts.current_frame" (3.11/3.12 reach the frame through tstate->cframe).
+_TABLES = {
+    "3.11": {
+        "rt.interpreters_head": 40, "interp.next": 0, "interp.threads_head": 16,
+        "ts.next": 8, "ts.native_thread_id": 160, "ts.cframe": 56,
+        "cframe.current_frame": 8, "frame.previous": 48, "frame.executable": 32,
+        "frame.instr_ptr": 56, "code.name": 120, "code.qualname": 128,
+        "code.filename": 112, "code.linetable": 136, "code.firstlineno": 72,
+        "code.co_code_adaptive": 184, "obj.ob_type": 8, "type.tp_name": 24,
+        "unicode.state": 32, "unicode.length": 16, "unicode.asciiobject_size": 48,
+    },
+    "3.12": {
+        "rt.interpreters_head": 40, "interp.next": 0, "interp.threads_head": 72,
+        "ts.next": 8, "ts.native_thread_id": 144, "ts.cframe": 56,
+        "cframe.current_frame": 0, "frame.previous": 8, "frame.executable": 0,
+        "frame.instr_ptr": 56, "frame.owner": 70, "code.name": 120,
+        "code.qualname": 128, "code.filename": 112, "code.linetable": 136,
+        "code.firstlineno": 68, "code.co_code_adaptive": 192, "obj.ob_type": 8,
+        "type.tp_name": 24, "unicode.state": 32, "unicode.length": 16,
+        "unicode.asciiobject_size": 40,
+    },
+}
 _PYTHON_MAP = re.compile(r"/(?:lib)?python(3\.\d+)[^/]*$")
 MAX_THREADS = 4096
 MAX_FRAMES = 16  # the walk's own limit, per thread
-FRAME_OWNED_BY_CSTACK = 3  # 3.13 Include/internal/pycore_frame.h  # a cycle in a corrupt thread list must not spin forever
+FRAME_OWNED_BY_CSTACK = 3  # 3.12 and 3.13 Include/internal/pycore_frame.h  # a cycle in a corrupt thread list must not spin forever
 
 
 class PyRuntimeError(Exception):
@@ -94,6 +119,8 @@ class ProcessMemory:
         self._fd = os.open(f"/proc/{self.pid}/mem", os.O_RDONLY)
 
     def read(self, addr: int, size: int) -> bytes:
+        if not 0 < addr < 1 << 47:  # x86-64 user space; a garbage pointer reads nothing
+            raise PyRuntimeError(f"pointer {addr:#x} is outside user space")
         try:
             data = os.pread(self._fd, size, addr)
         except OSError as err:
@@ -158,13 +185,20 @@ class PyProcess:
 
 def thread_states(mem: ProcessMemory, runtime: int, off: dict[str, int]) -> dict[int, int]:
     out: dict[int, int] = {}
+    seen: set[int] = set()  # a wrong `next` offset can make a cycle: refuse it
     interp = mem.u64(runtime + off["rt.interpreters_head"])
-    while interp and len(out) < MAX_THREADS:
+    while interp:
         ts = mem.u64(interp + off["interp.threads_head"])
-        while ts and len(out) < MAX_THREADS:
+        while ts:
+            if ts in seen or len(seen) >= MAX_THREADS:
+                raise PyRuntimeError("the interpreter's thread list loops or is too long")
+            seen.add(ts)
             tid = struct.unpack("<q", mem.read(ts + off["ts.native_thread_id"], 8))[0]
             out[tid] = ts
             ts = mem.u64(ts + off["ts.next"])
+        if interp in seen:
+            raise PyRuntimeError("the interpreter list loops")
+        seen.add(interp)
         interp = mem.u64(interp + off["interp.next"])
     return out
 
@@ -185,6 +219,13 @@ def type_name(mem: ProcessMemory, obj: int, off: dict[str, int]) -> str:
     name_ptr = mem.u64(tp + off["type.tp_name"])
     raw = mem.read(name_ptr, 32)
     return raw.split(b"\0", 1)[0].decode("utf-8", "strict")
+
+
+def current_frame(mem: ProcessMemory, ts: int, off: dict[str, int]) -> int:
+    if "ts.cframe" in off:
+        cframe = mem.u64(ts + off["ts.cframe"])
+        return mem.u64(cframe + off["cframe.current_frame"]) if cframe else 0
+    return mem.u64(ts + off["ts.current_frame"])
 
 
 def _check_code(mem: ProcessMemory, code: int, off: dict[str, int]) -> None:
@@ -217,11 +258,12 @@ def self_test(mem: ProcessMemory, pid: int, runtime: int, off: dict[str, int],
         raise PyRuntimeError("self-test: the main thread is not in the thread list")
     checked = 0
     for ts in threads.values():
-        frame = mem.u64(ts + off["ts.current_frame"])
+        frame = current_frame(mem, ts, off)
         for _ in range(MAX_FRAMES):
             if not frame:
                 break
-            owner = mem.read(frame + off["frame.owner"], 1)[0]
+            # 3.11 has no owner field: every frame on its chain is a Python frame.
+            owner = mem.read(frame + off["frame.owner"], 1)[0] if "frame.owner" in off else 0
             if owner != FRAME_OWNED_BY_CSTACK:
                 _check_code(mem, mem.u64(frame + off["frame.executable"]), off)
                 checked += 1
@@ -233,16 +275,19 @@ def self_test(mem: ProcessMemory, pid: int, runtime: int, off: dict[str, int],
 
 def attach(pid: int, corrupt: str | None = None) -> PyProcess:
     """Discover and self-test CPython in `pid`.  `corrupt` names one offset to skew by
-    8 bytes (the self-test's own test; TRAINBPF_PY_CORRUPT_OFFSET in the recorder)."""
+    8 bytes, for testing that the self-test refuses a wrong table."""
     version, runtime = find_runtime(pid)
     major, minor = map(int, version.split("."))
-    if (major, minor) < (3, 13):
+    if (major, minor) < (3, 11) or ((major, minor) < (3, 13) and version not in _TABLES):
         raise PyRuntimeError(f"CPython {version}: no offset table for this version yet")
     mem = ProcessMemory(pid)
     try:
-        off = read_debug_offsets(mem, runtime)
-        if off["free_threaded"]:
-            raise PyRuntimeError(f"CPython {version} free-threaded build is not supported")
+        if version in _TABLES:
+            off = dict(_TABLES[version])
+        else:
+            off = read_debug_offsets(mem, runtime)
+            if off["free_threaded"]:
+                raise PyRuntimeError(f"CPython {version} free-threaded build is not supported")
         if corrupt:
             off[corrupt] += 8
         threads = thread_states(mem, runtime, off)
