@@ -49,24 +49,23 @@ _DEBUG_FIELDS = (
 )
 # Keys as in _DEBUG_FIELDS; "ts.cframe" + "cframe.current_frame" stand for 3.13's
 # "ts.current_frame" (3.11/3.12 reach the frame through tstate->cframe).
+# Fields at the same offset in 3.11 and 3.12; each version's dict adds what moved.
+_TABLE_COMMON = {
+    "rt.interpreters_head": 40, "interp.next": 0, "ts.next": 8, "ts.cframe": 56,
+    "frame.instr_ptr": 56, "code.filename": 112, "code.name": 120, "code.qualname": 128,
+    "code.linetable": 136, "obj.ob_type": 8, "type.tp_name": 24, "unicode.length": 16,
+    "unicode.state": 32,
+}
 _TABLES = {
-    "3.11": {
-        "rt.interpreters_head": 40, "interp.next": 0, "interp.threads_head": 16,
-        "ts.next": 8, "ts.native_thread_id": 160, "ts.cframe": 56,
-        "cframe.current_frame": 8, "frame.previous": 48, "frame.executable": 32,
-        "frame.instr_ptr": 56, "code.name": 120, "code.qualname": 128,
-        "code.filename": 112, "code.linetable": 136, "code.firstlineno": 72,
-        "code.co_code_adaptive": 184, "obj.ob_type": 8, "type.tp_name": 24,
-        "unicode.state": 32, "unicode.length": 16, "unicode.asciiobject_size": 48,
+    "3.11": _TABLE_COMMON | {
+        "interp.threads_head": 16, "ts.native_thread_id": 160, "cframe.current_frame": 8,
+        "frame.previous": 48, "frame.executable": 32, "code.firstlineno": 72,
+        "code.co_code_adaptive": 184, "unicode.asciiobject_size": 48,
     },
-    "3.12": {
-        "rt.interpreters_head": 40, "interp.next": 0, "interp.threads_head": 72,
-        "ts.next": 8, "ts.native_thread_id": 144, "ts.cframe": 56,
-        "cframe.current_frame": 0, "frame.previous": 8, "frame.executable": 0,
-        "frame.instr_ptr": 56, "frame.owner": 70, "code.name": 120,
-        "code.qualname": 128, "code.filename": 112, "code.linetable": 136,
-        "code.firstlineno": 68, "code.co_code_adaptive": 192, "obj.ob_type": 8,
-        "type.tp_name": 24, "unicode.state": 32, "unicode.length": 16,
+    "3.12": _TABLE_COMMON | {
+        "interp.threads_head": 72, "ts.native_thread_id": 144, "cframe.current_frame": 0,
+        "frame.previous": 8, "frame.executable": 0, "frame.owner": 70,
+        "code.firstlineno": 68, "code.co_code_adaptive": 192,
         "unicode.asciiobject_size": 40,
     },
 }
