@@ -1,0 +1,85 @@
+"""tracer.pyruntime against real CPython processes: _PyRuntime found by the ELF reader,
+the thread list read through /proc/PID/mem, and the self-test refusing a skewed offset."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.kernel_env import require_root
+from tracer import pyruntime
+
+PYENV = Path("/root/.pyenv/versions")
+VERSIONS = {"3.10": "3.10.13", "3.11": "3.11.7", "3.12": "3.12.1", "3.13": "3.13.0"}
+# A main thread in time.sleep (GIL released) and a second thread, so the list has two.
+WORKLOAD = ("import threading, time\n"
+            "t = threading.Thread(target=time.sleep, args=(30,)); t.start()\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(30)\n")
+
+
+def _interpreter(version: str) -> str:
+    exe = PYENV / VERSIONS[version] / "bin" / "python3"
+    if not exe.exists():
+        reason = f"CPython {version} not installed at {exe}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return str(exe)
+
+
+@pytest.fixture
+def sleeper(request):
+    require_root("reads another process's memory")
+    proc = subprocess.Popen([_interpreter(request.param), "-c", WORKLOAD],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 5
+    while len(os.listdir(f"/proc/{proc.pid}/task")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield request.param, proc
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("sleeper", ["3.11", "3.12", "3.13"], indirect=True)
+def test_thread_list_matches_tasks(sleeper):
+    version, proc = sleeper
+    py = pyruntime.attach(proc.pid)
+    assert py.version == version
+    assert set(py.threads) == {int(t) for t in os.listdir(f"/proc/{proc.pid}/task")}
+    assert len(set(py.threads.values())) == 2
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("sleeper", ["3.11", "3.12", "3.13"], indirect=True)
+@pytest.mark.parametrize("field", ["ts.next", "ts.native_thread_id", "frame.executable",
+                                   "code.name", "code.qualname", "code.filename"])
+def test_skewed_offset_fails_self_test(sleeper, field):
+    version, proc = sleeper
+    with pytest.raises(pyruntime.PyRuntimeError, match=f"^CPython {version}: "):
+        pyruntime.attach(proc.pid, corrupt=field)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("sleeper", ["3.10"], indirect=True)
+def test_older_versions_found_and_refused(sleeper):
+    """The symbol is found and the version read from the mapping; with no offset table
+    yet, attach refuses with a status rather than guessing a layout."""
+    version, proc = sleeper
+    found_version, runtime = pyruntime.find_runtime(proc.pid)
+    assert found_version == version and runtime > 0
+    with pytest.raises(pyruntime.PyRuntimeError, match="no offset table"):
+        pyruntime.attach(proc.pid)
+
+
+def test_elf_symbol_absent_in_non_python(tmp_path):
+    assert pyruntime.elf_symbol("/bin/true", "_PyRuntime") is None
+    bad = tmp_path / "not-elf"
+    bad.write_bytes(b"hello")
+    assert pyruntime.elf_symbol(str(bad), "_PyRuntime") is None

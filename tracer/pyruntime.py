@@ -1,0 +1,298 @@
+"""CPython runtime discovery from user space, for the Python-frame walk (issue 12).
+
+Finds `_PyRuntime` through the ELF symbol table of the python binary or libpython
+mapped in /proc/PID/maps, reads the interpreter's layout (3.13+: `_Py_DebugOffsets`,
+which CPython keeps at the start of `_PyRuntime` for exactly this), walks the thread
+list (_PyRuntime -> interpreters.head -> threads.head -> next) into tid ->
+PyThreadState address, and self-tests the offsets against the live process before
+anything trusts them.  Everything is read through /proc/PID/mem; nothing here needs BPF.
+
+3.11 and 3.12 have no debug offsets: their tables below were computed by compiling a
+tiny C program (offsetof/sizeof, Py_BUILD_CORE) against each pyenv version's own
+headers (include/python3.X/internal/*.h; 3.11.7, 3.12.1).  3.10 has no table yet.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEBUG_COOKIE = b"xdebugpy"
+# Field order of _Py_DebugOffsets in 3.13 (Include/internal/pycore_runtime.h), each a
+# uint64 after cookie[8]; groups start with their struct's size.
+_DEBUG_FIELDS = (
+    "version", "free_threaded",
+    "rt.size", "rt.finalizing", "rt.interpreters_head",
+    "interp.size", "interp.id", "interp.next", "interp.threads_head", "interp.gc",
+    "interp.imports_modules", "interp.sysdict", "interp.builtins", "interp.ceval_gil",
+    "interp.gil_runtime_state", "interp.gil_runtime_state_enabled",
+    "interp.gil_runtime_state_locked", "interp.gil_runtime_state_holder",
+    "ts.size", "ts.prev", "ts.next", "ts.interp", "ts.current_frame", "ts.thread_id",
+    "ts.native_thread_id", "ts.datastack_chunk", "ts.status",
+    "frame.size", "frame.previous", "frame.executable", "frame.instr_ptr",
+    "frame.localsplus", "frame.owner",
+    "code.size", "code.filename", "code.name", "code.qualname", "code.linetable",
+    "code.firstlineno", "code.argcount", "code.localsplusnames", "code.localspluskinds",
+    "code.co_code_adaptive",
+    "obj.size", "obj.ob_type",
+    "type.size", "type.tp_name", "type.tp_repr", "type.tp_flags",
+    "tuple.size", "tuple.ob_item", "tuple.ob_size",
+    "list.size", "list.ob_item", "list.ob_size",
+    "dict.size", "dict.ma_keys", "dict.ma_values",
+    "float.size", "float.ob_fval",
+    "long.size", "long.lv_tag", "long.ob_digit",
+    "bytes.size", "bytes.ob_size", "bytes.ob_sval",
+    "unicode.size", "unicode.state", "unicode.length", "unicode.asciiobject_size",
+)
+# Keys as in _DEBUG_FIELDS; "ts.cframe" + "cframe.current_frame" stand for 3.13's
+# "ts.current_frame" (3.11/3.12 reach the frame through tstate->cframe).
+# Fields at the same offset in 3.11 and 3.12; each version's dict adds what moved.
+_TABLE_COMMON = {
+    "rt.interpreters_head": 40, "interp.next": 0, "ts.next": 8, "ts.cframe": 56,
+    "frame.instr_ptr": 56, "code.filename": 112, "code.name": 120, "code.qualname": 128,
+    "code.linetable": 136, "obj.ob_type": 8, "type.tp_name": 24, "unicode.length": 16,
+    "unicode.state": 32,
+}
+_TABLES = {
+    "3.11": _TABLE_COMMON | {
+        "interp.threads_head": 16, "ts.native_thread_id": 160, "cframe.current_frame": 8,
+        "frame.previous": 48, "frame.executable": 32, "code.firstlineno": 72,
+        "code.co_code_adaptive": 184, "unicode.asciiobject_size": 48,
+    },
+    "3.12": _TABLE_COMMON | {
+        "interp.threads_head": 72, "ts.native_thread_id": 144, "cframe.current_frame": 0,
+        "frame.previous": 8, "frame.executable": 0, "frame.owner": 70,
+        "code.firstlineno": 68, "code.co_code_adaptive": 192,
+        "unicode.asciiobject_size": 40,
+    },
+}
+_PYTHON_MAP = re.compile(r"/(?:lib)?python(3\.\d+)[^/]*$")
+MAX_THREADS = 4096
+MAX_FRAMES = 16  # the walk's own limit, per thread
+FRAME_OWNED_BY_CSTACK = 3  # 3.12 and 3.13 Include/internal/pycore_frame.h  # a cycle in a corrupt thread list must not spin forever
+
+
+class PyRuntimeError(Exception):
+    """The process is not a CPython we can read; str() is the one-line status."""
+
+
+def elf_symbol(path: str, name: str) -> tuple[int, int] | None:
+    """(st_value, first PT_LOAD p_vaddr - p_offset base) of `name` in an ELF64 LE file's
+    .symtab or .dynsym, or None.  A minimal reader: pyelftools is not a dependency."""
+    data = Path(path).read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return None
+    e_phoff, e_shoff = struct.unpack_from("<QQ", data, 0x20)
+    e_phentsize, e_phnum, e_shentsize, e_shnum = struct.unpack_from("<HHHH", data, 0x36)
+    load_bias = None
+    for i in range(e_phnum):
+        p_type, _, p_offset, p_vaddr = struct.unpack_from("<IIQQ", data, e_phoff + i * e_phentsize)
+        if p_type == 1:  # PT_LOAD
+            load_bias = p_vaddr - p_offset
+            break
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, e_shoff + i * e_shentsize)
+                for i in range(e_shnum)]
+    want = name.encode()
+    for sh in sections:
+        if sh[1] not in (2, 11):  # SHT_SYMTAB, SHT_DYNSYM
+            continue
+        strtab = sections[sh[6]]
+        str_off = strtab[4]
+        for off in range(sh[4], sh[4] + sh[5], 24):
+            st_name, _, _, _, st_value, _ = struct.unpack_from("<IBBHQQ", data, off)
+            start = str_off + st_name
+            if st_value and data[start:start + len(want) + 1] == want + b"\0":
+                return st_value, load_bias or 0
+    return None
+
+
+@dataclass
+class ProcessMemory:
+    pid: int
+    _fd: int = field(init=False, default=-1)
+
+    def __post_init__(self):
+        self._fd = os.open(f"/proc/{self.pid}/mem", os.O_RDONLY)
+
+    def read(self, addr: int, size: int) -> bytes:
+        if not 0 < addr < 1 << 47:  # x86-64 user space; a garbage pointer reads nothing
+            raise PyRuntimeError(f"pointer {addr:#x} is outside user space")
+        try:
+            data = os.pread(self._fd, size, addr)
+        except OSError as err:
+            raise PyRuntimeError(f"cannot read {size} bytes at {addr:#x}: {err.strerror}") from None
+        if len(data) != size:
+            raise PyRuntimeError(f"short read at {addr:#x}")
+        return data
+
+    def u64(self, addr: int) -> int:
+        return struct.unpack("<Q", self.read(addr, 8))[0]
+
+    def close(self):
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def find_runtime(pid: int) -> tuple[str, int]:
+    """(version "3.X", address of _PyRuntime) in process `pid`."""
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    for line in maps:
+        parts = line.split(None, 5)
+        if len(parts) < 6 or int(parts[2], 16) != 0:
+            continue
+        path = parts[5].strip()
+        m = _PYTHON_MAP.search(path)
+        if not m:
+            continue
+        try:
+            found = elf_symbol(f"/proc/{pid}/root{path}", "_PyRuntime")
+        except OSError:
+            continue
+        if found:
+            value, load_bias = found
+            start = int(parts[0].split("-")[0], 16)
+            return m.group(1), start + value - load_bias
+    raise PyRuntimeError("no _PyRuntime symbol in any mapped python binary or libpython")
+
+
+def read_debug_offsets(mem: ProcessMemory, runtime: int) -> dict[str, int]:
+    raw = mem.read(runtime, 8 + 8 * len(_DEBUG_FIELDS))
+    if raw[:8] != DEBUG_COOKIE:
+        raise PyRuntimeError("_PyRuntime does not start with the _Py_DebugOffsets cookie")
+    values = struct.unpack_from(f"<{len(_DEBUG_FIELDS)}Q", raw, 8)
+    return dict(zip(_DEBUG_FIELDS, values))
+
+
+def _task_tids(pid: int) -> set[int]:
+    return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+@dataclass
+class PyProcess:
+    """A CPython process whose layout passed the self-test."""
+
+    pid: int
+    version: str
+    runtime: int
+    offsets: dict[str, int]
+    threads: dict[int, int]  # native tid -> PyThreadState address
+
+
+def thread_states(mem: ProcessMemory, runtime: int, off: dict[str, int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    seen: set[int] = set()  # a wrong `next` offset can make a cycle: refuse it
+    interp = mem.u64(runtime + off["rt.interpreters_head"])
+    while interp:
+        ts = mem.u64(interp + off["interp.threads_head"])
+        while ts:
+            if ts in seen or len(seen) >= MAX_THREADS:
+                raise PyRuntimeError("the interpreter's thread list loops or is too long")
+            seen.add(ts)
+            tid = struct.unpack("<q", mem.read(ts + off["ts.native_thread_id"], 8))[0]
+            out[tid] = ts
+            ts = mem.u64(ts + off["ts.next"])
+        if interp in seen:
+            raise PyRuntimeError("the interpreter list loops")
+        seen.add(interp)
+        interp = mem.u64(interp + off["interp.next"])
+    return out
+
+
+def read_ascii(mem: ProcessMemory, obj: int, off: dict[str, int]) -> str:
+    """A compact str object's text; the frame names we need are compact ASCII or
+    latin-1/UCS from the compiler, and anything else fails the decode (never guessed)."""
+    length = mem.u64(obj + off["unicode.length"])
+    state = struct.unpack("<I", mem.read(obj + off["unicode.state"], 4))[0]
+    kind, compact, ascii_ = (state >> 2) & 7, (state >> 5) & 1, (state >> 6) & 1
+    if not compact or not ascii_ or kind != 1 or length > 4096:
+        raise PyRuntimeError("code object name is not a compact ASCII str")
+    return mem.read(obj + off["unicode.asciiobject_size"], length).decode("utf-8")
+
+
+def type_name(mem: ProcessMemory, obj: int, off: dict[str, int]) -> str:
+    tp = mem.u64(obj + off["obj.ob_type"])
+    name_ptr = mem.u64(tp + off["type.tp_name"])
+    raw = mem.read(name_ptr, 32)
+    return raw.split(b"\0", 1)[0].decode("utf-8", "strict")
+
+
+def current_frame(mem: ProcessMemory, ts: int, off: dict[str, int]) -> int:
+    if "ts.cframe" in off:
+        cframe = mem.u64(ts + off["ts.cframe"])
+        return mem.u64(cframe + off["cframe.current_frame"]) if cframe else 0
+    return mem.u64(ts + off["ts.current_frame"])
+
+
+def _check_code(mem: ProcessMemory, code: int, off: dict[str, int]) -> None:
+    if type_name(mem, code, off) != "code":
+        raise PyRuntimeError("self-test: a frame's executable is not a code object")
+    name = read_ascii(mem, mem.u64(code + off["code.name"]), off)
+    qualname = read_ascii(mem, mem.u64(code + off["code.qualname"]), off)
+    filename = read_ascii(mem, mem.u64(code + off["code.filename"]), off)
+    # The name fields sit side by side: a skew onto a neighbour still reads a str, so
+    # check how they relate (a qualname's last part is the name; a file is neither).
+    # A module frame (name == qualname) cannot tell co_name from co_qualname; a method
+    # or nested function anywhere in the process does.
+    if qualname.rsplit(".", 1)[-1] != name or filename in (name, qualname):
+        raise PyRuntimeError("self-test: a code object's name fields do not agree")
+
+
+def self_test(mem: ProcessMemory, pid: int, runtime: int, off: dict[str, int],
+              threads: dict[int, int]) -> None:
+    """Raise PyRuntimeError unless the layout reads true in this process: every thread
+    id found is a task of the process, the main thread is among them, and every frame
+    of every thread (up to MAX_FRAMES each) holds a `code` object whose name fields
+    decode and agree."""
+    tasks = _task_tids(pid)
+    if not threads:
+        raise PyRuntimeError("self-test: the interpreter's thread list is empty")
+    stray = set(threads) - tasks
+    if stray:
+        raise PyRuntimeError(f"self-test: thread ids {sorted(stray)[:3]} are not tasks of {pid}")
+    if pid not in threads:
+        raise PyRuntimeError("self-test: the main thread is not in the thread list")
+    checked = 0
+    for ts in threads.values():
+        frame = current_frame(mem, ts, off)
+        for _ in range(MAX_FRAMES):
+            if not frame:
+                break
+            # 3.11 has no owner field: every frame on its chain is a Python frame.
+            owner = mem.read(frame + off["frame.owner"], 1)[0] if "frame.owner" in off else 0
+            if owner != FRAME_OWNED_BY_CSTACK:
+                _check_code(mem, mem.u64(frame + off["frame.executable"]), off)
+                checked += 1
+            frame = mem.u64(frame + off["frame.previous"])
+    if checked:
+        return
+    raise PyRuntimeError("self-test: no thread has a current frame")
+
+
+def attach(pid: int, corrupt: str | None = None) -> PyProcess:
+    """Discover and self-test CPython in `pid`.  `corrupt` names one offset to skew by
+    8 bytes, for testing that the self-test refuses a wrong table."""
+    version, runtime = find_runtime(pid)
+    major, minor = map(int, version.split("."))
+    if (major, minor) < (3, 11) or ((major, minor) < (3, 13) and version not in _TABLES):
+        raise PyRuntimeError(f"CPython {version}: no offset table for this version yet")
+    mem = ProcessMemory(pid)
+    try:
+        if version in _TABLES:
+            off = dict(_TABLES[version])
+        else:
+            off = read_debug_offsets(mem, runtime)
+            if off["free_threaded"]:
+                raise PyRuntimeError(f"CPython {version} free-threaded build is not supported")
+        if corrupt:
+            off[corrupt] += 8
+        threads = thread_states(mem, runtime, off)
+        self_test(mem, pid, runtime, off, threads)
+    except PyRuntimeError as err:
+        raise PyRuntimeError(f"CPython {version}: {err}") from None
+    finally:
+        mem.close()
+    return PyProcess(pid, version, runtime, off, threads)
