@@ -22,6 +22,8 @@ struct futex_event {
     u32 pid;
     s32 op;
     s32 ustack_id;
+    s32 pystack_id; /* probes/pyframes.h */
+    u32 pad;
 };
 
 struct futex_wait {
@@ -69,6 +71,8 @@ static __always_inline int futex_exit(void *args)
     e->pid = current_tgid();
     e->op = wait.op;
     e->ustack_id = stack_id(args, BPF_F_USER_STACK);
+    e->pystack_id = py_stack();
+    e->pad = 0;
     futex_events.ringbuf_submit(e, submit_flags(PROBE_FUTEX));
     return 0;
 }

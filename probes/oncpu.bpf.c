@@ -13,7 +13,7 @@ struct oncpu_event {
     s32 cpu;
     s32 kstack_id;
     s32 ustack_id;
-    u32 pad;
+    s32 pystack_id; /* probes/pyframes.h */
 };
 
 BPF_RINGBUF_OUTPUT(oncpu_events, RINGBUF_PAGES);
@@ -34,7 +34,7 @@ int on_cpu_sample(struct bpf_perf_event_data *ctx)
     e->cpu = bpf_get_smp_processor_id();
     e->kstack_id = stack_id(ctx, 0);
     e->ustack_id = stack_id(ctx, BPF_F_USER_STACK);
-    e->pad = 0;
+    e->pystack_id = py_stack();
     oncpu_events.ringbuf_submit(e, submit_flags(PROBE_ONCPU));
     return 0;
 }

@@ -62,6 +62,8 @@ struct offcpu_event {
     s32 waker_ustack_id;
     s32 cpu;   /* where it ran next */
     s32 state; /* prev_state at switch-out; 0 or STATE_PREEMPTED = preempted */
+    s32 pystack_id;       /* probes/pyframes.h: PY_STACK_NONE without Python frames */
+    s32 waker_pystack_id;
 };
 
 struct task_event {
@@ -79,7 +81,7 @@ struct switched_out {
     s32 kstack_id;
     s32 ustack_id;
     u32 tgid; /* read at switch-out, where the task is `current` */
-    u32 pad;
+    s32 pystack_id;
 };
 
 struct wakeup {
@@ -88,6 +90,8 @@ struct wakeup {
     u32 waker_pid;
     s32 kstack_id;
     s32 ustack_id;
+    s32 pystack_id;
+    u32 pad;
 };
 
 struct short_key {
@@ -113,7 +117,7 @@ BPF_HASH(short_waits, struct short_key, struct short_sum, MAX_THREADS);
 BPF_PERCPU_ARRAY(switching_in, struct offcpu_event, 1);
 #endif
 
-static __always_inline void emit_offcpu(struct offcpu_event *ev, s32 kstack, s32 ustack)
+static __always_inline void emit_offcpu(struct offcpu_event *ev, s32 kstack, s32 ustack, s32 pystack)
 {
     struct offcpu_event *e = sched_events.ringbuf_reserve(sizeof(*e));
     if (!e) {
@@ -123,6 +127,7 @@ static __always_inline void emit_offcpu(struct offcpu_event *ev, s32 kstack, s32
     *e = *ev;
     e->kstack_id = kstack;
     e->ustack_id = ustack;
+    e->pystack_id = pystack;
     sched_events.ringbuf_submit(e, submit_flags(PROBE_SCHED));
 }
 
@@ -140,9 +145,11 @@ TRACEPOINT_PROBE(sched, sched_switch)
 #ifdef HAVE_RAW_TP_SCHED_EXIT_TP
         so.kstack_id = -1;
         so.ustack_id = -1;
+        so.pystack_id = PY_STACK_NONE;
 #else
         so.kstack_id = stack_id(args, 0);
         so.ustack_id = stack_id(args, BPF_F_USER_STACK);
+        so.pystack_id = py_stack();
 #endif
         switched_out_at.update(&prev, &so);
     }
@@ -163,7 +170,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
         if (!preempted)
             runq = now > w->ts_ns ? now - w->ts_ns : 0;
     }
-    s32 kstack = so->kstack_id, ustack = so->ustack_id;
+    s32 kstack = so->kstack_id, ustack = so->ustack_id, pystack = so->pystack_id;
     u32 pid = so->tgid;
     switched_out_at.delete(&next);
     woken_at.delete(&next);
@@ -190,6 +197,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
     ev.waker_pid = wake.waker_pid;
     ev.waker_kstack_id = wake.ts_ns ? wake.kstack_id : -1;
     ev.waker_ustack_id = wake.ts_ns ? wake.ustack_id : -1;
+    ev.waker_pystack_id = wake.ts_ns ? wake.pystack_id : PY_STACK_NONE;
     ev.cpu = bpf_get_smp_processor_id();
     ev.state = preempted ? STATE_PREEMPTED : (s32)state;
 #ifdef HAVE_RAW_TP_SCHED_EXIT_TP
@@ -198,10 +206,10 @@ TRACEPOINT_PROBE(sched, sched_switch)
     if (!slot)
         return 0;
     if (slot->tid) /* never picked up: a new task's first run skips sched_exit_tp */
-        emit_offcpu(slot, -1, -1);
+        emit_offcpu(slot, -1, -1, PY_STACK_NONE);
     *slot = ev;
 #else
-    emit_offcpu(&ev, kstack, ustack);
+    emit_offcpu(&ev, kstack, ustack, pystack);
 #endif
     return 0;
 }
@@ -220,9 +228,9 @@ RAW_TRACEPOINT_PROBE(sched_exit_tp)
     if (!slot || !slot->tid)
         return 0;
     if (slot->tid == current_tid())
-        emit_offcpu(slot, stack_id(ctx, RAW_TP_SKIP_FRAMES), stack_id(ctx, BPF_F_USER_STACK));
+        emit_offcpu(slot, stack_id(ctx, RAW_TP_SKIP_FRAMES), stack_id(ctx, BPF_F_USER_STACK), py_stack());
     else
-        emit_offcpu(slot, -1, -1);
+        emit_offcpu(slot, -1, -1, PY_STACK_NONE);
     slot->tid = 0;
     return 0;
 }
@@ -245,9 +253,11 @@ TRACEPOINT_PROBE(sched, sched_waking)
     w.waker_pid = id >> 32;
     /* The kernel stack tells wake-ups from interrupt context (user space drops their
      * waker), so it is always taken; the waker's user stack only for a wait already
-     * long enough to stream. */
+     * long enough to stream (its Python stack likewise). */
     w.kstack_id = stack_id(args, 0);
-    w.ustack_id = w.ts_ns - so->ts_ns >= MIN_BLOCK_NS ? stack_id(args, BPF_F_USER_STACK) : -1;
+    int long_wait = w.ts_ns - so->ts_ns >= MIN_BLOCK_NS;
+    w.ustack_id = long_wait ? stack_id(args, BPF_F_USER_STACK) : -1;
+    w.pystack_id = long_wait ? py_stack() : PY_STACK_NONE;
     woken_at.update(&tid, &w);
     return 0;
 }

@@ -59,6 +59,11 @@ def stack_ids(arr: np.ndarray) -> np.ndarray:
     return np.where(arr >= 0, arr, -1).astype(np.int32)
 
 
+def py_stack_ids(arr: np.ndarray) -> pa.Array:
+    """Python stack ids (probes/pyframes.h), null where none was walked."""
+    return pa.array(arr.astype(np.int32), mask=arr < 0)
+
+
 class Collector:
     """Base class: one probe's source, requirements and decoding."""
 

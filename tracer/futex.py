@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf.tracefile import make_batch
-from trainbpf.tracer.collector import Collector, stack_ids
+from trainbpf.tracer.collector import Collector, py_stack_ids, stack_ids
 
 
 class FutexCollector(Collector):
@@ -31,6 +31,7 @@ class FutexCollector(Collector):
                     "addr": r["uaddr"],
                     "op": r["op"],
                     "ustack_id": stack_ids(r["ustack_id"]),
+                    "pystack_id": py_stack_ids(r["pystack_id"]),
                 },
             )
         ]

@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 from trainbpf.errors import EnvironmentCheckError
+from trainbpf.schema import PY_STACK_ID_BASE
 from trainbpf.tracer.block import BlockCollector
 from trainbpf.tracer.collector import PROBE_IDS, Collector, Settings, ctypes_to_dtype, probe_defines
 from trainbpf.tracer.cuda import CudaCollector
@@ -117,11 +118,21 @@ def import_bcc():
 
 def build_source(collectors: list[Collector]) -> str:
     pdir = probes_dir()
-    parts = [f'#line 1 "common.h"\n', (pdir / "common.h").read_text()]
+    parts = [f'#line 1 "common.h"\n', (pdir / "common.h").read_text(),
+             f'\n#line 1 "pyframes.h"\n', (pdir / "pyframes.h").read_text()]
     for c in collectors:
         parts.append(f'\n#line 1 "{c.source}"\n')
         parts.append((pdir / c.source).read_text())
     return "".join(parts)
+
+
+def possible_cpus() -> int:
+    """CPU ids the kernel may run a program on (probes/pyframes.h gives each its slots)."""
+    try:
+        text = Path("/sys/devices/system/cpu/possible").read_text().strip()
+        return 1 + max(int(part.split("-")[-1]) for part in text.split(","))
+    except (OSError, ValueError):
+        return os.cpu_count() or 1
 
 
 def cflags(collectors: list[Collector], settings: Settings, tracefs: Path) -> list[str]:
@@ -132,6 +143,9 @@ def cflags(collectors: list[Collector], settings: Settings, tracefs: Path) -> li
         "SELF_TGID": os.getpid(),
         "STACK_FRAMES": settings.stack_frames,
         "STACK_ENTRIES": settings.stack_entries,
+        "PYTHON_FRAMES": int(settings.python_frames),
+        "PY_CPUS": possible_cpus(),
+        "PY_STACK_ID_BASE": PY_STACK_ID_BASE,
         # Forced ring-buffer wake-ups (common.h submit_flags) often enough that all CPUs
         # together fill at most a quarter of a ring between two.
         "WAKEUP_EVERY": max(1, settings.ringbuf_pages * PAGE_SIZE // (4 * MAX_RECORD_BYTES * (os.cpu_count() or 1))),

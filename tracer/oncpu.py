@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf.tracefile import make_batch
-from trainbpf.tracer.collector import Collector, stack_ids
+from trainbpf.tracer.collector import Collector, py_stack_ids, stack_ids
 
 
 class OnCpuCollector(Collector):
@@ -36,6 +36,7 @@ class OnCpuCollector(Collector):
                     "cpu": r["cpu"],
                     "kstack_id": stack_ids(r["kstack_id"]),
                     "ustack_id": stack_ids(r["ustack_id"]),
+                    "pystack_id": py_stack_ids(r["pystack_id"]),
                 },
             )
         ]

@@ -25,6 +25,7 @@ from trainbpf.tracer.addrs import AddressDescriber, ProcMaps, futex_pairs
 from trainbpf.tracer.collector import Collector, Settings, ThreadTable
 from trainbpf.tracer.clock import wall_minus_mono_ns
 from trainbpf.tracer.gpu import GpuSampler
+from trainbpf.tracer.pystacks import PythonStacks
 from trainbpf.tracer.ringbuf import open_rings
 from trainbpf.tracer.stacks import StackSymbolizer, drop_irq_wakers, stack_refs
 
@@ -96,6 +97,7 @@ class Recorder:
         self.rings = None  # the ring-buffer readers, once open
         self.writer: SpoolWriter | None = None
         self.symbolizer: StackSymbolizer | None = None
+        self.pystacks: PythonStacks | None = None  # with settings.python_frames
         self.procsampler: procfs.ProcSampler | None = None
         self.meta: dict = {}
         self.threads = ThreadTable()  # every thread seen, and those that exited
@@ -129,6 +131,8 @@ class Recorder:
         finally:
             if self.symbolizer is not None:
                 self.symbolizer.close()
+            if self.pystacks is not None:
+                self.pystacks.close()
             if self.rings is not None:
                 self.rings.close()
             loader.detach(self.bpf)  # every program and perf event we attached
@@ -174,6 +178,10 @@ class Recorder:
         self._seed(walked)
         for c in self.collectors:
             c.seeded(self.bpf, walked, self.threads, self.start_ns)
+        if self.settings.python_frames:
+            self.pystacks = PythonStacks(self.bpf, notice=self.notice)
+            self.threads.exec_listeners.append(self.pystacks.exec_seen)
+            self.pystacks.track(self.threads)
         tgids = self.threads.tgids()
         for batch in (procfs.numa_maps_batch(tgids, "start"), taskstats.snapshot(dict(self.threads.tgid), "start")):
             if batch is not None:
@@ -246,6 +254,7 @@ class Recorder:
         }
         for c in self.collectors:
             final.update(c.meta())
+        final.update(self.pystacks.meta() if self.pystacks else {"python_frames": {"enabled": False}})
         try:
             finalize(writer.spool, self.output, final, spool_fd=writer.fd, force=self.force)
         except OutputError as exc:
@@ -332,6 +341,11 @@ class Recorder:
         for c in self.collectors:
             batches += c.drain(self.bpf, now_ns, final=final)
         batches = self._with_symbols(batches)
+        if self.pystacks is not None:  # named while the processes live, then new threads
+            named = self.pystacks.take(now_ns)
+            if named is not None:
+                batches.append(named)
+            self.pystacks.track(self.threads)
         gpu_batch = self.gpu.take()
         if gpu_batch is not None:
             batches.append(gpu_batch)

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf.tracefile import make_batch
-from trainbpf.tracer.collector import Collector, ThreadTable, cstrings, drain_hash, stack_ids
+from trainbpf.tracer.collector import Collector, ThreadTable, cstrings, drain_hash, py_stack_ids, stack_ids
 
 # The constants sched.bpf.c shares, passed to it as -D defines (defines() below).
 # The state the probe reports for a task switched out while runnable (TASK_REPORT_MAX).
@@ -101,6 +101,8 @@ class SchedCollector(Collector):
                         "ustack_id": stack_ids(r["ustack_id"]),
                         "peer_kstack_id": stack_ids(r["waker_kstack_id"]),
                         "peer_ustack_id": stack_ids(r["waker_ustack_id"]),
+                        "pystack_id": py_stack_ids(r["pystack_id"]),
+                        "peer_pystack_id": py_stack_ids(r["waker_pystack_id"]),
                     },
                 )
             ]
@@ -155,6 +157,7 @@ class SchedCollector(Collector):
                 continue
             leaf = table.Leaf()
             leaf.ts_ns, leaf.state, leaf.kstack_id, leaf.ustack_id, leaf.tgid = now_ns, bits, -1, -1, t.pid
+            leaf.pystack_id = -1
             # NOEXIST: a real switch-out since attach is more accurate than the seed
             _insert(table, t.tid, leaf)
 
@@ -177,7 +180,7 @@ class SchedCollector(Collector):
             runq = dur if preempted else (end_ns - w.ts_ns if woke else 0)
             rows.append((so.ts_ns, dur, tid, so.tgid, so.state, runq,
                          w.waker_tid if woke else 0, w.waker_pid if woke else 0,
-                         so.kstack_id, so.ustack_id, w.kstack_id if woke else -1))
+                         so.kstack_id, so.ustack_id, w.kstack_id if woke else -1, so.pystack_id))
         if not rows:
             return []
         cols = list(zip(*rows))
@@ -196,6 +199,7 @@ class SchedCollector(Collector):
             "ustack_id": stack_ids(np.array(cols[9], dtype=np.int32)),
             "peer_kstack_id": stack_ids(np.array(cols[10], dtype=np.int32)),
             "peer_ustack_id": np.full(len(rows), -1, dtype=np.int32),
+            "pystack_id": py_stack_ids(np.array(cols[11], dtype=np.int32)),
         })]
 
     def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:

@@ -292,7 +292,7 @@ def drop_irq_wakers(batch: pa.RecordBatch, irq_ids: set[int]) -> pa.RecordBatch:
     if not pc.any(mask).as_py():
         return batch
     cols = list(batch.columns)
-    for col in ("peer_tid", "peer_pid", "peer_ustack_id"):
+    for col in ("peer_tid", "peer_pid", "peer_ustack_id", "peer_pystack_id"):
         i = names.index(col)
         cols[i] = pc.if_else(mask, pa.nulls(len(mask), cols[i].type), cols[i])
     return pa.RecordBatch.from_arrays(cols, schema=batch.schema)

@@ -89,6 +89,7 @@ def record(
     trainer_tid: Optional[int] = typer.Option(None, help="The thread that feeds the GPU (default: the target's main thread)."),
     ringbuf_pages: int = typer.Option(_RECORDING.ringbuf_pages, help="Ring-buffer size per probe in pages (a power of two)."),
     system_wide: bool = typer.Option(False, "--system-wide", help="Trace every thread on the machine instead of one process tree."),
+    python_frames: bool = typer.Option(_RECORDING.python_frames, "--python-frames/--no-python-frames", help="Walk CPython 3.10-3.13 frames wherever a user stack is taken, so findings name Python functions and lines."),
     force: bool = typer.Option(False, "--force", help="Replace an existing trace file (never a symlink, a device, or a file the sudo user could not write)."),
 ) -> None:
     """Record what a training process tree waits on into one trace file (needs root)."""
@@ -113,7 +114,7 @@ def record(
             min_block_ns=int(min_block_us * 1000), min_futex_ns=int(min_futex_us * 1000),
             min_lock_ns=int(min_lock_us * 1000), min_cuda_ns=int(min_cuda_us * 1000),
             oncpu_hz=oncpu_hz, ringbuf_pages=ringbuf_pages,
-            trace_all=system_wide,
+            trace_all=system_wide, python_frames=python_frames,
         )
         status = _status_printer()
         result = do_record(

@@ -1,0 +1,212 @@
+"""The recorder's side of the CPython frame walk (probes/pyframes.h, docs/python-frames.md).
+
+It tells the kernel which traced processes run a CPython whose layout passed the
+self-test (tracer/pyruntime.py) and where each of their threads keeps its state, and it
+turns the stacks the kernel interned into `stack` rows of space "python", naming each
+frame (file, function, line) from the process's own code objects while it lives.
+
+A thread is looked for in its interpreter's thread list when it is first seen, and again
+at the next few flushes: a new Python thread enters the list only once it runs.  A
+process whose layout fails the self-test keeps native stacks only, and its status says
+why (trace metadata `python_frames`)."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from collections import defaultdict
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+
+from trainbpf.schema import PY_STACK_ID_BASE
+from trainbpf.tracefile import make_batch
+from trainbpf.tracer import pyruntime
+from trainbpf.tracer.collector import ThreadTable
+from trainbpf.tracer.pycode import CodeNamer
+
+THREAD_LOOKS = 5  # flushes a thread is looked for in its interpreter's thread list
+_VERSION = re.compile(r"CPython (3\.\d+)")  # pyruntime's errors name the version first
+FRAME_WINDOW = 128  # probes/pyframes.h PY_FRAME_BYTES: one read per frame
+
+
+def kernel_layout(proc: pyruntime.PyProcess, leaf) -> None:
+    """Fill a `struct py_layout` (probes/pyframes.h) from `proc`'s offsets."""
+    off = proc.offsets
+    if "ts.cframe" in off:
+        leaf.ts_cframe, leaf.current_frame = off["ts.cframe"], off["cframe.current_frame"]
+    else:
+        leaf.ts_cframe, leaf.current_frame = -1, off["ts.current_frame"]
+    leaf.previous, leaf.code, leaf.instr = off["frame.previous"], off["frame.executable"], off["frame.instr_ptr"]
+    leaf.owner = off.get("frame.owner", -1)
+    leaf.frame_bytes = max(leaf.previous + 8, leaf.code + 8, leaf.instr + 8, leaf.owner + 1)
+    if leaf.frame_bytes > FRAME_WINDOW:
+        raise pyruntime.PyRuntimeError(f"a frame's fields end at byte {leaf.frame_bytes}, past the walk's window")
+    # 3.10 counts instructions in an int (f_lasti); later versions keep a pointer.
+    leaf.instr_mask = 0xFFFFFFFF if proc.version == "3.10" else (1 << 64) - 1
+
+
+class PythonStacks:
+    def __init__(self, bpf, *, notice: Callable[[str], None] | None = None):
+        self.bpf = bpf
+        self.notice = notice
+        self.processes: dict[int, pyruntime.PyProcess] = {}
+        self.namers: dict[int, CodeNamer] = {}
+        self.status: dict[int, dict] = {}  # pid -> {"version", "status"}, for the metadata
+        self.looks: dict[int, int] = {}  # tid -> looks left; absent once found or given up
+        self.settled: set[int] = set()  # tids found or given up
+        self.slots_read: list[int] = []  # per CPU: slots already named
+        self.stacks = 0
+        self.unnamed = 0
+
+    # -- threads and processes ---------------------------------------------------------
+    def track(self, threads: ThreadTable) -> None:
+        """Tell the kernel about threads and processes seen since the last call."""
+        live = threads.live()
+        for tid in threads.exited:
+            self.looks.pop(tid, None)
+            if tid in self.settled:
+                self._forget_thread(tid)
+        wanted: dict[int, list[int]] = defaultdict(list)
+        for tid, pid in live.items():
+            if tid in self.settled:
+                continue
+            self.looks.setdefault(tid, THREAD_LOOKS)
+            wanted[pid].append(tid)
+        for pid, tids in wanted.items():
+            found = self._thread_states(pid)
+            for tid in tids:
+                if tid in found:
+                    self.bpf["py_threads"][ctypes.c_uint32(tid)] = ctypes.c_uint64(found[tid])
+                    self._settle(tid)
+                else:
+                    self.looks[tid] -= 1
+                    if self.looks[tid] <= 0 or pid not in self.processes:
+                        self._settle(tid)
+        live_pids = set(live.values())
+        for pid in [p for p in self.processes if p not in live_pids]:
+            self._forget_process(pid)
+
+    def exec_seen(self) -> None:
+        """An exec replaced some process's address space: look at every process anew."""
+        for pid in list(self.processes):
+            self._forget_process(pid)
+        self.status.clear()
+        self.settled.clear()
+        self.looks.clear()
+        self.bpf["py_threads"].clear()
+
+    def _settle(self, tid: int) -> None:
+        self.looks.pop(tid, None)
+        self.settled.add(tid)
+
+    def _thread_states(self, pid: int) -> dict[int, int]:
+        """tid -> PyThreadState of `pid`'s interpreter, attaching to it when new."""
+        proc = self.processes.get(pid)
+        if proc is None:
+            if pid in self.status:
+                return {}  # not CPython, or refused: once is enough
+            proc = self._attach(pid)
+            return proc.threads if proc else {}
+        try:
+            mem = pyruntime.ProcessMemory(pid)
+        except OSError:
+            return {}
+        try:
+            return pyruntime.thread_states(mem, proc.runtime, proc.offsets)
+        except pyruntime.PyRuntimeError:
+            return {}
+        finally:
+            mem.close()
+
+    def _attach(self, pid: int) -> pyruntime.PyProcess | None:
+        try:
+            proc = pyruntime.attach(pid)
+            leaf = self.bpf["py_layouts"].Leaf()
+            kernel_layout(proc, leaf)
+            namer = CodeNamer(proc)
+        except (pyruntime.PyRuntimeError, OSError) as err:
+            version = _VERSION.match(str(err))
+            self.status[pid] = {"version": version.group(1) if version else None, "status": _one_line(err)}
+            if self.notice and "no _PyRuntime" not in str(err):
+                self.notice(f"process {pid}: native stacks only: {_one_line(err)}")
+            return None
+        self.bpf["py_layouts"][ctypes.c_uint32(pid)] = leaf
+        self.processes[pid], self.namers[pid] = proc, namer
+        self.status[pid] = {"version": proc.version, "status": "ok"}
+        return proc
+
+    def _forget_thread(self, tid: int) -> None:
+        self.settled.discard(tid)
+        try:
+            del self.bpf["py_threads"][ctypes.c_uint32(tid)]
+        except KeyError:
+            pass
+
+    def _forget_process(self, pid: int) -> None:
+        self.processes.pop(pid, None)
+        namer = self.namers.pop(pid, None)
+        if namer is not None:
+            namer.close()
+        try:
+            del self.bpf["py_layouts"][ctypes.c_uint32(pid)]
+        except KeyError:
+            pass
+
+    # -- stacks ------------------------------------------------------------------------
+    def take(self, now_ns: int) -> pa.RecordBatch | None:
+        """`stack` rows for the stacks the kernel interned since the last call."""
+        used = self.bpf["py_slots_used"][ctypes.c_int(0)]
+        cpus = len(used)
+        if not self.slots_read:
+            self.slots_read = [0] * cpus
+        stacks = self.bpf["py_stacks"]
+        ids, pids, names = [], [], []
+        for cpu in range(cpus):
+            for n in range(self.slots_read[cpu], int(used[cpu])):
+                slot = n * cpus + cpu
+                st = stacks[ctypes.c_int(slot)]
+                frames = self._name(st)
+                if frames:
+                    ids.append(PY_STACK_ID_BASE + slot)
+                    pids.append(st.pid)
+                    names.append(";".join(frames))
+                else:
+                    self.unnamed += 1
+            self.slots_read[cpu] = int(used[cpu])
+        if not ids:
+            return None
+        self.stacks += len(ids)
+        return make_batch("stack", {
+            "ts_ns": np.full(len(ids), now_ns, dtype=np.int64),
+            "kstack_id": np.array(ids, dtype=np.int32),
+            "state": ["python"] * len(ids),
+            "pid": np.array(pids, dtype=np.int32),
+            "name": names,
+        })
+
+    def _name(self, st) -> list[str]:
+        namer = self.namers.get(st.pid)
+        if namer is None:
+            return []
+        depth = min(int(st.depth), len(st.code))
+        frames = [namer.frame(int(st.code[i]), int(st.instr[i])) for i in range(depth)]
+        return [f for f in frames if f]
+
+    def close(self) -> None:
+        for pid in list(self.processes):
+            self._forget_process(pid)
+
+    def meta(self) -> dict:
+        counts = [int(sum(self.bpf["py_counts"][ctypes.c_int(i)])) for i in range(3)]
+        return {"python_frames": {
+            "enabled": True,
+            "processes": {str(pid): s for pid, s in sorted(self.status.items())},
+            "walks": counts[0], "empty_walks": counts[1], "stacks_lost": counts[2],
+            "stacks": self.stacks, "stacks_unnamed": self.unnamed,
+        }}
+
+
+def _one_line(err: Exception) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
