@@ -25,10 +25,12 @@ class Recorded:
 
 
 def record_workload(out: Path, name: str, *args, cgroup_procs: Path | None = None,
-                    settings: Settings | None = None, timeout: float = 120) -> Recorded:
-    """Start kernel_workloads.py NAME, attach the recorder, let the workload run to its
-    exit (which ends the recording), and load the trace."""
-    proc = subprocess.Popen([sys.executable, str(WORKLOADS), name, *map(str, args)],
+                    settings: Settings | None = None, timeout: float = 120,
+                    command: list[str] | None = None, probes: list[str] | None = None) -> Recorded:
+    """Start kernel_workloads.py NAME (or `command`, which speaks the same protocol),
+    attach the recorder, let the workload run to its exit (which ends the recording),
+    and load the trace."""
+    proc = subprocess.Popen(command or [sys.executable, str(WORKLOADS), name, *map(str, args)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
@@ -44,7 +46,7 @@ def record_workload(out: Path, name: str, *args, cgroup_procs: Path | None = Non
         def run() -> None:
             try:
                 box["result"] = record(pid=proc.pid, output=out, duration=timeout,
-                                       settings=settings, gpu="off", handle_signals=False,
+                                       settings=settings, probes=probes, gpu="off", handle_signals=False,
                                        on_attached=go)
             except BaseException as exc:  # re-raised in the test thread
                 box["error"] = exc

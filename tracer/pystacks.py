@@ -27,6 +27,7 @@ from trainbpf.tracer.collector import ThreadTable
 from trainbpf.tracer.pycode import CodeNamer
 
 THREAD_LOOKS = 5  # flushes a thread is looked for in its interpreter's thread list
+ATTACH_TRIES = 3  # flushes a CPython whose layout was refused is tried again
 _VERSION = re.compile(r"CPython (3\.\d+)")  # pyruntime's errors name the version first
 FRAME_WINDOW = 128  # probes/pyframes.h PY_FRAME_BYTES: one read per frame
 
@@ -56,6 +57,7 @@ class PythonStacks:
         self.status: dict[int, dict] = {}  # pid -> {"version", "status"}, for the metadata
         self.looks: dict[int, int] = {}  # tid -> looks left; absent once found or given up
         self.settled: set[int] = set()  # tids found or given up
+        self.attempts: dict[int, int] = defaultdict(int)  # pid -> attaches tried
         self.slots_read: list[int] = []  # per CPU: slots already named
         self.stacks = 0
         self.unnamed = 0
@@ -76,13 +78,14 @@ class PythonStacks:
             wanted[pid].append(tid)
         for pid, tids in wanted.items():
             found = self._thread_states(pid)
+            refused = pid not in self.processes and not self._may_retry(pid)
             for tid in tids:
                 if tid in found:
                     self.bpf["py_threads"][ctypes.c_uint32(tid)] = ctypes.c_uint64(found[tid])
                     self._settle(tid)
                 else:
                     self.looks[tid] -= 1
-                    if self.looks[tid] <= 0 or pid not in self.processes:
+                    if self.looks[tid] <= 0 or refused:
                         self._settle(tid)
         live_pids = set(live.values())
         for pid in [p for p in self.processes if p not in live_pids]:
@@ -93,6 +96,7 @@ class PythonStacks:
         for pid in list(self.processes):
             self._forget_process(pid)
         self.status.clear()
+        self.attempts.clear()
         self.settled.clear()
         self.looks.clear()
         self.bpf["py_threads"].clear()
@@ -105,8 +109,8 @@ class PythonStacks:
         """tid -> PyThreadState of `pid`'s interpreter, attaching to it when new."""
         proc = self.processes.get(pid)
         if proc is None:
-            if pid in self.status:
-                return {}  # not CPython, or refused: once is enough
+            if pid in self.status and not self._may_retry(pid):
+                return {}
             proc = self._attach(pid)
             return proc.threads if proc else {}
         try:
@@ -120,7 +124,14 @@ class PythonStacks:
         finally:
             mem.close()
 
+    def _may_retry(self, pid: int) -> bool:
+        """A CPython refused fewer than ATTACH_TRIES times: the thread list can read torn
+        while threads start (the interpreter changes it under its own lock)."""
+        status = self.status.get(pid)
+        return status is None or (status["version"] is not None and self.attempts[pid] < ATTACH_TRIES)
+
     def _attach(self, pid: int) -> pyruntime.PyProcess | None:
+        self.attempts[pid] += 1
         try:
             proc = pyruntime.attach(pid)
             leaf = self.bpf["py_layouts"].Leaf()
@@ -129,7 +140,7 @@ class PythonStacks:
         except (pyruntime.PyRuntimeError, OSError) as err:
             version = _VERSION.match(str(err))
             self.status[pid] = {"version": version.group(1) if version else None, "status": _one_line(err)}
-            if self.notice and "no _PyRuntime" not in str(err):
+            if self.notice and version and not self._may_retry(pid):
                 self.notice(f"process {pid}: native stacks only: {_one_line(err)}")
             return None
         self.bpf["py_layouts"][ctypes.c_uint32(pid)] = leaf

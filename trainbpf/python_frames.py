@@ -45,3 +45,18 @@ def python_line(finding: dict[str, Any]) -> str | None:
     if len(chain) > 1 and producer is not None:
         ends.append((chain[-1], producer))
     return " ← ".join(f"{link['role']} {link['tid']}: {frame_label(frame) if frame else '?'}" for link, frame in ends)
+
+
+def refused_note(meta: dict[str, Any]) -> str | None:
+    """A note naming the CPython processes whose frames were not walked (trace metadata
+    `python_frames`: the layout failed its self-test, or the version has no table), so
+    a report without Python frames says why; None when every CPython was walked."""
+    info = meta.get("python_frames") or {}
+    refused = [(pid, p) for pid, p in (info.get("processes") or {}).items()
+               if p.get("version") and p.get("status") != "ok"]
+    if not info.get("enabled") or not refused:
+        return None
+    pid, first = refused[0]
+    more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+    return (f"NOTE: Python frames were not walked in process {pid}{more}: {first['status']}; "
+            "its stacks are native only.")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from trainbpf.analyzers import observed_ns
 from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.vocab import STATES
-from trainbpf.python_frames import python_line
+from trainbpf.python_frames import python_line, refused_note
 
 if TYPE_CHECKING:
     from trainbpf.analyzers import Analysis
@@ -55,6 +55,9 @@ def render_text(rendered: Report) -> str:
         lines.append(f"NOTE: {collided} of {walks} stack walks ({100 * collided / max(walks, 1):.0f}%) found their "
                      "slot in the kernel's stack map held by another stack: those events carry no stack, so "
                      "stacks shown as evidence may miss some call paths.")
+    python_note = refused_note(analysis.meta)
+    if python_note:
+        lines.append(python_note)
     if analysis.unfinished:
         lines.append("NOTE: the recording did not finish cleanly (recovered or unfinished spool).")
 

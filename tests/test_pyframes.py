@@ -1,0 +1,131 @@
+"""The CPython frame walk end to end on real processes of each CPython version: the
+recorder walks frames in BPF (probes/pyframes.h), names them from the processes' code
+objects, and the analysis names both ends of the finding's chain.  A layout refused by
+the self-test gives native stacks only and a note, never wrong names."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.kernel_env import require_root
+from tests.recording import record_workload
+from trainbpf.analyzers import analyze
+from trainbpf.report import Report
+from trainbpf.text_report import render_text
+from trainbpf.tracer import pystacks, pyruntime
+from trainbpf.tracer.collector import Settings
+
+WORKLOAD = Path(__file__).with_name("pyframes_workload.py")
+PYENV = Path("/root/.pyenv/versions")
+VERSIONS = {"3.10": "3.10.13", "3.11": "3.11.7", "3.12": "3.12.1", "3.13": "3.13.0"}
+SECONDS = 4  # the forked worker is found at a flush (every second) after it starts
+SETTINGS = Settings(python_frames=True)
+PROBES = ["sched", "futex", "oncpu"]
+
+
+def _lines() -> dict[str, int]:
+    text = WORKLOAD.read_text().splitlines()
+    return {m.group(1): i for i, line in enumerate(text, 1) if (m := re.search(r"# line: (\w+)$", line))}
+
+
+LINES = _lines()
+
+
+def _interpreter(version: str) -> str:
+    exe = PYENV / VERSIONS[version] / "bin" / "python3"
+    if not exe.exists():
+        reason = f"CPython {version} not installed at {exe}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return str(exe)
+
+
+def _record(tmp_path: Path, version: str):
+    require_root()
+    return record_workload(tmp_path / f"py{version}.parquet", "", settings=SETTINGS,
+                           command=[_interpreter(version), str(WORKLOAD), str(SECONDS)],
+                           probes=PROBES)
+
+
+def _stacks(rec) -> dict[int, list[str]]:
+    st = rec.trace.view("stack")
+    py = st[st["space"] == "python"]
+    return {int(i): f.split(";") for i, f in zip(py["stack_id"], py["frames"])}
+
+
+def _frames_of(rec, kind: str, tid: int) -> list[list[str]]:
+    rows = rec.trace.view(kind)
+    stacks = _stacks(rec)
+    ids = rows.loc[(rows["tid"] == tid) & rows["pystack_id"].notna(), "pystack_id"]
+    return [stacks[int(i)] for i in ids if int(i) in stacks]
+
+
+def _frame(function: str, line: str) -> str:
+    return f"{function} ({WORKLOAD}:{LINES[line]})"
+
+
+@pytest.fixture(scope="module", params=list(VERSIONS))
+def recorded(request, tmp_path_factory):
+    return request.param, _record(tmp_path_factory.mktemp("pyframes"), request.param)
+
+
+@pytest.mark.kernel
+def test_stacks_name_the_functions_and_lines(recorded):
+    version, rec = recorded
+    meta = rec.trace.meta["python_frames"]
+    tids = rec.tids
+    statuses = {int(pid): p for pid, p in meta["processes"].items()}
+    assert statuses[rec.pid] == {"version": version, "status": "ok"}
+    assert statuses[tids["worker"]] == {"version": version, "status": "ok"}
+    # The trainer blocked with the GIL released in Queue.get, called at the marked line.
+    trainer = _frames_of(rec, "offcpu", tids["trainer"])
+    assert any(_frame("Trainer.train_step" if version != "3.10" else "train_step", "wait") in s for s in trainer)
+    # The loader: blocked in os.read (GIL released), and on-CPU decoding.
+    loader_off = _frames_of(rec, "offcpu", tids["loader"])
+    assert any(s[0] == _frame("decode_batch", "read") for s in loader_off)
+    loader_on = _frames_of(rec, "oncpu", tids["loader"])
+    assert any(s[0] == _frame("decode_batch", "decode") and s[1].startswith("loader_main (") for s in loader_on)
+    # The forked worker process, born while recording.
+    worker_on = _frames_of(rec, "oncpu", tids["worker"])
+    assert any(s[0] == _frame("produce_sample", "produce") for s in worker_on)
+    # Nothing outside the workload's own functions is named at a workload line.
+    names = {f for s in _stacks(rec).values() for f in s if str(WORKLOAD) in f}
+    known = {_frame(fn, ln) for fn, ln in (("produce_sample", "produce"), ("decode_batch", "read"),
+                                           ("decode_batch", "decode"))}
+    assert names & known == known
+
+
+@pytest.mark.kernel
+def test_finding_names_both_ends(recorded):
+    version, rec = recorded
+    analysis = analyze(rec.trace)
+    text = render_text(Report.of(analysis))
+    top = analysis.findings.iloc[0]
+    frames = top.evidence["python_frames"]
+    waiter = [f["function"] for f in frames["waiter"]]
+    producer = [(f["function"], f["line"]) for f in frames["producer"]]
+    assert ("Trainer.train_step" if version != "3.10" else "train_step") in waiter
+    assert ("decode_batch", LINES["decode"]) in producer or ("produce_sample", LINES["produce"]) in producer
+    assert "    python: trainer" in text
+
+
+@pytest.mark.kernel
+def test_refused_layout_gives_native_stacks_and_a_note(tmp_path, monkeypatch):
+    """A skewed offset (the table of another build) fails the self-test: the process
+    keeps native stacks, and the report says why."""
+    monkeypatch.setattr(pystacks.pyruntime, "attach",
+                        functools.partial(pyruntime.attach, corrupt="code.qualname"))
+    rec = _record(tmp_path, "3.12")
+    statuses = rec.trace.meta["python_frames"]["processes"]
+    assert statuses[str(rec.pid)]["status"].startswith("CPython 3.12: self-test")
+    assert not _stacks(rec)
+    assert rec.trace.view("offcpu")["pystack_id"].isna().all()
+    assert rec.trace.view("offcpu")["ustack_id"].ge(0).any()
+    text = render_text(Report.of(analyze(rec.trace)))
+    assert f"NOTE: Python frames were not walked in process {rec.pid}" in text
