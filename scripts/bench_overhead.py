@@ -49,6 +49,8 @@ import benchlib as bl  # noqa: E402
 
 TRAINBPF = "trainbpf (every probe)"
 TRAINBPF_SCHED = "trainbpf, sched probe only"
+TRAINBPF_PYTHON = "trainbpf (every probe, --python-frames)"
+PYTHON_FRAMES_TARGET_PP = 1.0  # issue 12: Python frames may add at most this many points
 OFFCPUTIME = "offcputime-bpfcc"
 OFFCPU_PORT = "offcputime method on sched_switch tracepoint (offcputime-bpfcc itself needs kprobes)"
 PERF_SCHED = "perf sched record"
@@ -96,6 +98,17 @@ class TrainbpfAt(Trainbpf):
 
     def start(self, pid: int, out: Path) -> None:
         self.rec = bl.Recording(pid=pid, output=out / "trace.parquet", pythonpath=self.pythonpath)
+        self.rec.start(ATTACH_TIMEOUT_S)
+        self.proc = self.rec.proc
+
+
+class TrainbpfPython(Trainbpf):
+    """Every probe with the CPython frame walk (probes/pyframes.h): its added cost."""
+
+    name = TRAINBPF_PYTHON
+
+    def start(self, pid: int, out: Path) -> None:
+        self.rec = bl.Recording(pid=pid, output=out / "trace.parquet", settings={"python_frames": True})
         self.rec.start(ATTACH_TIMEOUT_S)
         self.proc = self.rec.proc
 
@@ -299,7 +312,7 @@ def main() -> None:
             with open(args.runs_json, "w") as fh:
                 for run in runs:
                     fh.write(json.dumps({k: v for k, v in run.__dict__.items() if k != "info"}) + "\n")
-        cost_tools: list = [Trainbpf, TrainbpfSched, OffcputimePort]
+        cost_tools: list = [Trainbpf, TrainbpfPython, TrainbpfSched, OffcputimePort]
         if args.baseline:
             pkg = bl.revision_package(args.baseline, tmp / "baseline")
             cost_tools.append(lambda: TrainbpfAt(args.baseline, pkg))
@@ -401,6 +414,9 @@ def print_costs(costs: dict[str, list["KernelCost"]]) -> None:
     typical = sorted(ours, key=lambda c: c.share)[len(ours) // 2]
     bl.print_table("in-kernel cost per program, trainbpf (every probe), the run with the median accounted cost",
                    ["program", "runs", "total ms", "ns/run"], typical.rows)
+    with_py = sorted(costs[TRAINBPF_PYTHON], key=lambda c: c.share)[len(costs[TRAINBPF_PYTHON]) // 2]
+    bl.print_table(f"in-kernel cost per program, {TRAINBPF_PYTHON}, the run with the median accounted cost",
+                   ["program", "runs", "total ms", "ns/run"], with_py.rows)
     sched, port = costs[TRAINBPF_SCHED], costs[OFFCPU_PORT]
     every = bl.median([c.share for c in ours])
     print("\nsummary")
@@ -413,6 +429,11 @@ def print_costs(costs: dict[str, list["KernelCost"]]) -> None:
     s_sh, p_sh = bl.median([c.share for c in sched]), bl.median([c.share for c in port])
     print(f"  2b. total accounted: --probes sched {100 * s_sh:.2f}%, offcputime port {100 * p_sh:.2f}% "
           f"({s_sh / p_sh:.2f}x)  [target <= 1.5x: {'met' if s_sh <= 1.5 * p_sh else 'NOT met'}]")
+    py = bl.median([c.share for c in costs[TRAINBPF_PYTHON]])
+    added = 100 * (py - every)
+    print(f"  Python frames: accounted {100 * py:.2f}% with --python-frames, {100 * every:.2f}% without "
+          f"({added:+.2f} points)  [target <= +{PYTHON_FRAMES_TARGET_PP:g}: "
+          f"{'met' if added <= PYTHON_FRAMES_TARGET_PP else 'NOT met'}]")
     for name, runs in costs.items():
         if name.startswith("trainbpf at "):
             base = bl.median([c.share for c in runs])

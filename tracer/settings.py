@@ -27,7 +27,7 @@ class Settings:
     stack_entries: int = 65536  # stacks the kernel's stack map holds
     hz: int = 250
     trace_all: bool = False
-    python_frames: bool = False  # walk CPython frames where user stacks are taken (probes/pyframes.h)
+    python_frames: bool = True  # walk CPython frames where user stacks are taken (probes/pyframes.h)
 
     def thresholds(self) -> dict[str, int]:
         return {

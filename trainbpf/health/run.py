@@ -204,7 +204,9 @@ def _record(*, root: int | None, output: Path, config: HealthConfig, expired: th
     from trainbpf.tracer.collector import Settings
     from trainbpf.tracer.record import record
 
-    result = record(pid=root, output=output, duration=config.duration_s, settings=Settings(trace_all=root is None),
+    # No Python frames: a node-wide check would attach to every Python process on the node.
+    settings = Settings(trace_all=root is None, python_frames=False)
+    result = record(pid=root, output=output, duration=config.duration_s, settings=settings,
                     gpu=config.gpu, handle_signals=threading.current_thread() is threading.main_thread(),
                     force=True)  # the trace of the previous run
     if expired.is_set():
