@@ -228,7 +228,7 @@ def test_an_open_interval_woken_after_the_stop_is_still_blocked():
     def table(rows):
         return NS(items=lambda: [(NS(value=tid), v) for tid, v in rows])
 
-    blocked = NS(ts_ns=1_000_000, state=1, tgid=7, kstack_id=-1, ustack_id=-1)
+    blocked = NS(ts_ns=1_000_000, state=1, tgid=7, kstack_id=-1, ustack_id=-1, pystack_id=-1)
     waking = dict(waker_tid=8, waker_pid=8, kstack_id=-1)
     bpf = {"switched_out_at": table([(7, blocked), (9, blocked)]),
            "woken_at": table([(7, NS(ts_ns=60_000_000, **waking)), (9, NS(ts_ns=40_000_000, **waking))])}
