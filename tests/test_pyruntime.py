@@ -47,7 +47,7 @@ def sleeper(request):
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("sleeper", ["3.11", "3.12", "3.13"], indirect=True)
+@pytest.mark.parametrize("sleeper", list(VERSIONS), indirect=True)
 def test_thread_list_matches_tasks(sleeper):
     version, proc = sleeper
     py = pyruntime.attach(proc.pid)
@@ -68,14 +68,22 @@ def test_skewed_offset_fails_self_test(sleeper, field):
 
 @pytest.mark.kernel
 @pytest.mark.parametrize("sleeper", ["3.10"], indirect=True)
-def test_older_versions_found_and_refused(sleeper):
-    """The symbol is found and the version read from the mapping; with no offset table
-    yet, attach refuses with a status rather than guessing a layout."""
+@pytest.mark.parametrize("field", ["ts.next", "ts.thread_id", "frame.executable", "code.name", "code.filename"])
+def test_skewed_offset_fails_self_test_310(sleeper, field):
+    """3.10 has no co_qualname and finds each tid through glibc's struct pthread."""
     version, proc = sleeper
-    found_version, runtime = pyruntime.find_runtime(proc.pid)
-    assert found_version == version and runtime > 0
-    with pytest.raises(pyruntime.PyRuntimeError, match="no offset table"):
-        pyruntime.attach(proc.pid)
+    with pytest.raises(pyruntime.PyRuntimeError, match=f"^CPython {version}: "):
+        pyruntime.attach(proc.pid, corrupt=field)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("sleeper", ["3.10"], indirect=True)
+def test_310_tid_found_in_struct_pthread(sleeper):
+    """The one offset of glibc's struct pthread where every thread's tid lies."""
+    version, proc = sleeper
+    py = pyruntime.attach(proc.pid)
+    assert py.version == "3.10" and py.offsets["pthread.tid"] % 4 == 0
+    assert sorted(py.threads) == sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task"))
 
 
 def test_elf_symbol_absent_in_non_python(tmp_path):

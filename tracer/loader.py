@@ -135,6 +135,12 @@ def possible_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def py_stack_entries(cpus: int) -> int:
+    """Slots of the kernel's Python stack table (probes/pyframes.h): each CPU owns
+    1/cpus of them, so more CPUs need more, within the native stack map's ~17 MB."""
+    return min(max(16384, 1024 * cpus), 65536)
+
+
 def cflags(collectors: list[Collector], settings: Settings, tracefs: Path) -> list[str]:
     defines: dict[str, int | str] = {
         **probe_defines(),
@@ -145,6 +151,7 @@ def cflags(collectors: list[Collector], settings: Settings, tracefs: Path) -> li
         "STACK_ENTRIES": settings.stack_entries,
         "PYTHON_FRAMES": int(settings.python_frames),
         "PY_CPUS": possible_cpus(),
+        "PY_STACK_ENTRIES": py_stack_entries(possible_cpus()),
         "PY_STACK_ID_BASE": PY_STACK_ID_BASE,
         # Forced ring-buffer wake-ups (common.h submit_flags) often enough that all CPUs
         # together fill at most a quarter of a ring between two.

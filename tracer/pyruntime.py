@@ -1,4 +1,4 @@
-"""CPython runtime discovery from user space, for the Python-frame walk (issue 12).
+"""CPython runtime discovery from user space, for the Python-frame walk (probes/pyframes.h).
 
 Finds `_PyRuntime` through the ELF symbol table of the python binary or libpython
 mapped in /proc/PID/maps, reads the interpreter's layout (3.13+: `_Py_DebugOffsets`,
@@ -7,9 +7,11 @@ list (_PyRuntime -> interpreters.head -> threads.head -> next) into tid ->
 PyThreadState address, and self-tests the offsets against the live process before
 anything trusts them.  Everything is read through /proc/PID/mem; nothing here needs BPF.
 
-3.11 and 3.12 have no debug offsets: their tables below were computed by compiling a
+3.10 to 3.12 have no debug offsets: their tables below were computed by compiling a
 tiny C program (offsetof/sizeof, Py_BUILD_CORE) against each pyenv version's own
-headers (include/python3.X/internal/*.h; 3.11.7, 3.12.1).  3.10 has no table yet.
+headers (include/python3.X/internal/*.h; 3.10.13, 3.11.7, 3.12.1).  3.10's thread state
+has no native thread id, only pthread_self(): the tid is read from glibc's struct
+pthread, at the one offset where every thread's value is a task of the process.
 """
 
 from __future__ import annotations
@@ -54,9 +56,19 @@ _TABLE_COMMON = {
     "rt.interpreters_head": 40, "interp.next": 0, "ts.next": 8, "ts.cframe": 56,
     "frame.instr_ptr": 56, "code.filename": 112, "code.name": 120, "code.qualname": 128,
     "code.linetable": 136, "obj.ob_type": 8, "type.tp_name": 24, "unicode.length": 16,
-    "unicode.state": 32,
+    "unicode.state": 32, "bytes.ob_size": 16, "bytes.ob_sval": 32,
 }
 _TABLES = {
+    # 3.10: frames are PyFrameObjects (tstate->frame, f_back, f_code, f_lasti: an int
+    # counting code units); no co_qualname; "ts.thread_id" is pthread_self().
+    "3.10": {
+        "rt.interpreters_head": 32, "interp.next": 0, "interp.threads_head": 8, "ts.next": 8,
+        "ts.current_frame": 24, "ts.thread_id": 176, "frame.previous": 24,
+        "frame.executable": 32, "frame.instr_ptr": 96, "code.filename": 104, "code.name": 112,
+        "code.firstlineno": 40, "code.linetable": 120, "obj.ob_type": 8, "type.tp_name": 24,
+        "unicode.length": 16, "unicode.state": 32, "unicode.asciiobject_size": 48,
+        "bytes.ob_size": 16, "bytes.ob_sval": 32,
+    },
     "3.11": _TABLE_COMMON | {
         "interp.threads_head": 16, "ts.native_thread_id": 160, "cframe.current_frame": 8,
         "frame.previous": 48, "frame.executable": 32, "code.firstlineno": 72,
@@ -70,9 +82,10 @@ _TABLES = {
     },
 }
 _PYTHON_MAP = re.compile(r"/(?:lib)?python(3\.\d+)[^/]*$")
-MAX_THREADS = 4096
+MAX_THREADS = 4096  # a cycle in a corrupt thread list must not spin forever
 MAX_FRAMES = 16  # the walk's own limit, per thread
-FRAME_OWNED_BY_CSTACK = 3  # 3.12 and 3.13 Include/internal/pycore_frame.h  # a cycle in a corrupt thread list must not spin forever
+FRAME_OWNED_BY_CSTACK = 3  # 3.12 and 3.13 Include/internal/pycore_frame.h
+PTHREAD_SCAN_BYTES = 2048  # where in glibc's struct pthread its tid is looked for (3.10)
 
 
 class PyRuntimeError(Exception):
@@ -182,8 +195,9 @@ class PyProcess:
     threads: dict[int, int]  # native tid -> PyThreadState address
 
 
-def thread_states(mem: ProcessMemory, runtime: int, off: dict[str, int]) -> dict[int, int]:
-    out: dict[int, int] = {}
+def thread_list(mem: ProcessMemory, runtime: int, off: dict[str, int]) -> list[int]:
+    """Every PyThreadState address of every interpreter, in list order."""
+    out: list[int] = []
     seen: set[int] = set()  # a wrong `next` offset can make a cycle: refuse it
     interp = mem.u64(runtime + off["rt.interpreters_head"])
     while interp:
@@ -192,14 +206,41 @@ def thread_states(mem: ProcessMemory, runtime: int, off: dict[str, int]) -> dict
             if ts in seen or len(seen) >= MAX_THREADS:
                 raise PyRuntimeError("the interpreter's thread list loops or is too long")
             seen.add(ts)
-            tid = struct.unpack("<q", mem.read(ts + off["ts.native_thread_id"], 8))[0]
-            out[tid] = ts
+            out.append(ts)
             ts = mem.u64(ts + off["ts.next"])
         if interp in seen:
             raise PyRuntimeError("the interpreter list loops")
         seen.add(interp)
         interp = mem.u64(interp + off["interp.next"])
     return out
+
+
+def thread_states(mem: ProcessMemory, runtime: int, off: dict[str, int]) -> dict[int, int]:
+    """Native tid -> PyThreadState address."""
+    out: dict[int, int] = {}
+    for ts in thread_list(mem, runtime, off):
+        if "ts.native_thread_id" not in off:  # 3.10: through pthread_self()
+            tid = struct.unpack("<I", mem.read(mem.u64(ts + off["ts.thread_id"]) + off["pthread.tid"], 4))[0]
+        else:
+            tid = struct.unpack("<q", mem.read(ts + off["ts.native_thread_id"], 8))[0]
+        out[tid] = ts
+    return out
+
+
+def pthread_tid_offset(mem: ProcessMemory, pid: int, runtime: int, off: dict[str, int]) -> int:
+    """Where glibc's struct pthread keeps the kernel tid: the one 4-byte offset at which
+    every listed thread's value is a distinct task of `pid`, one of them `pid` itself."""
+    pthreads = [mem.read(mem.u64(ts + off["ts.thread_id"]), PTHREAD_SCAN_BYTES)
+                for ts in thread_list(mem, runtime, off)]
+    tasks = _task_tids(pid)
+    found = []
+    for at in range(0, PTHREAD_SCAN_BYTES, 4):
+        tids = [struct.unpack_from("<I", raw, at)[0] for raw in pthreads]
+        if pid in tids and len(set(tids)) == len(tids) and set(tids) <= tasks:
+            found.append(at)
+    if len(found) != 1:
+        raise PyRuntimeError(f"no single place for the tid in glibc's struct pthread ({len(found)} candidates)")
+    return found[0]
 
 
 def read_ascii(mem: ProcessMemory, obj: int, off: dict[str, int]) -> str:
@@ -231,14 +272,35 @@ def _check_code(mem: ProcessMemory, code: int, off: dict[str, int]) -> None:
     if type_name(mem, code, off) != "code":
         raise PyRuntimeError("self-test: a frame's executable is not a code object")
     name = read_ascii(mem, mem.u64(code + off["code.name"]), off)
-    qualname = read_ascii(mem, mem.u64(code + off["code.qualname"]), off)
     filename = read_ascii(mem, mem.u64(code + off["code.filename"]), off)
+    if "code.qualname" not in off:  # 3.10
+        if filename == name:
+            raise PyRuntimeError("self-test: a code object's name fields do not agree")
+        return
+    qualname = read_ascii(mem, mem.u64(code + off["code.qualname"]), off)
     # The name fields sit side by side: a skew onto a neighbour still reads a str, so
     # check how they relate (a qualname's last part is the name; a file is neither).
     # A module frame (name == qualname) cannot tell co_name from co_qualname; a method
     # or nested function anywhere in the process does.
     if qualname.rsplit(".", 1)[-1] != name or filename in (name, qualname):
         raise PyRuntimeError("self-test: a code object's name fields do not agree")
+
+
+def python_frames(mem: ProcessMemory, ts: int, off: dict[str, int]) -> list[tuple[int, int]]:
+    """A thread's (code object, raw instruction word) per Python frame, innermost first:
+    the walk probes/pyframes.h makes in the kernel, from user space."""
+    out = []
+    frame = current_frame(mem, ts, off)
+    steps = 0
+    while frame and len(out) < MAX_FRAMES and steps < 2 * MAX_FRAMES:
+        steps += 1
+        # 3.10 and 3.11 have no owner field: every frame on their chain is a Python frame.
+        owner = mem.read(frame + off["frame.owner"], 1)[0] if "frame.owner" in off else 0
+        if owner != FRAME_OWNED_BY_CSTACK:
+            instr = mem.u64(frame + off["frame.instr_ptr"])
+            out.append((mem.u64(frame + off["frame.executable"]), instr))
+        frame = mem.u64(frame + off["frame.previous"])
+    return out
 
 
 def self_test(mem: ProcessMemory, pid: int, runtime: int, off: dict[str, int],
@@ -257,16 +319,9 @@ def self_test(mem: ProcessMemory, pid: int, runtime: int, off: dict[str, int],
         raise PyRuntimeError("self-test: the main thread is not in the thread list")
     checked = 0
     for ts in threads.values():
-        frame = current_frame(mem, ts, off)
-        for _ in range(MAX_FRAMES):
-            if not frame:
-                break
-            # 3.11 has no owner field: every frame on its chain is a Python frame.
-            owner = mem.read(frame + off["frame.owner"], 1)[0] if "frame.owner" in off else 0
-            if owner != FRAME_OWNED_BY_CSTACK:
-                _check_code(mem, mem.u64(frame + off["frame.executable"]), off)
-                checked += 1
-            frame = mem.u64(frame + off["frame.previous"])
+        for code, _ in python_frames(mem, ts, off):
+            _check_code(mem, code, off)
+            checked += 1
     if checked:
         return
     raise PyRuntimeError("self-test: no thread has a current frame")
@@ -277,7 +332,7 @@ def attach(pid: int, corrupt: str | None = None) -> PyProcess:
     8 bytes, for testing that the self-test refuses a wrong table."""
     version, runtime = find_runtime(pid)
     major, minor = map(int, version.split("."))
-    if (major, minor) < (3, 11) or ((major, minor) < (3, 13) and version not in _TABLES):
+    if (major, minor) < (3, 10) or ((major, minor) < (3, 13) and version not in _TABLES):
         raise PyRuntimeError(f"CPython {version}: no offset table for this version yet")
     mem = ProcessMemory(pid)
     try:
@@ -289,6 +344,8 @@ def attach(pid: int, corrupt: str | None = None) -> PyProcess:
                 raise PyRuntimeError(f"CPython {version} free-threaded build is not supported")
         if corrupt:
             off[corrupt] += 8
+        if "ts.native_thread_id" not in off:
+            off["pthread.tid"] = pthread_tid_offset(mem, pid, runtime, off)
         threads = thread_states(mem, runtime, off)
         self_test(mem, pid, runtime, off, threads)
     except PyRuntimeError as err:
