@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.kernel_env import require_root
-from tracer import pyruntime
+from trainbpf.tracer import pyruntime
+from trainbpf.tracer.addrs import ElfSymbols
 
 PYENV = Path("/root/.pyenv/versions")
 VERSIONS = {"3.10": "3.10.13", "3.11": "3.11.7", "3.12": "3.12.1", "3.13": "3.13.0"}
@@ -87,7 +88,7 @@ def test_310_tid_found_in_struct_pthread(sleeper):
 
 
 def test_elf_symbol_absent_in_non_python(tmp_path):
-    assert pyruntime.elf_symbol("/bin/true", "_PyRuntime") is None
+    assert ElfSymbols("/bin/true").address_of("_PyRuntime") is None
     bad = tmp_path / "not-elf"
     bad.write_bytes(b"hello")
-    assert pyruntime.elf_symbol(str(bad), "_PyRuntime") is None
+    assert ElfSymbols(str(bad)).address_of("_PyRuntime") is None

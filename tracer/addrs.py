@@ -189,6 +189,20 @@ class ElfSymbols:
                 return file_offset - offset + vaddr
         return None
 
+    def address_of(self, name: str) -> int | None:
+        """The address as linked of the symbol called `name` (of the kinds read), or None.
+        String tables share tails ("_PyRuntime" may end "Foo_PyRuntime"), so every place
+        the name ends a string is a candidate."""
+        want = name.encode() + b"\0"
+        keys = []
+        for t, strtab in enumerate(self._strtabs):
+            at = strtab.find(want)
+            while at >= 0:
+                keys.append((t << 40) | at)
+                at = strtab.find(want, at + 1)
+        hits = np.flatnonzero(np.isin(self._name_at, np.array(keys, dtype=np.int64))) if keys else []
+        return int(self.value[hits[0]]) if len(hits) else None
+
     def _name(self, i: int) -> str:
         at = int(self._name_at[i])
         return _cstring(self._strtabs[at >> 40], at & ((1 << 40) - 1)).decode(errors="replace")

@@ -1,6 +1,6 @@
 """CPython runtime discovery from user space, for the Python-frame walk (probes/pyframes.h).
 
-Finds `_PyRuntime` through the ELF symbol table of the python binary or libpython
+Finds `_PyRuntime` through the ELF symbol table (tracer/addrs.py) of the python binary or libpython
 mapped in /proc/PID/maps, reads the interpreter's layout (3.13+: `_Py_DebugOffsets`,
 which CPython keeps at the start of `_PyRuntime` for exactly this), walks the thread
 list (_PyRuntime -> interpreters.head -> threads.head -> next) into tid ->
@@ -21,6 +21,8 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from trainbpf.tracer.addrs import ElfSymbols, parse_maps
 
 DEBUG_COOKIE = b"xdebugpy"
 # Field order of _Py_DebugOffsets in 3.13 (Include/internal/pycore_runtime.h), each a
@@ -92,36 +94,6 @@ class PyRuntimeError(Exception):
     """The process is not a CPython we can read; str() is the one-line status."""
 
 
-def elf_symbol(path: str, name: str) -> tuple[int, int] | None:
-    """(st_value, first PT_LOAD p_vaddr - p_offset base) of `name` in an ELF64 LE file's
-    .symtab or .dynsym, or None.  A minimal reader: pyelftools is not a dependency."""
-    data = Path(path).read_bytes()
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        return None
-    e_phoff, e_shoff = struct.unpack_from("<QQ", data, 0x20)
-    e_phentsize, e_phnum, e_shentsize, e_shnum = struct.unpack_from("<HHHH", data, 0x36)
-    load_bias = None
-    for i in range(e_phnum):
-        p_type, _, p_offset, p_vaddr = struct.unpack_from("<IIQQ", data, e_phoff + i * e_phentsize)
-        if p_type == 1:  # PT_LOAD
-            load_bias = p_vaddr - p_offset
-            break
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, e_shoff + i * e_shentsize)
-                for i in range(e_shnum)]
-    want = name.encode()
-    for sh in sections:
-        if sh[1] not in (2, 11):  # SHT_SYMTAB, SHT_DYNSYM
-            continue
-        strtab = sections[sh[6]]
-        str_off = strtab[4]
-        for off in range(sh[4], sh[4] + sh[5], 24):
-            st_name, _, _, _, st_value, _ = struct.unpack_from("<IBBHQQ", data, off)
-            start = str_off + st_name
-            if st_value and data[start:start + len(want) + 1] == want + b"\0":
-                return st_value, load_bias or 0
-    return None
-
-
 @dataclass
 class ProcessMemory:
     pid: int
@@ -152,23 +124,18 @@ class ProcessMemory:
 
 def find_runtime(pid: int) -> tuple[str, int]:
     """(version "3.X", address of _PyRuntime) in process `pid`."""
-    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    for line in maps:
-        parts = line.split(None, 5)
-        if len(parts) < 6 or int(parts[2], 16) != 0:
-            continue
-        path = parts[5].strip()
-        m = _PYTHON_MAP.search(path)
-        if not m:
+    for m in parse_maps(Path(f"/proc/{pid}/maps").read_text()):
+        found = _PYTHON_MAP.search(m.path)
+        if m.offset != 0 or not found:
             continue
         try:
-            found = elf_symbol(f"/proc/{pid}/root{path}", "_PyRuntime")
-        except OSError:
+            elf = ElfSymbols(f"/proc/{pid}/root{m.path}")
+        except (OSError, ValueError):
             continue
-        if found:
-            value, load_bias = found
-            start = int(parts[0].split("-")[0], 16)
-            return m.group(1), start + value - load_bias
+        value = elf.address_of("_PyRuntime")
+        if value is not None:
+            mapped_at = elf.file_vaddr(0)
+            return found.group(1), m.start + value - (elf.first_vaddr if mapped_at is None else mapped_at)
     raise PyRuntimeError("no _PyRuntime symbol in any mapped python binary or libpython")
 
 
