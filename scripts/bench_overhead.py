@@ -12,8 +12,10 @@ after it, median over the rounds, is the overhead.
 Tracers: trainbpf with every probe; bcc's offcputime-bpfcc (tried for real: it needs
 kprobes, and when it cannot run the reason is printed); offcputime's method ported to
 the sched_switch tracepoint (bench/offcputime_tp.*); `perf sched record` of the process.
-Afterwards --cost-runs runs (5) each under trainbpf, trainbpf with only its sched probe
-(what offcputime records, like for like), the offcputime port and, with --baseline REV,
+Afterwards --cost-runs runs (5) each under trainbpf (as shipped: Python frames on),
+trainbpf with --no-python-frames (what the frame walk adds), trainbpf with only its
+sched probe and no Python frames (what offcputime records, like for like), the
+offcputime port and, with --baseline REV,
 that git revision's recorder, in rotating order with kernel.bpf_stats_enabled=1
 (restored), give each BPF program's in-kernel ns per run and each tool's accounted cost
 (in-kernel time + its own process's CPU during the steps), as a share of the workload's
@@ -47,9 +49,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
 import benchlib as bl  # noqa: E402
 
-TRAINBPF = "trainbpf (every probe)"
-TRAINBPF_SCHED = "trainbpf, sched probe only"
-TRAINBPF_PYTHON = "trainbpf (every probe, --python-frames)"
+TRAINBPF = "trainbpf (every probe, Python frames included)"
+TRAINBPF_SCHED = "trainbpf, sched probe only, --no-python-frames"
+TRAINBPF_NO_PYTHON = "trainbpf (every probe, --no-python-frames)"
 PYTHON_FRAMES_TARGET_PP = 1.0  # issue 12: Python frames may add at most this many points
 OFFCPUTIME = "offcputime-bpfcc"
 OFFCPU_PORT = "offcputime method on sched_switch tracepoint (offcputime-bpfcc itself needs kprobes)"
@@ -77,11 +79,15 @@ class Tracer:
 
 
 class Trainbpf(Tracer):
+    """The recorder as shipped: every probe, the defaults (Python frames on)."""
+
     name = TRAINBPF
     probes: list[str] | None = None  # every probe
+    settings: dict = {}
 
     def start(self, pid: int, out: Path) -> None:
-        self.rec = bl.Recording(pid=pid, output=out / "trace.parquet", probes=self.probes).start(ATTACH_TIMEOUT_S)
+        self.rec = bl.Recording(pid=pid, output=out / "trace.parquet", probes=self.probes,
+                                settings=self.settings).start(ATTACH_TIMEOUT_S)
         self.proc = self.rec.proc
 
     def stop(self) -> dict:
@@ -102,22 +108,20 @@ class TrainbpfAt(Trainbpf):
         self.proc = self.rec.proc
 
 
-class TrainbpfPython(Trainbpf):
-    """Every probe with the CPython frame walk (probes/pyframes.h): its added cost."""
+class TrainbpfNoPython(Trainbpf):
+    """Every probe without the CPython frame walk (probes/pyframes.h): what the walk adds."""
 
-    name = TRAINBPF_PYTHON
-
-    def start(self, pid: int, out: Path) -> None:
-        self.rec = bl.Recording(pid=pid, output=out / "trace.parquet", settings={"python_frames": True})
-        self.rec.start(ATTACH_TIMEOUT_S)
-        self.proc = self.rec.proc
+    name = TRAINBPF_NO_PYTHON
+    settings = {"python_frames": False}
 
 
 class TrainbpfSched(Trainbpf):
-    """The probe that records what offcputime records (off-CPU intervals with stacks)."""
+    """The probe that records what offcputime records (off-CPU intervals with native
+    stacks: offcputime walks no Python frames)."""
 
     name = TRAINBPF_SCHED
     probes = ["sched"]
+    settings = {"python_frames": False}
 
 
 class _Process(Tracer):
@@ -312,7 +316,7 @@ def main() -> None:
             with open(args.runs_json, "w") as fh:
                 for run in runs:
                     fh.write(json.dumps({k: v for k, v in run.__dict__.items() if k != "info"}) + "\n")
-        cost_tools: list = [Trainbpf, TrainbpfPython, TrainbpfSched, OffcputimePort]
+        cost_tools: list = [Trainbpf, TrainbpfNoPython, TrainbpfSched, OffcputimePort]
         if args.baseline:
             pkg = bl.revision_package(args.baseline, tmp / "baseline")
             cost_tools.append(lambda: TrainbpfAt(args.baseline, pkg))
@@ -409,14 +413,14 @@ def print_costs(costs: dict[str, list["KernelCost"]]) -> None:
         med = bl.median(values)
         event_rows.append([program, cell(values, ".0f"), str(target), "met" if med <= target else
                            f"NOT met (x{med / target:.1f})"])
-    bl.print_table("in-kernel ns per event, trainbpf (every probe), median (range) over runs",
+    bl.print_table(f"in-kernel ns per event, {TRAINBPF}, median (range) over runs",
                    ["program", "ns/run", "target ns", "status"], event_rows)
     typical = sorted(ours, key=lambda c: c.share)[len(ours) // 2]
-    bl.print_table("in-kernel cost per program, trainbpf (every probe), the run with the median accounted cost",
+    bl.print_table(f"in-kernel cost per program, {TRAINBPF}, the run with the median accounted cost",
                    ["program", "runs", "total ms", "ns/run"], typical.rows)
-    with_py = sorted(costs[TRAINBPF_PYTHON], key=lambda c: c.share)[len(costs[TRAINBPF_PYTHON]) // 2]
-    bl.print_table(f"in-kernel cost per program, {TRAINBPF_PYTHON}, the run with the median accounted cost",
-                   ["program", "runs", "total ms", "ns/run"], with_py.rows)
+    no_py = sorted(costs[TRAINBPF_NO_PYTHON], key=lambda c: c.share)[len(costs[TRAINBPF_NO_PYTHON]) // 2]
+    bl.print_table(f"in-kernel cost per program, {TRAINBPF_NO_PYTHON}, the run with the median accounted cost",
+                   ["program", "runs", "total ms", "ns/run"], no_py.rows)
     sched, port = costs[TRAINBPF_SCHED], costs[OFFCPU_PORT]
     every = bl.median([c.share for c in ours])
     print("\nsummary")
@@ -429,9 +433,9 @@ def print_costs(costs: dict[str, list["KernelCost"]]) -> None:
     s_sh, p_sh = bl.median([c.share for c in sched]), bl.median([c.share for c in port])
     print(f"  2b. total accounted: --probes sched {100 * s_sh:.2f}%, offcputime port {100 * p_sh:.2f}% "
           f"({s_sh / p_sh:.2f}x)  [target <= 1.5x: {'met' if s_sh <= 1.5 * p_sh else 'NOT met'}]")
-    py = bl.median([c.share for c in costs[TRAINBPF_PYTHON]])
-    added = 100 * (py - every)
-    print(f"  Python frames: accounted {100 * py:.2f}% with --python-frames, {100 * every:.2f}% without "
+    without = bl.median([c.share for c in costs[TRAINBPF_NO_PYTHON]])
+    added = 100 * (every - without)
+    print(f"  Python frames: accounted {100 * every:.2f}% with them, {100 * without:.2f}% with --no-python-frames "
           f"({added:+.2f} points)  [target <= +{PYTHON_FRAMES_TARGET_PP:g}: "
           f"{'met' if added <= PYTHON_FRAMES_TARGET_PP else 'NOT met'}]")
     for name, runs in costs.items():
