@@ -8,8 +8,10 @@ from __future__ import annotations
 import functools
 import os
 import re
+import subprocess
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from tests.kernel_env import require_root
@@ -18,7 +20,9 @@ from trainbpf.analyzers import analyze
 from trainbpf.report import Report
 from trainbpf.text_report import render_text
 from trainbpf.tracer import pystacks, pyruntime
+from trainbpf.tracefile import read_trace
 from trainbpf.tracer.collector import Settings
+from trainbpf.tracer.record import record
 
 WORKLOAD = Path(__file__).with_name("pyframes_workload.py")
 PYENV = Path("/root/.pyenv/versions")
@@ -107,6 +111,7 @@ def test_finding_names_both_ends(recorded):
     analysis = analyze(rec.trace)
     text = render_text(Report.of(analysis))
     top = analysis.findings.iloc[0]
+    assert top.category == "input_pipeline", analysis.findings[["category", "seconds"]]
     frames = top.evidence["python_frames"]
     waiter = [f["function"] for f in frames["waiter"]]
     producer = [(f["function"], f["line"]) for f in frames["producer"]]
@@ -130,3 +135,39 @@ def test_refused_layout_gives_native_stacks_and_a_note(tmp_path, monkeypatch):
     assert rec.trace.view("offcpu")["ustack_id"].ge(0).any()
     text = render_text(Report.of(analyze(rec.trace)))
     assert f"NOTE: Python frames were not walked in process {rec.pid}" in text
+
+
+BLOCKED = '''import threading, time
+stop = threading.Event()
+def wait_for_shutdown():
+    stop.wait()
+t = threading.Thread(target=wait_for_shutdown); t.start()
+print(t.native_id, flush=True)
+while True:
+    time.sleep(0.02)
+'''
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("version", ["3.10", "3.13"])
+def test_thread_blocked_to_the_end_is_named(tmp_path, version):
+    """A thread blocked (GIL released) for the whole recording has no switch-in, so the
+    kernel never took its stacks: its Python stack is read at the stop."""
+    require_root()
+    proc = subprocess.Popen([_interpreter(version), "-c", BLOCKED], stdout=subprocess.PIPE, text=True)
+    try:
+        blocked = int(proc.stdout.readline())
+        out = tmp_path / "blocked.parquet"
+        record(pid=proc.pid, output=out, duration=2.5, settings=SETTINGS, probes=PROBES, gpu="off",
+               handle_signals=False)
+        trace = read_trace(out)
+    finally:
+        proc.kill()
+        proc.wait()
+    rows = trace.view("offcpu")
+    still = rows[(rows["tid"] == blocked) & (rows["cpu"] == -1)]
+    assert len(still) == 1 and not pd.isna(still["pystack_id"].iloc[0])
+    stacks = {int(i): f.split(";") for i, f in zip(*(trace.view("stack")[c] for c in ("stack_id", "frames")))}
+    frames = stacks[int(still["pystack_id"].iloc[0])]
+    assert frames[0].startswith(("Condition.wait (", "wait (")), frames  # in threading.py
+    assert "wait_for_shutdown (<string>:4)" in frames, frames

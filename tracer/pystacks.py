@@ -49,8 +49,10 @@ def kernel_layout(proc: pyruntime.PyProcess, leaf) -> None:
 
 
 class PythonStacks:
-    def __init__(self, bpf, *, notice: Callable[[str], None] | None = None):
+    def __init__(self, bpf, *, cpus: int, stack_entries: int, notice: Callable[[str], None] | None = None):
+        """`cpus` and `stack_entries`: the kernel table's PY_CPUS and PY_STACK_ENTRIES."""
         self.bpf = bpf
+        self.cpus = cpus
         self.notice = notice
         self.processes: dict[int, pyruntime.PyProcess] = {}
         self.namers: dict[int, CodeNamer] = {}
@@ -58,7 +60,9 @@ class PythonStacks:
         self.looks: dict[int, int] = {}  # tid -> looks left; absent once found or given up
         self.settled: set[int] = set()  # tids found or given up
         self.attempts: dict[int, int] = defaultdict(int)  # pid -> attaches tried
+        self.tstates: dict[int, int] = {}  # tid -> PyThreadState, as given to the kernel
         self.slots_read: list[int] = []  # per CPU: slots already named
+        self.next_user_id = PY_STACK_ID_BASE + stack_entries  # ids of stacks walked from user space
         self.stacks = 0
         self.unnamed = 0
 
@@ -82,6 +86,7 @@ class PythonStacks:
             for tid in tids:
                 if tid in found:
                     self.bpf["py_threads"][ctypes.c_uint32(tid)] = ctypes.c_uint64(found[tid])
+                    self.tstates[tid] = found[tid]
                     self._settle(tid)
                 else:
                     self.looks[tid] -= 1
@@ -100,6 +105,7 @@ class PythonStacks:
         self.settled.clear()
         self.looks.clear()
         self.bpf["py_threads"].clear()
+        self.tstates.clear()
 
     def _settle(self, tid: int) -> None:
         self.looks.pop(tid, None)
@@ -150,6 +156,7 @@ class PythonStacks:
 
     def _forget_thread(self, tid: int) -> None:
         self.settled.discard(tid)
+        self.tstates.pop(tid, None)
         try:
             del self.bpf["py_threads"][ctypes.c_uint32(tid)]
         except KeyError:
@@ -169,12 +176,12 @@ class PythonStacks:
     def take(self, now_ns: int) -> pa.RecordBatch | None:
         """`stack` rows for the stacks the kernel interned since the last call."""
         used = self.bpf["py_slots_used"][ctypes.c_int(0)]
-        cpus = len(used)
+        cpus = self.cpus
         if not self.slots_read:
             self.slots_read = [0] * cpus
         stacks = self.bpf["py_stacks"]
         ids, pids, names = [], [], []
-        for cpu in range(cpus):
+        for cpu in range(min(cpus, len(used))):
             for n in range(self.slots_read[cpu], int(used[cpu])):
                 slot = n * cpus + cpu
                 st = stacks[ctypes.c_int(slot)]
@@ -186,6 +193,9 @@ class PythonStacks:
                 else:
                     self.unnamed += 1
             self.slots_read[cpu] = int(used[cpu])
+        return self._stack_rows(now_ns, ids, pids, names)
+
+    def _stack_rows(self, now_ns: int, ids: list[int], pids: list[int], names: list[str]) -> pa.RecordBatch | None:
         if not ids:
             return None
         self.stacks += len(ids)
@@ -204,6 +214,43 @@ class PythonStacks:
         depth = min(int(st.depth), len(st.code))
         frames = [namer.frame(int(st.code[i]), int(st.instr[i])) for i in range(depth)]
         return [f for f in frames if f]
+
+    def fill_blocked(self, batch: pa.RecordBatch, now_ns: int) -> list[pa.RecordBatch]:
+        """`batch` (off-CPU rows still open at the stop) with the Python stacks of its
+        threads read now, from user space, where the kernel has none (it takes them at a
+        switch-in that never came); and their `stack` rows.  A blocked thread's frames do
+        not move, so this is the stack it blocked with."""
+        names = batch.schema.names
+        if not batch.num_rows or batch.column(names.index("kind"))[0].as_py() != "offcpu":
+            return [batch]
+        column = names.index("pystack_id")
+        own = batch.column(column).to_pylist()
+        tids, pids = batch.column(names.index("tid")).to_pylist(), batch.column(names.index("pid")).to_pylist()
+        ids, stack_pids, frames = [], [], []
+        for i, (tid, pid) in enumerate(zip(tids, pids)):
+            walked = self._walk_now(tid, pid) if own[i] is None else None
+            if walked:
+                own[i] = self.next_user_id
+                self.next_user_id += 1
+                ids.append(own[i])
+                stack_pids.append(pid)
+                frames.append(";".join(walked))
+        if not ids:
+            return [batch]
+        cols = list(batch.columns)
+        cols[column] = pa.array(own, type=pa.int32())
+        out = [pa.RecordBatch.from_arrays(cols, schema=batch.schema)]
+        return out + [self._stack_rows(now_ns, ids, stack_pids, frames)]
+
+    def _walk_now(self, tid: int, pid: int) -> list[str]:
+        namer, proc, ts = self.namers.get(pid), self.processes.get(pid), self.tstates.get(tid)
+        if namer is None or proc is None or ts is None:
+            return []
+        try:
+            walked = pyruntime.python_frames(namer.mem, ts, proc.offsets)
+        except pyruntime.PyRuntimeError:
+            return []
+        return [f for f in (namer.frame(code, instr) for code, instr in walked) if f]
 
     def close(self) -> None:
         for pid in list(self.processes):

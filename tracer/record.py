@@ -179,7 +179,9 @@ class Recorder:
         for c in self.collectors:
             c.seeded(self.bpf, walked, self.threads, self.start_ns)
         if self.settings.python_frames:
-            self.pystacks = PythonStacks(self.bpf, notice=self.notice)
+            cpus = loader.possible_cpus()
+            self.pystacks = PythonStacks(self.bpf, cpus=cpus, stack_entries=loader.py_stack_entries(cpus),
+                                         notice=self.notice)
             self.threads.exec_listeners.append(self.pystacks.exec_seen)
             self.pystacks.track(self.threads)
         tgids = self.threads.tgids()
@@ -223,8 +225,10 @@ class Recorder:
         self.end_ns = time.monotonic_ns()
         for c in self.collectors:
             for batch in c.still_open(self.bpf, self.threads, self.end_ns, final=True):
-                self.writer.add(batch)
-                self.rows += batch.num_rows
+                # Python stacks of threads blocked to the end, read while they still are
+                for b in self.pystacks.fill_blocked(batch, self.end_ns) if self.pystacks else [batch]:
+                    self.writer.add(b)
+                    self.rows += b.num_rows
         tgids = self.threads.tgids()
         for batch in (procfs.numa_maps_batch(tgids, "end"), taskstats.snapshot(self.threads.live(), "end")):
             if batch is not None:
