@@ -87,6 +87,7 @@ def test_names_and_lines_equal_the_process_own(version):
             assert len(truth) == 4 and truth[proc.pid][0][0] == "<module>"
             assert any("wait_for_data" in f[0][0] for f in truth.values())
             assert namer.frame(py.threads[proc.pid], 0) is None  # a thread state is not a code object
+            assert namer.frame(8, 0) is None  # nothing mapped there
         finally:
             mem.close()
             namer.close()
