@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +17,8 @@ from tests.test_pyruntime import VERSIONS, _interpreter
 from trainbpf.tracer import pycode, pyruntime
 
 # Threads parked at known places: a lock wait in a nested function (GIL released), a
-# method in time.sleep, a generator frame, and the main thread reporting.
+# method in time.sleep, a generator frame, and the main thread in a loop, reporting on
+# the line it then sleeps on.
 WORKLOAD = r'''
 import json, sys, threading, time
 gate = threading.Lock(); gate.acquire()
@@ -34,19 +37,36 @@ for t in ts: t.start()
 time.sleep(0.3)
 def name(code):
     return getattr(code, "co_qualname", code.co_name)
-truth = {}
-for ident, frame in sys._current_frames().items():
-    if ident == threading.main_thread().ident:
-        continue
-    tid = next(t.native_id for t in ts if t.ident == ident)
+def frames_of(frame):
     frames = []
     while frame is not None:
         frames.append([name(frame.f_code), frame.f_code.co_filename, frame.f_lineno])
         frame = frame.f_back
-    truth[tid] = frames
-print(json.dumps(truth), flush=True)
-time.sleep(60)
+    return frames
+def report(main_frame):
+    truth = {threading.main_thread().native_id: frames_of(main_frame)}
+    for ident, frame in sys._current_frames().items():
+        if ident != threading.main_thread().ident:
+            truth[next(t.native_id for t in ts if t.ident == ident)] = frames_of(frame)
+    print(json.dumps(truth), flush=True)
+for step in range(1000):
+    report(sys._getframe()) if step == 0 else None; time.sleep(60)
 '''
+
+# x86-64 nanosleep, clock_nanosleep, pselect6: time.sleep's syscall (3.10: pselect6)
+SLEEP_SYSCALLS = {35, 230, 270}
+
+
+def _wait_asleep(pid: int) -> None:
+    """Until the main thread is in time.sleep: its report is printed before the frames
+    it describes are back to the loop's line."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        fields = Path(f"/proc/{pid}/task/{pid}/syscall").read_text().split()
+        if fields[0].isdigit() and int(fields[0]) in SLEEP_SYSCALLS:
+            return
+        time.sleep(0.01)
+    pytest.fail(f"the main thread of {pid} did not reach time.sleep")
 
 
 @pytest.mark.kernel
@@ -56,6 +76,7 @@ def test_names_and_lines_equal_the_process_own(version):
     proc = subprocess.Popen([_interpreter(version), "-c", WORKLOAD], stdout=subprocess.PIPE, text=True)
     try:
         truth = {int(tid): frames for tid, frames in json.loads(proc.stdout.readline()).items()}
+        _wait_asleep(proc.pid)
         py = pyruntime.attach(proc.pid)
         namer = pycode.CodeNamer(py)
         mem = pyruntime.ProcessMemory(proc.pid)
@@ -63,8 +84,10 @@ def test_names_and_lines_equal_the_process_own(version):
             for tid, frames in truth.items():
                 walked = [namer.frame(code, instr) for code, instr in pyruntime.python_frames(mem, py.threads[tid], py.offsets)]
                 assert walked == [f"{fn} ({file}:{line})" for fn, file, line in frames][:pyruntime.MAX_FRAMES]
+            assert len(truth) == 4 and truth[proc.pid][0][0] == "<module>"
             assert any("wait_for_data" in f[0][0] for f in truth.values())
             assert namer.frame(py.threads[proc.pid], 0) is None  # a thread state is not a code object
+            assert namer.frame(8, 0) is None  # nothing mapped there
         finally:
             mem.close()
             namer.close()
@@ -84,6 +107,13 @@ def test_location_table_forms():
     ])
     ends, lines = pycode.location_ranges(table, 10)
     assert ends == [1, 3, 4, 7, 8] and lines == [11, 11, 13, 0, 12]
+
+
+def test_not_started_is_first_line():
+    """An instruction index before the code (a frame not yet started) is co_firstlineno,
+    as PyCode_Addr2Line answers; past the table is no line."""
+    info = pycode.CodeInfo("f", "f.py", 7, *pycode.pep626_ranges(bytes([4, 1]), 7))
+    assert (info.line(-1), info.line(0), info.line(1), info.line(2)) == (7, 8, 8, 0)
 
 
 def test_pep626_table():

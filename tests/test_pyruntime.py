@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,28 @@ def test_elf_symbol_absent_in_non_python(tmp_path):
     bad = tmp_path / "not-elf"
     bad.write_bytes(b"hello")
     assert ElfSymbols(str(bad)).address_of("_PyRuntime") is None
+
+
+def _readelf_objects(path: str) -> dict[str, int]:
+    """Name -> value of each defined data object (or TLS) in the file's .symtab, for
+    names held by one address only (static objects of several files share names)."""
+    out = subprocess.run(["readelf", "-sW", path], capture_output=True, text=True, check=True).stdout
+    values = defaultdict(set)
+    for row in out[out.index("'.symtab'"):].splitlines():
+        f = row.split()
+        if len(f) == 8 and f[3] in ("OBJECT", "TLS") and f[6] != "UND" and int(f[2], 0) > 0:
+            values[f[7]].add(int(f[1], 16))
+    return {name: v.pop() for name, v in values.items() if len(v) == 1}
+
+
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_address_of_every_object_as_readelf(version):
+    """Every uniquely named data object of libpython, tail-merged names among them
+    ("_PyRuntime" may be stored as the end of a longer name), is found at readelf's value."""
+    _interpreter(version)
+    lib = PYENV / VERSIONS[version] / "lib" / f"libpython{version}.so.1.0"
+    truth = _readelf_objects(str(lib))
+    assert "_PyRuntime" in truth
+    assert any(other != name and other.endswith(name) for name in truth for other in truth)
+    elf = ElfSymbols(str(lib))
+    assert {name: elf.address_of(name) for name in truth} == truth

@@ -24,10 +24,13 @@ MAX_LINETABLE = 1 << 20  # a larger table is not a code object's
 class CodeInfo:
     function: str
     filename: str
+    firstlineno: int
     ends: list[int]  # code units where each line range ends (exclusive), ascending
     lines: list[int]  # the line of each range; 0: no line
 
     def line(self, unit: int) -> int:
+        if unit < 0:  # not started (3.10 f_lasti -1; 3.11/3.12 prev_instr one before the code)
+            return self.firstlineno  # as PyCode_Addr2Line answers
         i = bisect.bisect_right(self.ends, unit)
         return self.lines[i] if i < len(self.lines) else 0
 
@@ -141,7 +144,7 @@ class CodeNamer:
             ends, lines = decode(raw, firstlineno)
         except (pyruntime.PyRuntimeError, ValueError, IndexError, struct.error):
             ends, lines = [], []
-        return CodeInfo(name, filename, ends, lines)
+        return CodeInfo(name, filename, firstlineno, ends, lines)
 
     def _is_code(self, obj: int) -> bool:
         tp = self.mem.u64(obj + self.off["obj.ob_type"])
