@@ -23,6 +23,23 @@ def require_root(what: str = "loads BPF programs") -> None:
     pytest.skip(reason)
 
 
+# The CPython versions the Python-frame walk supports, as installed under pyenv here.
+PYENV = Path("/root/.pyenv/versions")
+PYTHON_VERSIONS = {"3.10": "3.10.13", "3.11": "3.11.7", "3.12": "3.12.1", "3.13": "3.13.0"}
+
+
+def python_interpreter(version: str) -> str:
+    """The pyenv CPython `version` ("3.12"); skipped where it is not installed, except
+    in CI, where a missing interpreter is a broken set-up."""
+    exe = PYENV / PYTHON_VERSIONS[version] / "bin" / "python3"
+    if not exe.exists():
+        reason = f"CPython {version} not installed at {exe}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return str(exe)
+
+
 def _sysctl_path(key: str) -> Path:
     return Path("/proc/sys") / key.replace(".", "/")
 

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kernel_env import require_root
-from tests.test_pyruntime import VERSIONS, _interpreter
+from tests.kernel_env import PYTHON_VERSIONS, python_interpreter, require_root
 from trainbpf.tracer import pycode, pyruntime
 
 # Threads parked at known places: a lock wait in a nested function (GIL released), a
@@ -70,10 +69,10 @@ def _wait_asleep(pid: int) -> None:
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("version", list(VERSIONS))
+@pytest.mark.parametrize("version", list(PYTHON_VERSIONS))
 def test_names_and_lines_equal_the_process_own(version):
     require_root("reads another process's memory")
-    proc = subprocess.Popen([_interpreter(version), "-c", WORKLOAD], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([python_interpreter(version), "-c", WORKLOAD], stdout=subprocess.PIPE, text=True)
     try:
         truth = {int(tid): frames for tid, frames in json.loads(proc.stdout.readline()).items()}
         _wait_asleep(proc.pid)

@@ -6,7 +6,6 @@ the self-test gives native stacks only and a note, never wrong names."""
 from __future__ import annotations
 
 import functools
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tests.kernel_env import require_root
+from tests.kernel_env import PYTHON_VERSIONS, python_interpreter, require_root
 from tests.recording import record_workload
 from trainbpf.analyzers import analyze
 from trainbpf.report import Report
@@ -25,8 +24,6 @@ from trainbpf.tracer.collector import Settings
 from trainbpf.tracer.record import record
 
 WORKLOAD = Path(__file__).with_name("pyframes_workload.py")
-PYENV = Path("/root/.pyenv/versions")
-VERSIONS = {"3.10": "3.10.13", "3.11": "3.11.7", "3.12": "3.12.1", "3.13": "3.13.0"}
 SECONDS = 4  # the forked worker is found at a flush (every second) after it starts
 SETTINGS = Settings(python_frames=True)
 PROBES = ["sched", "futex", "oncpu"]
@@ -40,20 +37,10 @@ def _lines() -> dict[str, int]:
 LINES = _lines()
 
 
-def _interpreter(version: str) -> str:
-    exe = PYENV / VERSIONS[version] / "bin" / "python3"
-    if not exe.exists():
-        reason = f"CPython {version} not installed at {exe}"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return str(exe)
-
-
 def _record(tmp_path: Path, version: str):
     require_root()
     return record_workload(tmp_path / f"py{version}.parquet", "", settings=SETTINGS,
-                           command=[_interpreter(version), str(WORKLOAD), str(SECONDS)],
+                           command=[python_interpreter(version), str(WORKLOAD), str(SECONDS)],
                            probes=PROBES)
 
 
@@ -74,7 +61,7 @@ def _frame(function: str, line: str) -> str:
     return f"{function} ({WORKLOAD}:{LINES[line]})"
 
 
-@pytest.fixture(scope="module", params=list(VERSIONS))
+@pytest.fixture(scope="module", params=list(PYTHON_VERSIONS))
 def recorded(request, tmp_path_factory):
     return request.param, _record(tmp_path_factory.mktemp("pyframes"), request.param)
 
@@ -154,7 +141,7 @@ def test_thread_blocked_to_the_end_is_named(tmp_path, version):
     """A thread blocked (GIL released) for the whole recording has no switch-in, so the
     kernel never took its stacks: its Python stack is read at the stop."""
     require_root()
-    proc = subprocess.Popen([_interpreter(version), "-c", BLOCKED], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([python_interpreter(version), "-c", BLOCKED], stdout=subprocess.PIPE, text=True)
     try:
         blocked = int(proc.stdout.readline())
         out = tmp_path / "blocked.parquet"

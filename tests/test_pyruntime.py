@@ -7,16 +7,13 @@ import os
 import subprocess
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
-from tests.kernel_env import require_root
+from tests.kernel_env import PYENV, PYTHON_VERSIONS, python_interpreter, require_root
 from trainbpf.tracer import pyruntime
 from trainbpf.tracer.addrs import ElfSymbols
 
-PYENV = Path("/root/.pyenv/versions")
-VERSIONS = {"3.10": "3.10.13", "3.11": "3.11.7", "3.12": "3.12.1", "3.13": "3.13.0"}
 # A main thread in time.sleep (GIL released) and a second thread, so the list has two.
 WORKLOAD = ("import threading, time\n"
             "t = threading.Thread(target=time.sleep, args=(30,)); t.start()\n"
@@ -24,20 +21,10 @@ WORKLOAD = ("import threading, time\n"
             "time.sleep(30)\n")
 
 
-def _interpreter(version: str) -> str:
-    exe = PYENV / VERSIONS[version] / "bin" / "python3"
-    if not exe.exists():
-        reason = f"CPython {version} not installed at {exe}"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return str(exe)
-
-
 @pytest.fixture
 def sleeper(request):
     require_root("reads another process's memory")
-    proc = subprocess.Popen([_interpreter(request.param), "-c", WORKLOAD],
+    proc = subprocess.Popen([python_interpreter(request.param), "-c", WORKLOAD],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     deadline = time.monotonic() + 5
@@ -49,7 +36,7 @@ def sleeper(request):
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("sleeper", list(VERSIONS), indirect=True)
+@pytest.mark.parametrize("sleeper", list(PYTHON_VERSIONS), indirect=True)
 def test_thread_list_matches_tasks(sleeper):
     version, proc = sleeper
     py = pyruntime.attach(proc.pid)
@@ -107,12 +94,12 @@ def _readelf_objects(path: str) -> dict[str, int]:
     return {name: v.pop() for name, v in values.items() if len(v) == 1}
 
 
-@pytest.mark.parametrize("version", list(VERSIONS))
+@pytest.mark.parametrize("version", list(PYTHON_VERSIONS))
 def test_address_of_every_object_as_readelf(version):
     """Every uniquely named data object of libpython, tail-merged names among them
     ("_PyRuntime" may be stored as the end of a longer name), is found at readelf's value."""
-    _interpreter(version)
-    lib = PYENV / VERSIONS[version] / "lib" / f"libpython{version}.so.1.0"
+    python_interpreter(version)
+    lib = PYENV / PYTHON_VERSIONS[version] / "lib" / f"libpython{version}.so.1.0"
     truth = _readelf_objects(str(lib))
     assert "_PyRuntime" in truth
     assert any(other != name and other.endswith(name) for name in truth for other in truth)

@@ -126,22 +126,21 @@ def build_source(collectors: list[Collector]) -> str:
     return "".join(parts)
 
 
-def possible_cpus() -> int:
-    """CPU ids the kernel may run a program on (probes/pyframes.h gives each its slots)."""
+@functools.lru_cache(maxsize=None)
+def py_stack_table() -> tuple[int, int]:
+    """(PY_CPUS, PY_STACK_ENTRIES) of the kernel's Python stack table (probes/pyframes.h):
+    the CPU ids the kernel may run a program on, each owning 1/PY_CPUS of the slots, so
+    more CPUs get more slots, within the native stack map's ~17 MB."""
     try:
         text = Path("/sys/devices/system/cpu/possible").read_text().strip()
-        return 1 + max(int(part.split("-")[-1]) for part in text.split(","))
+        cpus = 1 + max(int(part.split("-")[-1]) for part in text.split(","))
     except (OSError, ValueError):
-        return os.cpu_count() or 1
-
-
-def py_stack_entries(cpus: int) -> int:
-    """Slots of the kernel's Python stack table (probes/pyframes.h): each CPU owns
-    1/cpus of them, so more CPUs need more, within the native stack map's ~17 MB."""
-    return min(max(16384, 1024 * cpus), 65536)
+        cpus = os.cpu_count() or 1
+    return cpus, min(max(16384, 1024 * cpus), 65536)
 
 
 def cflags(collectors: list[Collector], settings: Settings, tracefs: Path) -> list[str]:
+    py_cpus, py_stack_entries = py_stack_table()
     defines: dict[str, int | str] = {
         **probe_defines(),
         "RINGBUF_PAGES": settings.ringbuf_pages,
@@ -150,8 +149,8 @@ def cflags(collectors: list[Collector], settings: Settings, tracefs: Path) -> li
         "STACK_FRAMES": settings.stack_frames,
         "STACK_ENTRIES": settings.stack_entries,
         "PYTHON_FRAMES": int(settings.python_frames),
-        "PY_CPUS": possible_cpus(),
-        "PY_STACK_ENTRIES": py_stack_entries(possible_cpus()),
+        "PY_CPUS": py_cpus,
+        "PY_STACK_ENTRIES": py_stack_entries,
         "PY_STACK_ID_BASE": PY_STACK_ID_BASE,
         # Forced ring-buffer wake-ups (common.h submit_flags) often enough that all CPUs
         # together fill at most a quarter of a ring between two.

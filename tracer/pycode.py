@@ -119,6 +119,11 @@ class CodeNamer:
             return None
         return f"{info.function} ({info.filename}:{info.line(self._unit(code, instr))})"
 
+    def stack(self, walked: list[tuple[int, int]]) -> list[str]:
+        """The named frames of a walk's (code, instruction word) pairs, innermost first;
+        frames that cannot be named are left out."""
+        return [f for f in (self.frame(code, instr) for code, instr in walked) if f]
+
     def _unit(self, code: int, instr: int) -> int:
         if self.proc.version == "3.10":
             return struct.unpack("<i", struct.pack("<I", instr & 0xFFFFFFFF))[0]

@@ -91,7 +91,12 @@ PTHREAD_SCAN_BYTES = 2048  # where in glibc's struct pthread its tid is looked f
 
 
 class PyRuntimeError(Exception):
-    """The process is not a CPython we can read; str() is the one-line status."""
+    """The process is not a CPython we can read; str() is the one-line status, `version`
+    the CPython version ("3.12") when the process is one."""
+
+    def __init__(self, message: str, version: str | None = None):
+        super().__init__(message)
+        self.version = version
 
 
 @dataclass
@@ -300,7 +305,7 @@ def attach(pid: int, corrupt: str | None = None) -> PyProcess:
     version, runtime = find_runtime(pid)
     major, minor = map(int, version.split("."))
     if (major, minor) < (3, 10) or ((major, minor) < (3, 13) and version not in _TABLES):
-        raise PyRuntimeError(f"CPython {version}: no offset table for this version yet")
+        raise PyRuntimeError(f"CPython {version}: no offset table for this version yet", version)
     mem = ProcessMemory(pid)
     try:
         if version in _TABLES:
@@ -308,7 +313,7 @@ def attach(pid: int, corrupt: str | None = None) -> PyProcess:
         else:
             off = read_debug_offsets(mem, runtime)
             if off["free_threaded"]:
-                raise PyRuntimeError(f"CPython {version} free-threaded build is not supported")
+                raise PyRuntimeError("free-threaded builds are not supported")
         if corrupt:
             off[corrupt] += 8
         if "ts.native_thread_id" not in off:
@@ -316,7 +321,7 @@ def attach(pid: int, corrupt: str | None = None) -> PyProcess:
         threads = thread_states(mem, runtime, off)
         self_test(mem, pid, runtime, off, threads)
     except PyRuntimeError as err:
-        raise PyRuntimeError(f"CPython {version}: {err}") from None
+        raise PyRuntimeError(f"CPython {version}: {err}", version) from None
     finally:
         mem.close()
     return PyProcess(pid, version, runtime, off, threads)

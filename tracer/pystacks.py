@@ -13,7 +13,6 @@ why (trace metadata `python_frames`)."""
 from __future__ import annotations
 
 import ctypes
-import re
 from collections import defaultdict
 from typing import Callable
 
@@ -28,7 +27,6 @@ from trainbpf.tracer.pycode import CodeNamer
 
 THREAD_LOOKS = 5  # flushes a thread is looked for in its interpreter's thread list
 ATTACH_TRIES = 3  # flushes a CPython whose layout was refused is tried again
-_VERSION = re.compile(r"CPython (3\.\d+)")  # pyruntime's errors name the version first
 FRAME_WINDOW = 128  # probes/pyframes.h PY_FRAME_BYTES: one read per frame
 
 
@@ -120,15 +118,9 @@ class PythonStacks:
             proc = self._attach(pid)
             return proc.threads if proc else {}
         try:
-            mem = pyruntime.ProcessMemory(pid)
-        except OSError:
-            return {}
-        try:
-            return pyruntime.thread_states(mem, proc.runtime, proc.offsets)
+            return pyruntime.thread_states(self.namers[pid].mem, proc.runtime, proc.offsets)
         except pyruntime.PyRuntimeError:
             return {}
-        finally:
-            mem.close()
 
     def _may_retry(self, pid: int) -> bool:
         """A CPython refused fewer than ATTACH_TRIES times: the thread list can read torn
@@ -144,8 +136,8 @@ class PythonStacks:
             kernel_layout(proc, leaf)
             namer = CodeNamer(proc)
         except (pyruntime.PyRuntimeError, OSError) as err:
-            version = _VERSION.match(str(err))
-            self.status[pid] = {"version": version.group(1) if version else None, "status": _one_line(err)}
+            version = getattr(err, "version", None)
+            self.status[pid] = {"version": version, "status": _one_line(err)}
             if self.notice and version and not self._may_retry(pid):
                 self.notice(f"process {pid}: native stacks only: {_one_line(err)}")
             return None
@@ -212,8 +204,7 @@ class PythonStacks:
         if namer is None:
             return []
         depth = min(int(st.depth), len(st.code))
-        frames = [namer.frame(int(st.code[i]), int(st.instr[i])) for i in range(depth)]
-        return [f for f in frames if f]
+        return namer.stack([(int(st.code[i]), int(st.instr[i])) for i in range(depth)])
 
     def fill_blocked(self, batch: pa.RecordBatch, now_ns: int) -> list[pa.RecordBatch]:
         """`batch` (off-CPU rows still open at the stop) with the Python stacks of its
@@ -247,10 +238,9 @@ class PythonStacks:
         if namer is None or proc is None or ts is None:
             return []
         try:
-            walked = pyruntime.python_frames(namer.mem, ts, proc.offsets)
+            return namer.stack(pyruntime.python_frames(namer.mem, ts, proc.offsets))
         except pyruntime.PyRuntimeError:
             return []
-        return [f for f in (namer.frame(code, instr) for code, instr in walked) if f]
 
     def close(self) -> None:
         for pid in list(self.processes):

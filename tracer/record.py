@@ -179,9 +179,8 @@ class Recorder:
         for c in self.collectors:
             c.seeded(self.bpf, walked, self.threads, self.start_ns)
         if self.settings.python_frames:
-            cpus = loader.possible_cpus()
-            self.pystacks = PythonStacks(self.bpf, cpus=cpus, stack_entries=loader.py_stack_entries(cpus),
-                                         notice=self.notice)
+            cpus, entries = loader.py_stack_table()
+            self.pystacks = PythonStacks(self.bpf, cpus=cpus, stack_entries=entries, notice=self.notice)
             self.threads.exec_listeners.append(self.pystacks.exec_seen)
             self.pystacks.track(self.threads)
         tgids = self.threads.tgids()
