@@ -86,6 +86,10 @@ BAD_METADATA = {
     "trainer_tid [1]": {**META, "trainer_tid": [1]},
     "topology.nodes a string": {**META, "topology": {**META["topology"], "nodes": "0-1"}},
     "end before start": {**META, "clock": {**CLOCK, "end_mono_ns": CLOCK["start_mono_ns"] - 10**9}},
+    "python_frames a list": {**META, "python_frames": [True]},
+    "python_frames.processes a list": {**META, "python_frames": {"enabled": True, "processes": ["ok"]}},
+    "python_frames status a number": {**META, "python_frames": {"enabled": True,
+                                                                 "processes": {"1": {"version": "3.12", "status": 0}}}},
 }
 
 

@@ -32,7 +32,7 @@ def _json_default(obj: Any) -> Any:
 # Metadata sections that are JSON objects, and those whose values are all integers
 # (counters): checked when a trace is read, so a damaged trace is a one-line error, not
 # a crash deep inside the analysis.
-META_OBJECTS = ("clock", "topology", "thresholds", "gpu", "lost", "stacks")
+META_OBJECTS = ("clock", "topology", "thresholds", "gpu", "lost", "stacks", "python_frames")
 META_COUNTERS = ("lost", "stacks")
 # The single values the analysis computes with: clock instants (nanoseconds, int64) and
 # thread ids (kernel pids, int32); each may be absent or null.
@@ -80,6 +80,10 @@ def _check_meta_shape(meta: Any, path: Path) -> None:
     processes = (meta.get("gpu") or {}).get("processes")
     if processes is not None and not (isinstance(processes, list) and all(isinstance(p, dict) for p in processes)):
         raise corrupt("gpu.processes is not a list of objects")
+    statuses = (meta.get("python_frames") or {}).get("processes")
+    if statuses is not None and not (isinstance(statuses, dict) and all(
+            isinstance(s, dict) and isinstance(s.get("status"), str) for s in statuses.values())):
+        raise corrupt('python_frames.processes is not {"PID": {"version", "status"}}')
 
 
 def decode_meta(raw: Mapping[bytes, bytes] | None, path: Path) -> dict[str, Any]:
