@@ -151,7 +151,7 @@ static __always_inline void cuda_flush(struct cuda_thread *t)
  * the same thread and process stands for the traced check; anything else is checked.
  * The clock (~80 ns in a VM) is read only when jiffies (~5 ns) moved since it last said
  * the bucket was current, and for a slot's first launch in a bucket: a launch less than
- * a tick after a bucket's end may count in it (as faults.bpf.c does).  A driver launch
+ * a tick after a bucket's end may count in it.  A driver launch
  * consuming a runtime launch's mark is counted in the runtime launch's bucket, first at
  * that bucket's first runtime launch. */
 static __always_inline int cuda_launch(u32 layer)

@@ -112,6 +112,12 @@ BPF_RINGBUF_OUTPUT(task_events, TASK_RINGBUF_PAGES);
 BPF_HASH(switched_out_at, u32, struct switched_out, MAX_THREADS);
 BPF_HASH(woken_at, u32, struct wakeup, MAX_THREADS);
 BPF_HASH(short_waits, struct short_key, struct short_sum, MAX_THREADS);
+/* Where a tracepoint program's arguments lie on this CPU in task context: sched_switch
+ * (always task context) notes it.  The kernel fills tracepoint arguments into one
+ * per-CPU buffer per context (task, softirq, hardirq, NMI: perf_trace_buf_alloc), so a
+ * wake-up whose arguments lie elsewhere ran in interrupt context, where `current` is
+ * whoever was interrupted, not a waker.  0: not noted yet on this CPU. */
+BPF_PERCPU_ARRAY(task_context_args, u64, 1);
 #ifdef HAVE_RAW_TP_SCHED_EXIT_TP
 /* The interval of the task being switched in on this CPU, until sched_exit_tp; tid 0: empty. */
 BPF_PERCPU_ARRAY(switching_in, struct offcpu_event, 1);
@@ -136,6 +142,10 @@ TRACEPOINT_PROBE(sched, sched_switch)
     u64 now = bpf_ktime_get_ns();
     u32 prev = args->prev_pid;
     u32 next = args->next_pid;
+    u32 zero = 0;
+    u64 *task_args = task_context_args.lookup(&zero);
+    if (task_args)
+        *task_args = (u64)args;
 
     if (prev != 0 && is_traced(prev)) {
         struct switched_out so = {};
@@ -201,7 +211,6 @@ TRACEPOINT_PROBE(sched, sched_switch)
     ev.cpu = bpf_get_smp_processor_id();
     ev.state = preempted ? STATE_PREEMPTED : (s32)state;
 #ifdef HAVE_RAW_TP_SCHED_EXIT_TP
-    u32 zero = 0;
     struct offcpu_event *slot = switching_in.lookup(&zero);
     if (!slot)
         return 0;
@@ -251,13 +260,19 @@ TRACEPOINT_PROBE(sched, sched_waking)
     w.ts_ns = bpf_ktime_get_ns();
     w.waker_tid = (u32)id;
     w.waker_pid = id >> 32;
-    /* The kernel stack tells wake-ups from interrupt context (user space drops their
-     * waker), so it is always taken; the waker's user stack only for a wait already
-     * long enough to stream (its Python stack likewise). */
-    w.kstack_id = stack_id(args, 0);
+    /* The wake-up chains use the waker's user and Python stacks, only for a wait already
+     * long enough to stream.  The kernel stack is taken for a wake-up from interrupt
+     * context, where it shows what woke the thread (a timer, an I/O completion) and tells
+     * user space to drop the "waker"; and where this CPU's task-context argument buffer is
+     * not known yet, since then only the stack can tell (user space looks for irq frames). */
+    u32 zero = 0;
+    u64 *task_args = task_context_args.lookup(&zero);
+    int known = task_args && *task_args;
+    int in_task = known && *task_args == (u64)args;
     int long_wait = w.ts_ns - so->ts_ns >= MIN_BLOCK_NS;
-    w.ustack_id = long_wait ? stack_id(args, BPF_F_USER_STACK) : -1;
-    w.pystack_id = long_wait ? py_stack() : PY_STACK_NONE;
+    w.kstack_id = in_task ? -1 : stack_id(args, 0);
+    w.ustack_id = long_wait && !(known && !in_task) ? stack_id(args, BPF_F_USER_STACK) : -1;
+    w.pystack_id = long_wait && !(known && !in_task) ? py_stack() : PY_STACK_NONE;
     woken_at.update(&tid, &w);
     return 0;
 }

@@ -92,7 +92,8 @@ class Trainbpf(Tracer):
 
     def stop(self) -> dict:
         result = self.rec.stop()
-        return {"rows": result["rows"], "lost": sum(result["lost"].values()), "bytes": result["bytes"]}
+        return {"rows": result["rows"], "lost": sum(result["lost"].values()), "bytes": result["bytes"],
+                "faults": result.get("faults") or {}}
 
 
 class TrainbpfAt(Trainbpf):
@@ -385,7 +386,11 @@ def main() -> None:
             print(f"  {name}: wall {wall_ratio[name]:.3f}, CPU {cpu_ratio[name]:.3f}")
 
 
-TARGETS_NS = {"page_fault_user": 40, "sched_switch": 1000, "on_cpu_sample": 5000}  # issue 13, target 3
+TARGETS_NS = {"page fault": 40, "sched_switch": 1000, "on_cpu_sample": 5000}  # issue 13, target 3
+# Faults cost in-kernel time where a program runs on each (page_fault_user, before);
+# where the recorder reads the kernel's per-thread counters instead, its CPU in the reads
+# per fault counted (trace metadata `faults`; that CPU is in the tool's share already).
+FAULT_PROGRAM = "page_fault_user"
 
 
 def print_costs(costs: dict[str, list["KernelCost"]]) -> None:
@@ -415,6 +420,9 @@ def print_costs(costs: dict[str, list["KernelCost"]]) -> None:
                            f"NOT met (x{med / target:.1f})"])
     bl.print_table(f"in-kernel ns per event, {TRAINBPF}, median (range) over runs",
                    ["program", "ns/run", "target ns", "status"], event_rows)
+    if not any(r[0] == FAULT_PROGRAM for c in ours for r in c.rows):
+        print("  page fault: no program runs on a fault; the row is the recorder's CPU reading the kernel's\n"
+              "  per-thread fault counters, per fault counted (part of the tool CPU above)")
     typical = sorted(ours, key=lambda c: c.share)[len(ours) // 2]
     bl.print_table(f"in-kernel cost per program, {TRAINBPF}, the run with the median accounted cost",
                    ["program", "runs", "total ms", "ns/run"], typical.rows)
@@ -479,7 +487,14 @@ class KernelCost:
         """In-kernel time and the tool's CPU, per context switch."""
         return (self.bpf_s + self.tool_cpu_s) * 1e9 / max(1, self.switches)
 
+    fault_reads: dict = field(default_factory=dict)  # trace metadata `faults`, where counters were read
+
     def per_run(self, program: str) -> float:
+        if program == "page fault":
+            if any(r[0] == FAULT_PROGRAM for r in self.rows):
+                return self.per_run(FAULT_PROGRAM)
+            counted = self.fault_reads.get("counted", 0)
+            return self.fault_reads.get("read_cpu_ns", 0) / counted if counted else float("nan")
         runs = [(int(r[1]), float(r[2])) for r in self.rows if r[0] == program]
         return sum(ms for _, ms in runs) * 1e6 / max(1, sum(n for n, _ in runs)) if runs else float("nan")
 
@@ -497,8 +512,8 @@ def kernel_cost_run(tracer: Tracer, argv: list[str], tmp: Path) -> KernelCost:
         cpu, tcpu = bl.cpu_seconds(work.pid) - cpu0, bl.cpu_seconds(tracer.pid) - tcpu0
         rows = bl.kernel_cost_rows(tracer.pid)  # while the programs are still loaded
         work.finish()
-        tracer.stop()
-        return KernelCost(rows, sum(float(r[2]) for r in rows) / 1e3, cpu, tcpu)
+        stopped = tracer.stop()
+        return KernelCost(rows, sum(float(r[2]) for r in rows) / 1e3, cpu, tcpu, stopped.get("faults") or {})
     finally:
         work.kill()
         if tracer.proc.poll() is None:

@@ -30,7 +30,7 @@ def spin(seconds: float) -> None:
 def basic() -> dict:
     """A 50 ms futex wait; a producer waking a consumer; 200 MB of faults; 64 MB
     mmap/munmap; a child process forked after start and named; two threads contending
-    for the GIL."""
+    for the GIL; timer wake-ups of a sleeper sharing its CPU with a spinner."""
     out: dict = {"main": threading.get_native_id()}
 
     def gil_spinner(i: int) -> None:
@@ -101,6 +101,29 @@ def basic() -> dict:
     os.read(r, 1)
     os.waitpid(child, 0)
     out["child"] = child
+
+    # Timers wake a sleeper while a traced spinner holds its CPU: the wake-ups run in
+    # interrupt context, where `current` (the spinner, mostly) is no waker.
+    cpu = min(os.sched_getaffinity(0))
+    spinner = os.fork()
+    if spinner == 0:
+        os.sched_setaffinity(0, {cpu})
+        set_thread_name("tb_spinner")
+        spin(0.5)
+        os._exit(0)
+
+    def sleeper() -> None:
+        set_thread_name("tb_sleeper")
+        out["sleeper"] = threading.get_native_id()
+        os.sched_setaffinity(0, {cpu})
+        for _ in range(10):
+            time.sleep(0.02)
+
+    t = threading.Thread(target=sleeper)
+    t.start()
+    t.join()
+    os.waitpid(spinner, 0)
+    out["spinner"] = spinner
     return out
 
 

@@ -68,7 +68,7 @@ class Collector:
     """Base class: one probe's source, requirements and decoding."""
 
     name: ClassVar[str]
-    source: ClassVar[str]  # file under probes/
+    source: ClassVar[str | None]  # file under probes/; None: the collector reads no BPF
     tracepoints: ClassVar[tuple[str, ...]] = ()  # "category:event" the probe needs
     optional_tracepoints: ClassVar[tuple[str, ...]] = ()  # compiled in when present
     # Bare tracepoints (no tracefs entry), attached as raw tracepoints when present.
@@ -117,9 +117,16 @@ class Collector:
         (`final` True) what ends with the recording."""
         return []
 
+    def sample(self, now_ns: int) -> None:
+        """Called at every poll of the ring buffers (~10 times a second): for what is
+        read from user space at its own rate."""
+
     def meta(self) -> dict:
         """What the probe adds to the trace metadata when the recording ends."""
         return {}
+
+    def close(self) -> None:
+        """Let go of what the collector holds open; the recording is over."""
 
 
 @dataclass

@@ -1,27 +1,227 @@
-"""Collector for probes/faults.bpf.c: user page faults counted per thread and bucket."""
+"""Page faults per traced thread, from the kernel's own per-thread counters.
+
+The kernel counts every fault a task takes (minflt and majflt, fields 10 and 12 of
+/proc/PID/task/TID/stat); the collector reads them every `fault_bucket_ns` and writes
+each thread's increase as a `faults` row spanning the time since the last read.  No
+program runs on a fault: a probe on page_fault_user cost each of the ~10^5 faults a
+second a training step takes 80-140 ns, more than any other probe on the benchmark
+trainer (docs/performance.md §1); reading a thread's counters costs ~3 µs.
+
+The counters hold faults taken from user space and those the kernel takes on user memory
+for the thread (a read() into a fresh buffer).  A thread born while recording starts
+from zero (the kernel resets the counters at clone).  A thread's last counts, once it
+exits, come from the kernel's exit statistics (taskstats over netlink, which sends every
+exiting task's counters to a registered listener): a thread born and gone between two
+reads is counted whole.  Without taskstats, what a thread faulted after its last read is
+not counted: at most one read's worth.
+"""
 
 from __future__ import annotations
 
+import os
+import select
+import socket
+import time
+
+import numpy as np
 import pyarrow as pa
 
-from trainbpf.tracer.collector import Collector, bucket_batches, drain_hash
+from trainbpf.tracefile import make_batch
+from trainbpf.tracer.collector import Collector, ThreadTable
+
+# Fields after the comm's closing ")": state ppid pgrp session tty_nr tpgid flags minflt
+# cminflt majflt (proc(5)).
+MINFLT_FIELD = 7
+MAJFLT_FIELD = 9
+STAT_READ_BYTES = 1024  # a stat line is ~300 bytes
+FLUSH_GRACE_NS = 1_000_000_000  # an ended thread waits this long for its exit statistics
 
 
-RAW_TRACEPOINT = "page_fault_user"  # attached raw (faults.bpf.c), checked in tracefs by its full name
+def read_faults(fd: int) -> int | None:
+    """minflt + majflt of the task whose stat file `fd` holds open; None once it is gone."""
+    try:
+        text = os.pread(fd, STAT_READ_BYTES, 0)
+        fields = text[text.rindex(b")") + 2:].split()
+        return int(fields[MINFLT_FIELD]) + int(fields[MAJFLT_FIELD])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ExitListener:
+    """Each exiting task's fault counters, from taskstats exit notifications."""
+
+    RCVBUF_BYTES = 4 << 20  # ~10k exits' messages between two reads
+
+    def __init__(self):
+        from pyroute2 import TaskStats
+
+        self.cpus = f"0-{(os.cpu_count() or 1) - 1}"
+        self.sock = TaskStats()
+        try:
+            self.sock.bind()
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.RCVBUF_BYTES)
+            self.sock.register_mask(self.cpus)
+        except Exception:
+            self.sock.close()
+            raise
+
+    def take(self) -> dict[int, int]:
+        """tid -> minflt + majflt of the tasks that exited since the last take."""
+        out: dict[int, int] = {}
+        while select.select([self.sock.fileno()], [], [], 0)[0]:
+            try:
+                messages = self.sock.get()
+            except Exception:  # an overrun (ENOBUFS) or a torn message: what was read stays
+                break
+            for msg in messages:
+                aggr = msg.get_attr("TASKSTATS_TYPE_AGGR_PID")
+                stats = aggr.get_attr("TASKSTATS_TYPE_STATS") if aggr is not None else None
+                if stats is not None:
+                    out[int(stats["ac_pid"])] = int(stats["ac_minflt"]) + int(stats["ac_majflt"])
+        return out
+
+    def close(self) -> None:
+        try:
+            self.sock.deregister_mask(self.cpus)
+        except Exception:
+            pass
+        self.sock.close()
 
 
 class FaultsCollector(Collector):
     name = "faults"
-    source = "faults.bpf.c"
-    tracepoints = ("exceptions:page_fault_user",)
+    source = None  # no BPF: the kernel's per-thread counters (above)
 
-    def defines(self) -> dict[str, int]:
-        return {"FAULT_BUCKET_NS": self.settings.fault_bucket_ns}
+    def __init__(self, settings, proc: str = "/proc"):
+        super().__init__(settings)
+        self.proc = proc
+        self.threads = ThreadTable()  # the recorder's, from seeded()
+        self._open_threads: dict[int, list[int]] = {}  # tid -> [stat fd, tgid, faults at the last read, its time]
+        self._ended: dict[int, tuple[int, int, int]] = {}  # tid -> (tgid, faults, time) of its last read
+        self._seen: set[int] = set()  # tids opened once
+        self._exits: ExitListener | None = None
+        # Exit counters not placed yet: tid -> (faults, the read before, the read that took them)
+        self._exit_counts: dict[int, tuple[int, int, int]] = {}
+        self._last_ns = 0
+        self._rows: list[tuple[int, int, int, int, int]] = []  # (from ns, to ns, tid, tgid, faults)
+        self._reads = 0
+        self._read_cpu_ns = 0  # the recorder's CPU in the reads (meta: what counting costs)
+        self._counted = 0
+
+    def seeded(self, bpf, walked: list, threads: ThreadTable, now_ns: int) -> None:
+        self.threads = threads
+        try:
+            self._exits = ExitListener()
+        except Exception as exc:  # no taskstats: a thread's faults after its last read are lost
+            if self.notice:
+                self.notice(f"faults of exiting threads are not counted after their last read (taskstats: {exc})")
+        for t in walked:  # counting starts here, from what each thread has already faulted
+            self._open(t.tid, t.pid, now_ns, born_while_recording=False)
+        self._last_ns = now_ns
+
+    def sample(self, now_ns: int) -> None:
+        """Read the counters when `fault_bucket_ns` has passed since the last read."""
+        if now_ns - self._last_ns >= self.settings.fault_bucket_ns:
+            self._read(now_ns)
 
     def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
-        if final:  # stop counting first, so the runs still open in the per-CPU slots are exact
-            bpf.detach_raw_tracepoint(tp=RAW_TRACEPOINT)
-        counts = [(k.bucket, k.tid, k.pid, getattr(v, "value", v)) for k, v in drain_hash(bpf["fault_counts"])]
+        if final:  # the last counts, then let the files go
+            self._read(now_ns)
+        self._place_exits(final=final)
         if final:
-            counts += [(r.bucket, r.tid, r.pid, r.count) for r in bpf["fault_runs"][0] if r.traced and r.count]
-        return bucket_batches("faults", counts, self.settings.fault_bucket_ns)
+            self.close()
+        rows, self._rows = self._rows, []
+        if not rows:
+            return []
+        start, end, tid, pid, count = (np.array(col, dtype=np.int64) for col in zip(*rows))
+        self._counted += int(count.sum())
+        return [make_batch("faults", {
+            "ts_ns": start, "dur_ns": end - start, "tid": tid.astype(np.int32), "pid": pid.astype(np.int32),
+            "count": count,
+        })]
+
+    def meta(self) -> dict:
+        return {"faults": {"reads": self._reads, "counted": self._counted, "read_cpu_ns": self._read_cpu_ns,
+                           "exit_counts": int(self._exits is not None or self._reads == 0)}}
+
+    def close(self) -> None:
+        for fd, *_ in self._open_threads.values():
+            os.close(fd)
+        self._open_threads.clear()
+        if self._exits is not None:
+            self._exits.close()
+            self._exits = None
+
+    # -- reading ---------------------------------------------------------------------
+    def _open(self, tid: int, tgid: int, now_ns: int, *, born_while_recording: bool) -> None:
+        if tid in self._seen:
+            return
+        try:
+            fd = os.open(f"{self.proc}/{tgid}/task/{tid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # gone already: its exit statistics say what it faulted
+            return
+        faults = 0 if born_while_recording else read_faults(fd)
+        if faults is None:
+            os.close(fd)
+            return
+        self._seen.add(tid)
+        # A thread born since the last read: its counts since birth, from that read.
+        self._open_threads[tid] = [fd, tgid, faults, self._last_ns if born_while_recording else now_ns]
+
+    def _read(self, now_ns: int) -> None:
+        cpu_ns = time.thread_time_ns()
+        self._read_counters(now_ns)
+        self._read_cpu_ns += time.thread_time_ns() - cpu_ns
+        self._reads += 1
+
+    def _read_counters(self, now_ns: int) -> None:
+        # Threads the recorder learnt of since the last read (at each flush), and those
+        # born since the last flush, which only their process's task list shows yet.
+        for tid, tgid in self.threads.live().items():
+            self._open(tid, tgid, now_ns, born_while_recording=True)
+        for tgid in {entry[1] for entry in self._open_threads.values()}:
+            try:
+                listed = os.listdir(f"{self.proc}/{tgid}/task")
+            except OSError:
+                continue
+            for name in listed:
+                self._open(int(name), tgid, now_ns, born_while_recording=True)
+        for tid, entry in list(self._open_threads.items()):
+            fd, tgid, before, since = entry
+            faults = read_faults(fd)
+            if faults is None:  # exited and reaped: the rest comes with its exit statistics
+                os.close(fd)
+                del self._open_threads[tid]
+                self._ended[tid] = (tgid, before, since)
+                continue
+            if faults > before:
+                self._rows.append((since, now_ns, tid, tgid, faults - before))
+            entry[2:] = [faults, now_ns]
+        if self._exits is not None:  # after the reads: a thread reaped before them has sent its own
+            for tid, faults in self._exits.take().items():
+                self._exit_counts[tid] = (faults, self._last_ns, now_ns)
+        self._last_ns = now_ns
+
+    def _place_exits(self, *, final: bool) -> None:
+        """Rows for what exited threads faulted after their last read, at a flush: by
+        then the recorder's thread table knows the threads born and gone between two
+        reads.  Exits of tasks that are not ours (every exit on the machine reaches the
+        listener) are dropped."""
+        for tid, (faults, before_ns, taken_ns) in list(self._exit_counts.items()):
+            entry = self._open_threads.get(tid)
+            if entry is not None and entry[2] < faults and not final:
+                continue  # sent at its exit, reaped after this read: its stat fails at the next
+            del self._exit_counts[tid]
+            if entry is not None:
+                continue  # its last read saw what it sent
+            ended = self._ended.pop(tid, None)
+            tgid = ended[0] if ended else self.threads.tgid.get(tid)
+            if tgid is None:
+                continue
+            before, since = ended[1:] if ended else (0, before_ns)
+            if faults > before:
+                self._rows.append((since, taken_ns, tid, tgid, faults - before))
+        # Ended without exit statistics yet: they come with the next read, or never (no
+        # taskstats; a socket overrun), and then what the thread did since its last read is lost.
+        for tid in [t for t, (_, _, since) in self._ended.items() if final or since < self._last_ns - 2 * FLUSH_GRACE_NS]:
+            del self._ended[tid]

@@ -121,6 +121,8 @@ def build_source(collectors: list[Collector]) -> str:
     parts = [f'#line 1 "common.h"\n', (pdir / "common.h").read_text(),
              f'\n#line 1 "pyframes.h"\n', (pdir / "pyframes.h").read_text()]
     for c in collectors:
+        if c.source is None:
+            continue
         parts.append(f'\n#line 1 "{c.source}"\n')
         parts.append((pdir / c.source).read_text())
     return "".join(parts)

@@ -129,6 +129,8 @@ class Recorder:
                 self.gpu.stop()
                 self.writer.release()  # the spool's lock, whatever happened
         finally:
+            for c in self.collectors:
+                c.close()
             if self.symbolizer is not None:
                 self.symbolizer.close()
             if self.pystacks is not None:
@@ -200,6 +202,8 @@ class Recorder:
             # returns after POLL_MS, or early when a burst forces a wake-up.
             self.rings.poll(POLL_MS)
             now = time.monotonic()
+            for c in self.collectors:
+                c.sample(time.monotonic_ns())
             if deadline and now >= deadline:
                 self.request_stop("duration")
             if self.pid is not None and not proctree.is_alive(self.pid):

@@ -79,7 +79,8 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # (wake-up -> switch-in; all of dur_ns for "R").  peer_* name the waker and its stacks
     # at the wake-up; peer_tid/peer_pid/peer_ustack_id are null when preempted or when the
     # wake-up ran in interrupt context (a timer, an I/O completion), where peer_kstack_id
-    # still shows what woke the thread.  peer_ustack_id is also -1 when the wake-up came
+    # shows what woke the thread; a waker in task context has no kernel stack (-1: the
+    # recorder takes it only from interrupt context).  peer_ustack_id is also -1 when the wake-up came
     # sooner than min_block_ns after the switch-out (the interval got that long waiting
     # for a CPU); the recorder takes the waker's user stack only for waits that long.
     # kstack_id/ustack_id: stacks at switch-out (-1 where unknown: for intervals seeded at
@@ -115,7 +116,8 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # MAP_SHARED or /dev/shm mapping, file, anon, unknown), name = the data symbol and
     # offset in an image ("_PyRuntime+0x1b0 [python3.11]"), else the mapping's path.
     "futex_addr": ("ts_ns", "pid", "addr", "state", "name"),
-    # User page faults counted in the kernel per (tid, time bucket of dur_ns).
+    # Page faults of a thread during [ts_ns, ts_ns + dur_ns): the kernel's per-thread
+    # counters (minflt + majflt) read every fault_bucket_ns (tracer/faults.py).
     "faults": ("ts_ns", "dur_ns", "tid", "pid", "count"),
     # mmap_lock wait start_locking -> acquire_returned; state "read"/"write";
     # count = 1 on success.

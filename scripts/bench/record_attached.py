@@ -32,7 +32,17 @@ def main() -> None:
                     force=True)  # benchmarks record into the same scratch file run after run
     print(json.dumps({"rows": result.rows, "lost": result.lost, "duration_s": result.duration_s,
                       "bytes": result.bytes, "stop_reason": result.stop_reason,
-                      "threads": result.threads}), flush=True)
+                      "threads": result.threads, "faults": _meta(args.output).get("faults")}), flush=True)
+
+
+def _meta(path: str) -> dict:
+    """The trace's metadata (what a revision without some key simply lacks)."""
+    import pyarrow.parquet as pq
+
+    from trainbpf.schema import METADATA_KEY
+
+    raw = (pq.read_schema(path).metadata or {}).get(METADATA_KEY)
+    return json.loads(raw) if raw else {}
 
 
 if __name__ == "__main__":

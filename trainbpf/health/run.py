@@ -34,6 +34,7 @@ from trainbpf.tracer.proctree import is_alive
 # The hard backstop fires this long after the time limit when the soft stop did not
 # end the run (the main thread stuck where signals cannot reach it, e.g. a compile).
 BACKSTOP_GRACE_S = 10.0
+NODE_FAULT_READ_NS = 1_000_000_000  # every thread on the node: its fault counters read once a second
 
 
 class HealthBusy(TrainbpfError):
@@ -205,7 +206,9 @@ def _record(*, root: int | None, output: Path, config: HealthConfig, expired: th
     from trainbpf.tracer.record import record
 
     # No Python frames: a node-wide check would attach to every Python process on the node.
-    settings = Settings(trace_all=root is None, python_frames=False)
+    # Node-wide, every thread's fault counters are read once a second, not ten times.
+    settings = Settings(trace_all=root is None, python_frames=False,
+                        **({"fault_bucket_ns": NODE_FAULT_READ_NS} if root is None else {}))
     result = record(pid=root, output=output, duration=config.duration_s, settings=settings,
                     gpu=config.gpu, handle_signals=threading.current_thread() is threading.main_thread(),
                     force=True)  # the trace of the previous run
