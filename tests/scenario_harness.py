@@ -397,11 +397,19 @@ def _tail(path: Path, n: int = 2000) -> str:
         return "(no log)"
 
 
-def run_scenario(scenario: Scenario, workdir: Path, gpu_source: str = "nvidia-smi") -> ScenarioResult:
+def run_scenario(scenario: Scenario, workdir: Path, gpu_source: str = "nvidia-smi", *,
+                 recorder_pythonpath: Path | None = None) -> ScenarioResult:
     """Record the scenario's workload for RECORD_SECONDS, sampling the simulated GPU
-    through `gpu_source` ("nvidia-smi" or "nvml"), and analyse the trace."""
+    through `gpu_source` ("nvidia-smi" or "nvml"), and analyse the trace.  With
+    `recorder_pythonpath` the recording is made by the trainbpf package found there
+    (another revision's, scripts/compare_scenarios.py), the analysis by this one."""
     cli = trainbpf_cli()
     env = fake_gpu_env(workdir) if gpu_source == "nvidia-smi" else fake_nvml_env(workdir)
+    record_cli = [str(cli)]
+    record_env = env
+    if recorder_pythonpath is not None:
+        record_cli = [sys.executable, "-m", "trainbpf.cli"]
+        record_env = {**env, "PYTHONPATH": str(recorder_pythonpath)}
     record_args = ["--gpu", gpu_source]
     trace = workdir / f"{scenario.name}.parquet"
     # The spool appears once the probes are compiled and attaching: start the load then.
@@ -424,9 +432,9 @@ def run_scenario(scenario: Scenario, workdir: Path, gpu_source: str = "nvidia-sm
         neighbours = NeighbourMeter(workload.pid)
         neighbours.start()
         recorded = subprocess.run(
-            [str(cli), "record", "--pid", str(workload.pid), "--duration", str(RECORD_SECONDS),
+            [*record_cli, "record", "--pid", str(workload.pid), "--duration", str(RECORD_SECONDS),
              "-o", str(trace), *record_args],
-            env=env, capture_output=True, text=True, timeout=RECORD_TIMEOUT_S,
+            env=record_env, capture_output=True, text=True, timeout=RECORD_TIMEOUT_S,
         )
         neighbour_cores = neighbours.stop()
         (workdir / "record.log").write_text(recorded.stdout + recorded.stderr)

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from trainbpf.tracefile import make_batch
 from trainbpf.tracer.addrs import parse_maps
-from trainbpf.tracer.collector import Collector, array_values, bucket_batches, drain_hash, stack_ids
+from trainbpf.tracer.collector import Collector, ThreadTable, array_values, bucket_batches, drain_hash, stack_ids
 
 LAYERS = ("runtime", "driver")
 KINDS = ("launch", "wait", "copy", "alloc", "free")
@@ -102,6 +102,7 @@ class CudaCollector(Collector):
         self.libraries: dict[tuple[str, int], dict] = {}  # (device, inode) -> metadata
         self._maps_seen: dict[int, int] = {}  # pid -> hash of its maps when last scanned
         self._pids: set[int] = set()
+        self.threads = ThreadTable()  # the recorder's, from seeded()
 
     def defines(self) -> dict[str, int | str]:
         return {"MIN_CUDA_NS": self.settings.min_cuda_ns, "CUDA_BUCKET_NS": self.settings.cuda_bucket_ns,
@@ -115,12 +116,13 @@ class CudaCollector(Collector):
                 **{f"CUDA_SLOT_{name.upper()}": i for i, (name, _, _) in enumerate(LAUNCH_SLOTS)}}
 
     def seeded(self, bpf, walked, threads, now_ns: int) -> None:
-        self._pids.update(threads.tgids())
+        self.threads = threads
         self.scan(bpf)
 
     def scan(self, bpf) -> None:
         """Attach to CUDA libraries newly mapped by traced processes."""
-        self._pids.update(int(v.value) for v in bpf["traced"].values())
+        # The recorder's table, which learns of new processes at each flush.
+        self._pids.update(self.threads.live().values())
         for pid in sorted(self._pids):
             try:
                 with open(f"/proc/{pid}/maps") as fh:

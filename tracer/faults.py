@@ -19,8 +19,8 @@ not counted: at most one read's worth.
 from __future__ import annotations
 
 import os
-import select
 import socket
+import struct
 import time
 
 import numpy as np
@@ -47,10 +47,58 @@ def read_faults(fd: int) -> int | None:
         return None
 
 
-class ExitListener:
-    """Each exiting task's fault counters, from taskstats exit notifications."""
+# taskstats exit notifications (linux/taskstats.h): a generic netlink message whose
+# TASKSTATS_TYPE_AGGR_PID attribute nests TASKSTATS_TYPE_STATS, a struct taskstats.  The
+# struct only ever grows at its end, so these offsets hold for every version.
+NLMSG_HEADER = struct.Struct("=IHHII")
+GENL_HEADER_BYTES = 4
+NLA_HEADER = struct.Struct("=HH")
+NLA_TYPE_MASK = 0x3FFF
+TASKSTATS_TYPE_STATS = 3
+TASKSTATS_TYPE_AGGR_PID = 4
+TASKSTATS_AC_PID = 128  # offsetof(struct taskstats, ac_pid)
+TASKSTATS_AC_MINFLT = 168  # offsetof(struct taskstats, ac_minflt); ac_majflt follows
+U32 = struct.Struct("=I")
+TWO_U64 = struct.Struct("=QQ")
 
-    RCVBUF_BYTES = 4 << 20  # ~10k exits' messages between two reads
+
+def _attributes(data: bytes, start: int, end: int):
+    """(type, payload start, payload end) of the netlink attributes in data[start:end]."""
+    while start + NLA_HEADER.size <= end:
+        length, kind = NLA_HEADER.unpack_from(data, start)
+        if length < NLA_HEADER.size or start + length > end:
+            return
+        yield kind & NLA_TYPE_MASK, start + NLA_HEADER.size, start + length
+        start += (length + 3) & ~3
+
+
+def exit_faults(data: bytes) -> dict[int, int]:
+    """tid -> minflt + majflt of each task whose exit statistics `data` (what one read of
+    the socket returned) holds; whatever does not parse is skipped."""
+    out: dict[int, int] = {}
+    offset = 0
+    while offset + NLMSG_HEADER.size <= len(data):
+        length = NLMSG_HEADER.unpack_from(data, offset)[0]
+        if length < NLMSG_HEADER.size or offset + length > len(data):
+            break
+        for kind, start, end in _attributes(data, offset + NLMSG_HEADER.size + GENL_HEADER_BYTES, offset + length):
+            if kind != TASKSTATS_TYPE_AGGR_PID:
+                continue
+            for inner, s, e in _attributes(data, start, end):
+                if inner == TASKSTATS_TYPE_STATS and e - s >= TASKSTATS_AC_MINFLT + TWO_U64.size:
+                    minflt, majflt = TWO_U64.unpack_from(data, s + TASKSTATS_AC_MINFLT)
+                    out[U32.unpack_from(data, s + TASKSTATS_AC_PID)[0]] = minflt + majflt
+        offset += (length + 3) & ~3
+    return out
+
+
+class ExitListener:
+    """Each exiting task's fault counters, from taskstats exit notifications (pyroute2
+    finds the netlink family and registers; the messages are parsed here: pyroute2's
+    parser costs ~150 µs a message, and every exit on the machine sends one)."""
+
+    RCVBUF_BYTES = 4 << 20  # ~7k exits' messages between two reads
+    READ_BYTES = 65536
 
     def __init__(self):
         from pyroute2 import TaskStats
@@ -61,6 +109,8 @@ class ExitListener:
             self.sock.bind()
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.RCVBUF_BYTES)
             self.sock.register_mask(self.cpus)
+            self.fd = self.sock.fileno()
+            os.set_blocking(self.fd, False)
         except Exception:
             self.sock.close()
             raise
@@ -68,17 +118,16 @@ class ExitListener:
     def take(self) -> dict[int, int]:
         """tid -> minflt + majflt of the tasks that exited since the last take."""
         out: dict[int, int] = {}
-        while select.select([self.sock.fileno()], [], [], 0)[0]:
+        while True:
             try:
-                messages = self.sock.get()
-            except Exception:  # an overrun (ENOBUFS) or a torn message: what was read stays
-                break
-            for msg in messages:
-                aggr = msg.get_attr("TASKSTATS_TYPE_AGGR_PID")
-                stats = aggr.get_attr("TASKSTATS_TYPE_STATS") if aggr is not None else None
-                if stats is not None:
-                    out[int(stats["ac_pid"])] = int(stats["ac_minflt"]) + int(stats["ac_majflt"])
-        return out
+                data = os.read(self.fd, self.READ_BYTES)
+            except BlockingIOError:
+                return out
+            except OSError:  # an overrun (ENOBUFS): the exits it dropped are not counted
+                continue
+            if not data:
+                return out
+            out.update(exit_faults(data))
 
     def close(self) -> None:
         try:

@@ -25,8 +25,10 @@ GAUGES = ("nr_dirty", "nr_writeback", "nr_dirty_threshold", "nr_dirty_background
 
 
 def read_vmstat(path: Path = Path("/proc/vmstat")) -> dict[str, int]:
+    with open(path, "rb") as fh:  # read at every flush: plain bytes, no pathlib
+        text = fh.read().decode()
     out = {}
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         key, _, val = line.partition(" ")
         if key.startswith(VMSTAT_PREFIXES):
             out[key] = int(val)
@@ -38,14 +40,15 @@ def read_psi(root: Path = Path("/proc/pressure")) -> dict[str, int]:
     out = {}
     for res in ("cpu", "memory", "io"):
         try:
-            text = (root / res).read_text()
+            with open(f"{root}/{res}", "rb") as fh:
+                text = fh.read().decode()
         except OSError:
             continue
         for line in text.splitlines():
             kind, _, rest = line.partition(" ")
-            m = re.search(r"total=(\d+)", rest)
-            if m:
-                out[f"{res}.{kind}"] = int(m.group(1))
+            total = rest.rpartition("total=")[2]
+            if total.isdigit():
+                out[f"{res}.{kind}"] = int(total)
     return out
 
 

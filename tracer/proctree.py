@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,30 @@ def is_alive(pid: int) -> bool:
     except OSError:
         return False
     return any(process_state(pid, tid) not in (None, "Z", "X") for tid in tids)
+
+
+class Liveness:
+    """Whether process `pid` still runs, asked at every poll (ten times a second).  A
+    pidfd turns readable once its last thread has exited (a main thread that called
+    pthread_exit does not count), which costs one select() instead of reading /proc
+    (~50-90 µs a time in the recorder); without pidfd_open, /proc as is_alive reads it."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        try:
+            self.fd: int | None = os.pidfd_open(pid)
+        except (OSError, AttributeError):  # gone already, or a kernel before 5.3
+            self.fd = None
+
+    def alive(self) -> bool:
+        if self.fd is None:
+            return is_alive(self.pid)
+        return not select.select([self.fd], [], [], 0)[0]
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def _children() -> dict[int, list[int]]:

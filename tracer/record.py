@@ -194,6 +194,14 @@ class Recorder:
             self.on_attached()
 
     def _drain(self) -> None:
+        target = proctree.Liveness(self.pid) if self.pid is not None else None
+        try:
+            self._drain_until_stop(target)
+        finally:
+            if target is not None:
+                target.close()
+
+    def _drain_until_stop(self, target: proctree.Liveness | None) -> None:
         start = self.start_ns / 1e9
         deadline = start + self.duration if self.duration else None
         next_flush = start + FLUSH_INTERVAL_S
@@ -206,7 +214,7 @@ class Recorder:
                 c.sample(time.monotonic_ns())
             if deadline and now >= deadline:
                 self.request_stop("duration")
-            if self.pid is not None and not proctree.is_alive(self.pid):
+            if target is not None and not target.alive():
                 self.request_stop("target exited")
             # Read once: a signal arriving during the flush below must not end the loop
             # before the ring buffers are drained, so it takes effect next time round.
