@@ -3,14 +3,17 @@
 this revision: do the answers stay the same (issue 13, target 4)?
 
 For each scenario (tests/scenario_harness.py: one injected bottleneck with a known
-answer), `--runs` recordings by each recorder, alternating, each analysed the same way;
+answer), `--runs` recordings by each recorder, alternating, each analysed the same way
+(with `--together`, both recorders record the same run of the workload at once, and
+each trace is analysed over the same seconds of load: what each recorder captures,
+apart from how its own cost moves the workload);
 it prints every finding's share per run, the top category of each run, and per category
 the difference between the median shares of the two recorders.  The answer counts as
 kept when every run of both names the expected top category and the medians of every
 category differ by at most `--tolerance` (0.05).  Runs of the same recorder differ too:
 the spread column gives that noise beside the difference.
 
-    sudo .venv/bin/python scripts/compare_scenarios.py --baseline REV [--runs 2] [--only NAME ...]
+    sudo .venv/bin/python scripts/compare_scenarios.py --baseline REV [--runs 2] [--together] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=[], metavar="NAME", help="scenario names (default: all)")
     ap.add_argument("--tolerance", type=float, default=0.05, help="largest difference of median shares")
     ap.add_argument("--gpu-source", default="nvidia-smi", choices=sh.GPU_SOURCES)
+    ap.add_argument("--together", action="store_true",
+                    help="both recorders on the same run of the workload, at once")
     args = ap.parse_args()
 
     scenarios = [s for s in sh.SCENARIOS if (not args.only or s.name in args.only)
@@ -51,21 +56,25 @@ def main() -> None:
     baseline = bl.revision_package(args.baseline, tmp / "baseline")
     recorders = {"this revision": None, f"at {args.baseline}": baseline}
     kept_all = True
-    print(f"{len(scenarios)} scenarios, {args.runs} runs per recorder; recordings analysed by this revision")
+    print(f"{len(scenarios)} scenarios, {args.runs} runs per recorder"
+          f"{', both recorders on the same run' if args.together else ''}; recordings analysed by this revision")
     for scenario in scenarios:
         results: dict[str, list[dict[str, float]]] = {name: [] for name in recorders}
         tops: dict[str, list[str]] = {name: [] for name in recorders}
         for run in range(args.runs):
-            for name, path in (recorders.items() if run % 2 == 0 else reversed(list(recorders.items()))):
-                work = tmp / f"{scenario.id}-{run}-{'base' if path else 'this'}"
+            order = dict(recorders.items() if run % 2 == 0 else reversed(list(recorders.items())))
+            batches = ([order] if args.together else [{name: path} for name, path in order.items()])
+            for chosen in batches:
+                work = tmp / f"{scenario.id}-{run}-{'both' if len(chosen) > 1 else 'base' if any(chosen.values()) else 'this'}"
                 work.mkdir()
                 try:
-                    res = sh.run_scenario(scenario, work, args.gpu_source, recorder_pythonpath=path)
+                    got = sh.run_scenario_recorders(scenario, work, args.gpu_source, chosen)
                 except sh.ScenarioError as exc:
-                    print(f"  {scenario.id} {name}: {exc}".splitlines()[0], flush=True)
+                    print(f"  {scenario.id} {', '.join(chosen)}: {exc}".splitlines()[0], flush=True)
                     continue
-                results[name].append(shares(res))
-                tops[name].append(res.top["category"] if res.top else "none")
+                for name, res in got.items():
+                    results[name].append(shares(res))
+                    tops[name].append(res.top["category"] if res.top else "none")
         # The healthy run's answer is "no critical finding"; its top may be anything.
         expected = set(scenario.expected)
         categories = sorted({c for runs in results.values() for r in runs for c in r})

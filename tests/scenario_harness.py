@@ -403,17 +403,26 @@ def run_scenario(scenario: Scenario, workdir: Path, gpu_source: str = "nvidia-sm
     through `gpu_source` ("nvidia-smi" or "nvml"), and analyse the trace.  With
     `recorder_pythonpath` the recording is made by the trainbpf package found there
     (another revision's, scripts/compare_scenarios.py), the analysis by this one."""
+    return run_scenario_recorders(scenario, workdir, gpu_source, {"": recorder_pythonpath})[""]
+
+
+def run_scenario_recorders(scenario: Scenario, workdir: Path, gpu_source: str,
+                           recorders: dict[str, Path | None]) -> dict[str, ScenarioResult]:
+    """The scenario recorded by each of `recorders` (name -> the trainbpf package's
+    PYTHONPATH, None for this one), all at once when there are several: the same run of
+    the workload seen by each, each trace analysed by this revision over the same
+    RECORD_SECONDS of load.  One recorder starts the load once its probes attach and
+    records for RECORD_SECONDS; several start it once all have attached and are stopped
+    together (SIGINT), each trace analysed over the window of the load."""
     cli = trainbpf_cli()
     env = fake_gpu_env(workdir) if gpu_source == "nvidia-smi" else fake_nvml_env(workdir)
-    record_cli = [str(cli)]
-    record_env = env
-    if recorder_pythonpath is not None:
-        record_cli = [sys.executable, "-m", "trainbpf.cli"]
-        record_env = {**env, "PYTHONPATH": str(recorder_pythonpath)}
+    together = len(recorders) > 1
+    traces = {name: workdir / f"{scenario.name}{'-' + name if together else ''}.parquet".replace(" ", "_")
+              for name in recorders}
     record_args = ["--gpu", gpu_source]
-    trace = workdir / f"{scenario.name}.parquet"
     # The spool appears once the probes are compiled and attaching: start the load then.
-    workload_args: tuple[str, ...] = ("--hold-until", str(spool_path_for(trace)))
+    go = workdir / "go" if together else spool_path_for(next(iter(traces.values())))
+    workload_args: tuple[str, ...] = ("--hold-until", str(go))
     if scenario.step_ms is not None:
         workload_args += ("--step-ms", str(scenario.step_ms))
     if scenario.declares_topology:
@@ -431,27 +440,69 @@ def run_scenario(scenario: Scenario, workdir: Path, gpu_source: str = "nvidia-sm
             running_workload(scenario, env, workdir, cgroup, workload_args))
         neighbours = NeighbourMeter(workload.pid)
         neighbours.start()
-        recorded = subprocess.run(
-            [*record_cli, "record", "--pid", str(workload.pid), "--duration", str(RECORD_SECONDS),
-             "-o", str(trace), *record_args],
-            env=record_env, capture_output=True, text=True, timeout=RECORD_TIMEOUT_S,
-        )
+        procs = {}
+        for name, pythonpath in recorders.items():
+            cmd = [str(cli)] if pythonpath is None else [sys.executable, "-m", "trainbpf.cli"]
+            procs[name] = subprocess.Popen(
+                [*cmd, "record", "--pid", str(workload.pid), "-o", str(traces[name]), *record_args,
+                 *([] if together else ["--duration", str(RECORD_SECONDS)])],
+                env=env if pythonpath is None else {**env, "PYTHONPATH": str(pythonpath)},
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        go_ns = 0
+        if together:
+            deadline = time.monotonic() + RECORD_TIMEOUT_S
+            while not all(spool_path_for(t).exists() for t in traces.values()):
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
+                    break
+                time.sleep(0.05)
+            time.sleep(1.0)  # the spool appears as the probes attach: let every one finish
+            go_ns = time.monotonic_ns()
+            go.touch()
+            time.sleep(RECORD_SECONDS)
+            for p in procs.values():
+                p.send_signal(signal.SIGINT)
+        recorded = {}
+        for name, p in procs.items():
+            try:
+                out, err = p.communicate(timeout=RECORD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+            recorded[name] = (p.returncode, out + err)
         neighbour_cores = neighbours.stop()
-        (workdir / "record.log").write_text(recorded.stdout + recorded.stderr)
-        if recorded.returncode != 0:
-            raise ScenarioError(f"trainbpf record exited {recorded.returncode}: "
-                                f"{recorded.stderr.strip()[-2000:]}")
+        for name, (rc, log) in recorded.items():
+            (workdir / f"record{'-' + name if together else ''}.log".replace(" ", "_")).write_text(log)
+            if rc != 0:
+                raise ScenarioError(f"trainbpf record{' (' + name + ')' if together else ''} exited {rc}: "
+                                    f"{log.strip()[-2000:]}")
         if workload.poll() is not None:
             raise ScenarioError(f"{scenario.name} exited during the recording "
                                 f"({workload.returncode}): {_tail(workdir / 'workload.log')}")
-    analyzed = subprocess.run([str(cli), "analyze", str(trace), "--format", "json"],
-                              capture_output=True, text=True, timeout=ANALYZE_TIMEOUT_S)
-    if analyzed.returncode != 0:
-        raise ScenarioError(f"trainbpf analyze exited {analyzed.returncode}: "
-                            f"{analyzed.stderr.strip()[-2000:]}")
-    (workdir / "report.json").write_text(analyzed.stdout)
-    try:
-        report = json.loads(analyzed.stdout)
-    except json.JSONDecodeError as exc:
-        raise ScenarioError(f"trainbpf analyze --format json printed no JSON: {exc}") from exc
-    return ScenarioResult(scenario, gpu_source, report, trace, workdir, busy_before, neighbour_cores)
+    results = {}
+    for name, trace in traces.items():
+        window = []
+        if together:  # the load's seconds, from this trace's own start
+            start_s = (go_ns - trace_start_ns(trace)) / 1e9
+            window = ["--window", f"{start_s:.3f}:{start_s + RECORD_SECONDS:.3f}"]
+        analyzed = subprocess.run([str(cli), "analyze", str(trace), "--format", "json", *window],
+                                  capture_output=True, text=True, timeout=ANALYZE_TIMEOUT_S)
+        if analyzed.returncode != 0:
+            raise ScenarioError(f"trainbpf analyze exited {analyzed.returncode}: "
+                                f"{analyzed.stderr.strip()[-2000:]}")
+        (workdir / f"report{'-' + name if together else ''}.json".replace(" ", "_")).write_text(analyzed.stdout)
+        try:
+            report = json.loads(analyzed.stdout)
+        except json.JSONDecodeError as exc:
+            raise ScenarioError(f"trainbpf analyze --format json printed no JSON: {exc}") from exc
+        results[name] = ScenarioResult(scenario, gpu_source, report, trace, workdir, busy_before, neighbour_cores)
+    return results
+
+
+def trace_start_ns(trace: Path) -> int:
+    """The recording's start on CLOCK_MONOTONIC, from the trace's metadata."""
+    import pyarrow.parquet as pq
+
+    from trainbpf.schema import METADATA_KEY
+
+    meta = json.loads(pq.read_schema(trace).metadata[METADATA_KEY])
+    return int(meta["clock"]["start_mono_ns"])

@@ -138,6 +138,7 @@ def test_without_taskstats_a_thread_gone_between_reads_is_missed_and_said(monkey
         t = threading.Thread(target=lambda: (out.setdefault("tid", threading.get_native_id()), touch(256)))
         t.start()
         t.join()
+        time.sleep(0.05)  # the thread itself gone, not only its Python side
         table.tgid[out["tid"]] = os.getpid()
         table.exited.add(out["tid"])
         assert counted(c, out["tid"]) == 0
@@ -153,3 +154,21 @@ def test_exit_message_parser_survives_any_bytes():
         data = bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 700)))
         assert isinstance(exit_faults(data), dict)
     assert exit_faults(b"") == {}
+
+
+def test_past_the_held_descriptors_a_thread_is_read_by_path(monkeypatch):
+    """Node-wide every thread on the machine is read: past MAX_HELD_STAT_FILES the
+    collector opens each thread's stat file at each read instead of holding it."""
+    require_root()
+    monkeypatch.setattr(faults_mod, "MAX_HELD_STAT_FILES", 0)
+    table = ThreadTable()
+    c = FaultsCollector(Settings(fault_bucket_ns=READ_EVERY_NS))
+    c.seeded(None, proctree.threads_of(os.getpid()), table, time.monotonic_ns())
+    try:
+        tid = threading.get_native_id()
+        counted(c, tid)
+        touch(PAGES)
+        assert PAGES <= counted(c, tid) <= PAGES + 256
+        assert c._held == 0
+    finally:
+        c.close()

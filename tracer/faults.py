@@ -35,12 +35,21 @@ MINFLT_FIELD = 7
 MAJFLT_FIELD = 9
 STAT_READ_BYTES = 1024  # a stat line is ~300 bytes
 FLUSH_GRACE_NS = 1_000_000_000  # an ended thread waits this long for its exit statistics
+# Stat files held open (a read is then one pread); beyond, as node-wide where every thread
+# on the machine is read, a thread's file is opened at each read, so the recorder never
+# runs out of descriptors.
+MAX_HELD_STAT_FILES = 512
 
 
-def read_faults(fd: int) -> int | None:
-    """minflt + majflt of the task whose stat file `fd` holds open; None once it is gone."""
+def read_faults(stat: int | str) -> int | None:
+    """minflt + majflt of a task from its stat file, held open (a descriptor) or opened
+    now (a path); None once the task is gone."""
     try:
-        text = os.pread(fd, STAT_READ_BYTES, 0)
+        if isinstance(stat, int):
+            text = os.pread(stat, STAT_READ_BYTES, 0)
+        else:
+            with open(stat, "rb", buffering=0) as fh:
+                text = fh.read(STAT_READ_BYTES)
         fields = text[text.rindex(b")") + 2:].split()
         return int(fields[MINFLT_FIELD]) + int(fields[MAJFLT_FIELD])
     except (OSError, ValueError, IndexError):
@@ -145,7 +154,9 @@ class FaultsCollector(Collector):
         super().__init__(settings)
         self.proc = proc
         self.threads = ThreadTable()  # the recorder's, from seeded()
-        self._open_threads: dict[int, list[int]] = {}  # tid -> [stat fd, tgid, faults at the last read, its time]
+        # tid -> [stat file (descriptor held, or path), tgid, faults at the last read, its time]
+        self._open_threads: dict[int, list] = {}
+        self._held = 0  # descriptors among them
         self._ended: dict[int, tuple[int, int, int]] = {}  # tid -> (tgid, faults, time) of its last read
         self._seen: set[int] = set()  # tids opened once
         self._exits: ExitListener | None = None
@@ -194,8 +205,8 @@ class FaultsCollector(Collector):
                            "exit_counts": int(self._exits is not None or self._reads == 0)}}
 
     def close(self) -> None:
-        for fd, *_ in self._open_threads.values():
-            os.close(fd)
+        for stat, *_ in self._open_threads.values():
+            self._release(stat)
         self._open_threads.clear()
         if self._exits is not None:
             self._exits.close()
@@ -205,17 +216,26 @@ class FaultsCollector(Collector):
     def _open(self, tid: int, tgid: int, now_ns: int, *, born_while_recording: bool) -> None:
         if tid in self._seen:
             return
-        try:
-            fd = os.open(f"{self.proc}/{tgid}/task/{tid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:  # gone already: its exit statistics say what it faulted
-            return
-        faults = 0 if born_while_recording else read_faults(fd)
+        stat: int | str = f"{self.proc}/{tgid}/task/{tid}/stat"
+        if self._held < MAX_HELD_STAT_FILES:
+            try:
+                stat = os.open(stat, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:  # gone already: its exit statistics say what it faulted
+                return
+            self._held += 1
+        faults = read_faults(stat)
         if faults is None:
-            os.close(fd)
+            self._release(stat)
             return
         self._seen.add(tid)
         # A thread born since the last read: its counts since birth, from that read.
-        self._open_threads[tid] = [fd, tgid, faults, self._last_ns if born_while_recording else now_ns]
+        self._open_threads[tid] = [stat, tgid, 0 if born_while_recording else faults,
+                                   self._last_ns if born_while_recording else now_ns]
+
+    def _release(self, stat: int | str) -> None:
+        if isinstance(stat, int):
+            os.close(stat)
+            self._held -= 1
 
     def _read(self, now_ns: int) -> None:
         cpu_ns = time.thread_time_ns()
@@ -236,10 +256,10 @@ class FaultsCollector(Collector):
             for name in listed:
                 self._open(int(name), tgid, now_ns, born_while_recording=True)
         for tid, entry in list(self._open_threads.items()):
-            fd, tgid, before, since = entry
-            faults = read_faults(fd)
+            stat, tgid, before, since = entry
+            faults = read_faults(stat)
             if faults is None:  # exited and reaped: the rest comes with its exit statistics
-                os.close(fd)
+                self._release(stat)
                 del self._open_threads[tid]
                 self._ended[tid] = (tgid, before, since)
                 continue
