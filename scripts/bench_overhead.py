@@ -429,6 +429,11 @@ def print_costs(costs: dict[str, list["KernelCost"]]) -> None:
     no_py = sorted(costs[TRAINBPF_NO_PYTHON], key=lambda c: c.share)[len(costs[TRAINBPF_NO_PYTHON]) // 2]
     bl.print_table(f"in-kernel cost per program, {TRAINBPF_NO_PYTHON}, the run with the median accounted cost",
                    ["program", "runs", "total ms", "ns/run"], no_py.rows)
+    for name, runs in costs.items():
+        if name.startswith("trainbpf at "):
+            base = sorted(runs, key=lambda c: c.share)[len(runs) // 2]
+            bl.print_table(f"in-kernel cost per program, {name}, the run with the median accounted cost",
+                           ["program", "runs", "total ms", "ns/run"], base.rows)
     sched, port = costs[TRAINBPF_SCHED], costs[OFFCPU_PORT]
     every = bl.median([c.share for c in ours])
     print("\nsummary")
