@@ -269,10 +269,11 @@ TRACEPOINT_PROBE(sched, sched_waking)
     u64 *task_args = task_context_args.lookup(&zero);
     int known = task_args && *task_args;
     int in_task = known && *task_args == (u64)args;
+    int in_irq = known && !in_task;
     int long_wait = w.ts_ns - so->ts_ns >= MIN_BLOCK_NS;
     w.kstack_id = in_task ? -1 : stack_id(args, 0);
-    w.ustack_id = long_wait && !(known && !in_task) ? stack_id(args, BPF_F_USER_STACK) : -1;
-    w.pystack_id = long_wait && !(known && !in_task) ? py_stack() : PY_STACK_NONE;
+    w.ustack_id = long_wait && !in_irq ? stack_id(args, BPF_F_USER_STACK) : -1;
+    w.pystack_id = long_wait && !in_irq ? py_stack() : PY_STACK_NONE;
     woken_at.update(&tid, &w);
     return 0;
 }
