@@ -85,7 +85,7 @@ def test_doctor_checks_everything_and_passes_here():
     res = subprocess.run([TRAINBPF, "doctor"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     for name in ("privileges", "bpf syscall", "tracefs", "kernel headers", "bcc", "tracepoints: sched",
-                 "tracepoints: mm", "uprobes", "gpu sampling", "delay accounting", "probes load"):
+                 "tracepoints: mm", "fault counters", "uprobes", "gpu sampling", "delay accounting", "probes load"):
         assert name in res.stdout, f"doctor does not report {name}"
     assert "recording can work on this machine" in res.stdout
 

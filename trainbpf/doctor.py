@@ -49,7 +49,7 @@ def check_tracepoints() -> list[Check]:
 
     out = []
     for c in ALL_COLLECTORS:
-        if c.uprobes:  # needs no tracepoint: check_uprobes
+        if c.uprobes or c.source is None:  # needs no tracepoint: check_uprobes, check_fault_counters
             continue
         missing = [tp for tp in c.tracepoints if not tracepoint_exists(tp, TRACEFS)]
         optional = [tp for tp in c.optional_tracepoints if not tracepoint_exists(tp, TRACEFS)]
@@ -65,6 +65,25 @@ def check_tracepoints() -> list[Check]:
             n = len(c.tracepoints) + len(c.optional_tracepoints) + len(c.optional_raw_tracepoints)
             out.append(Check(f"tracepoints: {c.name}", OK, f"{n} present" if n else "perf event (CPU clock)"))
     return out
+
+
+def check_fault_counters() -> Check:
+    """The faults probe reads each thread's counters in /proc and takes a thread's last
+    ones from its taskstats exit message (tracer/faults.py)."""
+    import threading
+
+    from trainbpf.tracer.faults import ExitListener, read_faults
+
+    if read_faults(f"/proc/self/task/{threading.get_native_id()}/stat") is None:
+        return Check("fault counters", FAIL, "per-thread fault counters unreadable in /proc/PID/task/TID/stat",
+                     "mount /proc, or record with --probes excluding faults")
+    try:
+        ExitListener().close()
+    except Exception as exc:
+        return Check("fault counters", WARN, f"per-thread counters in /proc; no taskstats exit messages ({exc})",
+                     "a kernel with CONFIG_TASKSTATS; without it a thread's faults after its last read "
+                     "(at most 100 ms) are not counted")
+    return Check("fault counters", OK, "per-thread counters in /proc, a thread's last ones from taskstats at its exit")
 
 
 def check_uprobes() -> Check:
@@ -143,7 +162,7 @@ def check_probes_load() -> list[Check]:
 def run_checks(*, load_probes: bool = True) -> list[Check]:
     checks = [check_privileges(), check_bpf_syscall(), *(check() for check in ENVIRONMENT)]
     checks += check_tracepoints()
-    checks += [check_uprobes(), check_gpu(), check_delayacct(), check_psi()]
+    checks += [check_fault_counters(), check_uprobes(), check_gpu(), check_delayacct(), check_psi()]
     if load_probes and not any(c.status == FAIL for c in checks):
         checks += check_probes_load()
     return checks
