@@ -417,8 +417,12 @@ def run_scenario_recorders(scenario: Scenario, workdir: Path, gpu_source: str,
     cli = trainbpf_cli()
     env = fake_gpu_env(workdir) if gpu_source == "nvidia-smi" else fake_nvml_env(workdir)
     together = len(recorders) > 1
-    traces = {name: workdir / f"{scenario.name}{'-' + name if together else ''}.parquet".replace(" ", "_")
-              for name in recorders}
+
+    def own(stem: str, name: str, suffix: str) -> Path:
+        """workdir/STEM.SUFFIX, one per recorder (STEM-NAME.SUFFIX) when several record."""
+        return workdir / (f"{stem}-{name.replace(' ', '_')}{suffix}" if together else f"{stem}{suffix}")
+
+    traces = {name: own(scenario.name, name, ".parquet") for name in recorders}
     record_args = ["--gpu", gpu_source]
     # The spool appears once the probes are compiled and attaching: start the load then.
     go = workdir / "go" if together else spool_path_for(next(iter(traces.values())))
@@ -471,7 +475,7 @@ def run_scenario_recorders(scenario: Scenario, workdir: Path, gpu_source: str,
             recorded[name] = (p.returncode, out + err)
         neighbour_cores = neighbours.stop()
         for name, (rc, log) in recorded.items():
-            (workdir / f"record{'-' + name if together else ''}.log".replace(" ", "_")).write_text(log)
+            own("record", name, ".log").write_text(log)
             if rc != 0:
                 raise ScenarioError(f"trainbpf record{' (' + name + ')' if together else ''} exited {rc}: "
                                     f"{log.strip()[-2000:]}")
@@ -489,7 +493,7 @@ def run_scenario_recorders(scenario: Scenario, workdir: Path, gpu_source: str,
         if analyzed.returncode != 0:
             raise ScenarioError(f"trainbpf analyze exited {analyzed.returncode}: "
                                 f"{analyzed.stderr.strip()[-2000:]}")
-        (workdir / f"report{'-' + name if together else ''}.json".replace(" ", "_")).write_text(analyzed.stdout)
+        own("report", name, ".json").write_text(analyzed.stdout)
         try:
             report = json.loads(analyzed.stdout)
         except json.JSONDecodeError as exc:
@@ -502,7 +506,6 @@ def trace_start_ns(trace: Path) -> int:
     """The recording's start on CLOCK_MONOTONIC, from the trace's metadata."""
     import pyarrow.parquet as pq
 
-    from trainbpf.schema import METADATA_KEY
+    from trainbpf.trace_meta import decode_meta
 
-    meta = json.loads(pq.read_schema(trace).metadata[METADATA_KEY])
-    return int(meta["clock"]["start_mono_ns"])
+    return int(decode_meta(pq.read_schema(trace).metadata, trace)["clock"]["start_mono_ns"])

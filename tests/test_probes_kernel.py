@@ -99,6 +99,8 @@ def test_200mb_touch_counts_50k_faults(basic):
     n = int(faults[faults.tid == basic.tids["toucher"]]["count"].sum())
     # 51,200 pages, one fault each; the rest is the thread's own start (its stack, Python's).
     assert 51_200 <= n <= 52_500, f"{n} faults for the touching thread"
+    counters = basic.trace.meta["faults"]  # what the recording says of its counting
+    assert counters["exit_counts"] == 1 and counters["counted"] >= n and counters["reads"] > 0, counters
 
 
 def test_mmap_munmap_64mb_with_sizes(basic):

@@ -177,7 +177,6 @@ def bucket_batches(kind: str, rows: list[tuple], width: int, *, first_ns: bool =
 
 
 BATCH_ENTRIES = 4096  # entries one batch call moves; its buffers are reused from flush to flush
-_batch_buffers: dict[int, tuple] = {}  # map fd -> (keys, values) arrays
 
 
 def drain_hash(table) -> list[tuple]:
@@ -202,10 +201,12 @@ def drain_hash(table) -> list[tuple]:
 def _drain_batches(table) -> list[tuple]:
     from bcc.libbcc import lib
 
-    bufs = _batch_buffers.get(table.map_fd)
-    if bufs is None or len(bufs[0]) != min(table.max_entries, BATCH_ENTRIES):
+    # Kept on bcc's table object (one per map and BPF object), typed by its own Key and
+    # Leaf: a map descriptor is reused by a later recording's maps, of other layouts.
+    bufs = getattr(table, "_trainbpf_batch", None)
+    if bufs is None:
         n = min(table.max_entries, BATCH_ENTRIES)
-        bufs = _batch_buffers[table.map_fd] = ((table.Key * n)(), (table.Leaf * n)())
+        bufs = table._trainbpf_batch = ((table.Key * n)(), (table.Leaf * n)())
     keys, values = bufs
     token, count = ctypes.c_uint32(0), ctypes.c_uint32(0)
     out: list[tuple] = []

@@ -160,6 +160,7 @@ class FaultsCollector(Collector):
         self._ended: dict[int, tuple[int, int, int]] = {}  # tid -> (tgid, faults, time) of its last read
         self._seen: set[int] = set()  # tids opened once
         self._exits: ExitListener | None = None
+        self._exits_registered = False  # for the metadata: the listener is gone after close()
         # Exit counters not placed yet: tid -> (faults, the read before, the read that took them)
         self._exit_counts: dict[int, tuple[int, int, int]] = {}
         self._last_ns = 0
@@ -172,6 +173,7 @@ class FaultsCollector(Collector):
         self.threads = threads
         try:
             self._exits = ExitListener()
+            self._exits_registered = True
         except Exception as exc:  # no taskstats: a thread's faults after its last read are lost
             if self.notice:
                 self.notice(f"faults of exiting threads are not counted after their last read (taskstats: {exc})")
@@ -202,7 +204,7 @@ class FaultsCollector(Collector):
 
     def meta(self) -> dict:
         return {"faults": {"reads": self._reads, "counted": self._counted, "read_cpu_ns": self._read_cpu_ns,
-                           "exit_counts": int(self._exits is not None or self._reads == 0)}}
+                           "exit_counts": int(self._exits_registered)}}
 
     def close(self) -> None:
         for stat, *_ in self._open_threads.values():

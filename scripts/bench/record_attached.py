@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from trainbpf.tracer.collector import Settings
 from trainbpf.tracer.record import record
@@ -39,10 +40,9 @@ def _meta(path: str) -> dict:
     """The trace's metadata (what a revision without some key simply lacks)."""
     import pyarrow.parquet as pq
 
-    from trainbpf.schema import METADATA_KEY
+    from trainbpf.trace_meta import decode_meta
 
-    raw = (pq.read_schema(path).metadata or {}).get(METADATA_KEY)
-    return json.loads(raw) if raw else {}
+    return decode_meta(pq.read_schema(path).metadata, Path(path))
 
 
 if __name__ == "__main__":
