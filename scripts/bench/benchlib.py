@@ -195,8 +195,12 @@ def revision_package(rev: str, dest: Path) -> Path:
     package-dir), under `dest`: a PYTHONPATH that runs that revision's recorder."""
     src, pkg = dest / "src", dest / "pkg"
     src.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "trainbpf", "tracer", "probes", "analyzers"],
-                             capture_output=True, check=True).stdout
+    got = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "trainbpf", "tracer", "probes", "analyzers"],
+                         capture_output=True)
+    if got.returncode != 0:  # a revision that does not exist, or a tree that is no git checkout
+        why = got.stderr.decode(errors="replace").strip().splitlines()
+        raise SystemExit(f"--baseline {rev}: git archive failed: {why[-1] if why else got.returncode}")
+    archive = got.stdout
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
     shutil.copytree(src / "trainbpf", pkg / "trainbpf")
     for sub in ("tracer", "probes", "analyzers"):
