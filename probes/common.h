@@ -101,10 +101,10 @@ static __always_inline int stack_id(void *ctx, u64 flags)
     return id;
 }
 
-/* Flags for ringbuf_submit.  User space drains the ring buffers on a 100 ms timer, so a
- * record normally wakes nobody: the default wake-up per record (whenever the reader has
- * caught up) costs an interrupt and a context switch of the recorder per event of a slow
- * stream.  Every WAKEUP_EVERY records per CPU one forces a wake-up, so a burst is drained
+/* Flags for ringbuf_submit.  User space drains the ring buffers when it wakes for its own
+ * reasons (a flush every second, a collector's sample), so a record normally wakes
+ * nobody: the default wake-up per record (whenever the reader has caught up) costs an
+ * interrupt and a context switch of the recorder per event of a slow stream.  Every WAKEUP_EVERY records per CPU one forces a wake-up, so a burst is drained
  * long before the ring fills (the loader sizes WAKEUP_EVERY to a quarter of it). */
 static __always_inline u64 submit_flags(u32 probe)
 {

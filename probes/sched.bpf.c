@@ -183,7 +183,8 @@ TRACEPOINT_PROBE(sched, sched_switch)
     s32 kstack = so->kstack_id, ustack = so->ustack_id, pystack = so->pystack_id;
     u32 pid = so->tgid;
     switched_out_at.delete(&next);
-    woken_at.delete(&next);
+    /* woken_at's entry stays (one per thread, until it exits): a wake-up older than the
+     * next switch-out is ignored above, and the delete would cost each switch. */
 
     if (dur < MIN_BLOCK_NS) {
         struct short_key key = {.tid = next, .state = preempted ? STATE_PREEMPTED : (u32)(state & 0xff)};

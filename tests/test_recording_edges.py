@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -220,19 +221,52 @@ def test_an_open_interval_woken_after_the_stop_is_still_blocked():
     """open_intervals reads the maps after taking end_ns: a waking stamped after it came
     after the stop, so the interval has no waker and no run-queue time (never a negative
     one, which the trace reader refuses)."""
-    from types import SimpleNamespace as NS
-
     from trainbpf.tracer.sched import SchedCollector
     from trainbpf.tracer.settings import Settings
 
-    def table(rows):
-        return NS(items=lambda: [(NS(value=tid), v) for tid, v in rows])
-
-    blocked = NS(ts_ns=1_000_000, state=1, tgid=7, kstack_id=-1, ustack_id=-1, pystack_id=-1)
-    waking = dict(waker_tid=8, waker_pid=8, kstack_id=-1)
-    bpf = {"switched_out_at": table([(7, blocked), (9, blocked)]),
-           "woken_at": table([(7, NS(ts_ns=60_000_000, **waking)), (9, NS(ts_ns=40_000_000, **waking))])}
-    batch = SchedCollector(Settings()).open_intervals(bpf, 50_000_000, {7, 9})[0].to_pandas().set_index("tid")
+    # the fields of sched.bpf.c's struct switched_out and struct wakeup that are read
+    outs = np.array([(1_000_000, 1, 7, -1, -1, -1)] * 4, dtype=[
+        ("ts_ns", "u8"), ("state", "i8"), ("tgid", "u4"), ("kstack_id", "i4"), ("ustack_id", "i4"),
+        ("pystack_id", "i4")])
+    wakes = np.array([(60_000_000, 8, 8, -1), (40_000_000, 8, 8, -1)], dtype=[
+        ("ts_ns", "u8"), ("waker_tid", "u4"), ("waker_pid", "u4"), ("kstack_id", "i4")])
+    batch = SchedCollector(Settings()).open_interval_batches(
+        np.array([7, 9, 10, 11], np.uint32), outs, np.array([9, 7], np.uint32), wakes[::-1], 50_000_000,
+        {7, 9, 10}, "offcpu",  # 10: never woken; 11: exited
+    )[0].to_pandas().set_index("tid")
+    assert sorted(batch.index) == [7, 9, 10]
+    assert batch.loc[10, "runq_ns"] == 0 and pd.isna(batch.loc[10, "peer_tid"]) and batch.loc[10, "peer_kstack_id"] == -1
     assert batch.loc[7, "runq_ns"] == 0 and pd.isna(batch.loc[7, "peer_tid"])
     assert batch.loc[9, "runq_ns"] == 10_000_000 and batch.loc[9, "peer_tid"] == 8
     assert (batch["dur_ns"] == 49_000_000).all()
+
+
+# -- the drain loop sleeps until there is work: a stop or the target's exit still ends it at once
+
+def test_a_stop_or_the_targets_exit_ends_the_wait_between_flushes(tmp_path):
+    """The recorder sleeps until its next flush (a second away) unless a ring buffer, the
+    target's exit or a stop request wakes it: either of the last two must end the
+    recording well before that flush would have."""
+    require_root()
+    for how in ("signal", "exit"):
+        target = subprocess.Popen(["sleep", "30"])
+        woke: dict[str, int] = {}
+
+        def attached() -> None:
+            def later() -> None:
+                woke["ns"] = time.monotonic_ns()
+                if how == "signal":
+                    os.kill(os.getpid(), signal.SIGINT)
+                else:
+                    target.kill()
+            threading.Timer(0.2, later).start()  # the first flush is ~0.8 s later
+
+        try:
+            result = record(pid=target.pid, output=tmp_path / f"{how}.parquet", probes=["sched"], gpu="off",
+                            on_attached=attached)
+        finally:
+            target.kill()
+            target.wait()
+        end = read_trace(result.output).meta["clock"]["end_mono_ns"]
+        assert result.stop_reason == ("interrupted" if how == "signal" else "target exited"), result.stop_reason
+        assert end - woke["ns"] < 400_000_000, f"{how}: stopped {(end - woke['ns']) / 1e6:.0f} ms after it"

@@ -66,6 +66,14 @@ class MapsIndex:
     def __init__(self, maps: list[Mapping]):
         self.maps = maps
         self._starts = np.array([m.start for m in maps], dtype=np.uint64)
+        stacks = [m.end for m in maps if m.path == "[stack]"]
+        self._user_top = max(stacks) if stacks else 1 << 64
+
+    def may_map_later(self, addr: int) -> bool:
+        """Whether a mapping made since these were read could hold `addr`: it lies in no
+        mapping and below the main stack (new mappings go below it; only the vsyscall page
+        lies above), not in the kernel's half or beyond."""
+        return self.index_of(addr) < 0 and addr < self._user_top
 
     def index_of(self, addr: int) -> int:
         """The position in `maps` of the mapping holding `addr`, -1 if none does."""

@@ -119,13 +119,22 @@ class Collector:
         (`final` True) what ends with the recording."""
         return []
 
+    def sample_interval_ns(self) -> int | None:
+        """How often sample() must be called; None: never (the recorder then sleeps
+        until a flush or a ring buffer wakes it)."""
+        return None
+
     def sample(self, now_ns: int) -> None:
-        """Called at every poll of the ring buffers (~10 times a second): for what is
-        read from user space at its own rate."""
+        """For what is read from user space at its own rate: called at least every
+        sample_interval_ns() (and at other wake-ups of the recorder)."""
 
     def meta(self) -> dict:
         """What the probe adds to the trace metadata when the recording ends."""
         return {}
+
+    def forget(self, bpf, tids: list[int]) -> None:
+        """Threads that exited, whose records are drained: what the probe's maps hold
+        for them can go."""
 
     def close(self) -> None:
         """Let go of what the collector holds open; the recording is over."""
@@ -139,6 +148,12 @@ class ThreadTable:
     tgid: dict[int, int] = field(default_factory=dict)
     exited: set[int] = field(default_factory=set)
     exec_listeners: list[Callable[[], None]] = field(default_factory=list)
+    unforgotten: list[int] = field(default_factory=list)  # exited, still in the probes' maps
+
+    def exit(self, tid: int) -> None:
+        if tid not in self.exited:
+            self.exited.add(tid)
+            self.unforgotten.append(tid)
 
     def live(self) -> dict[int, int]:
         return {tid: tg for tid, tg in self.tgid.items() if tid not in self.exited}
@@ -179,26 +194,45 @@ def bucket_batches(kind: str, rows: list[tuple], width: int, *, first_ns: bool =
 BATCH_ENTRIES = 4096  # entries one batch call moves; its buffers are reused from flush to flush
 
 
-def drain_hash(table) -> list[tuple]:
-    """Every (key, value) of a BPF hash, deleting what was read.
+def drain_hash(table) -> tuple[np.ndarray, np.ndarray]:
+    """Every key and value of a BPF hash, as numpy arrays of its Key and Leaf layouts,
+    deleting what was read.
 
     Batch lookup-and-delete is atomic per entry, so nothing counted between the read and
     the delete is lost.  bcc's own batch call allocates arrays for the map's every entry
     on each call (~0.25 ms for a 65536-entry map, several maps at every flush), so the
     arrays here are allocated once per map, BATCH_ENTRIES at a time."""
     try:
-        return _drain_batches(table)
-    except Exception:  # kernels or maps without batch ops: read then delete per key
-        items = list(table.items())
-        for key, _ in items:
+        return _batches(table, delete=True)
+    except (OSError, AttributeError):  # kernels (or a libbcc) or maps without batch ops: read then delete per key
+        keys, values = _entries(table)
+        for key in table.keys():
             try:
                 del table[key]
             except KeyError:
                 pass
-        return items
+        return keys, values
 
 
-def _drain_batches(table) -> list[tuple]:
+def read_hash(table) -> tuple[np.ndarray, np.ndarray]:
+    """Every key and value of a BPF hash, as drain_hash gives them, left in the map.
+    Entries added or removed meanwhile may be missed or seen."""
+    try:
+        return _batches(table, delete=False)
+    except (OSError, AttributeError):
+        return _entries(table)
+
+
+def _entries(table) -> tuple[np.ndarray, np.ndarray]:
+    """One lookup per key (bcc's items()), for kernels without batch operations."""
+    items = list(table.items())
+    key_dt, value_dt = ctypes_to_dtype(table.Key), ctypes_to_dtype(table.Leaf)
+    keys = np.frombuffer(b"".join(bytes(k) for k, _ in items), dtype=key_dt) if items else np.zeros(0, key_dt)
+    values = np.frombuffer(b"".join(bytes(v) for _, v in items), dtype=value_dt) if items else np.zeros(0, value_dt)
+    return keys, values
+
+
+def _batches(table, *, delete: bool) -> tuple[np.ndarray, np.ndarray]:
     from bcc.libbcc import lib
 
     # Kept on bcc's table object (one per map and BPF object), typed by its own Key and
@@ -206,24 +240,29 @@ def _drain_batches(table) -> list[tuple]:
     bufs = getattr(table, "_trainbpf_batch", None)
     if bufs is None:
         n = min(table.max_entries, BATCH_ENTRIES)
-        bufs = table._trainbpf_batch = ((table.Key * n)(), (table.Leaf * n)())
-    keys, values = bufs
+        keys, values = (table.Key * n)(), (table.Leaf * n)()
+        bufs = table._trainbpf_batch = (keys, values, np.frombuffer(keys, dtype=ctypes_to_dtype(table.Key)),
+                                        np.frombuffer(values, dtype=ctypes_to_dtype(table.Leaf)))
+    keys, values, key_view, value_view = bufs
+    call = lib.bpf_lookup_and_delete_batch if delete else lib.bpf_lookup_batch
     token, count = ctypes.c_uint32(0), ctypes.c_uint32(0)
-    out: list[tuple] = []
+    out_keys, out_values = [], []
     first = True
     while True:
         count.value = len(keys)
-        res = lib.bpf_lookup_and_delete_batch(table.map_fd, None if first else ctypes.byref(token),
-                                              ctypes.byref(token), ctypes.byref(keys), ctypes.byref(values),
-                                              ctypes.byref(count))
+        res = call(table.map_fd, None if first else ctypes.byref(token), ctypes.byref(token),
+                   ctypes.byref(keys), ctypes.byref(values), ctypes.byref(count))
         err = ctypes.get_errno()
-        out += [(table.Key.from_buffer_copy(keys[i]), table.Leaf.from_buffer_copy(values[i]))
-                for i in range(count.value)]
+        out_keys.append(key_view[: count.value].copy())
+        out_values.append(value_view[: count.value].copy())
         if res != 0:
-            if err == errno.ENOENT:  # the map is empty now
-                return out
-            raise OSError(err, f"BPF_MAP_LOOKUP_AND_DELETE_BATCH: {os.strerror(err)}")
+            if err == errno.ENOENT:  # the whole map is read
+                break
+            raise OSError(err, f"BPF map batch {'lookup-and-delete' if delete else 'lookup'}: {os.strerror(err)}")
         first = False
+    if len(out_keys) == 1:
+        return out_keys[0], out_values[0]
+    return np.concatenate(out_keys), np.concatenate(out_values)
 
 
 def array_values(table) -> list:

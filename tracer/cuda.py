@@ -194,8 +194,9 @@ class CudaCollector(Collector):
     def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
         if not final:
             self.scan(bpf)
-        counts = [(k.bucket, k.tid, k.pid, v.launches, v.first_ns, k.layer, k.nested)
-                  for k, v in drain_hash(bpf["cuda_launches"])]
+        keys, launches = drain_hash(bpf["cuda_launches"])
+        counts = list(zip(*(a.tolist() for a in (keys["bucket"], keys["tid"], keys["pid"], launches["launches"],
+                                                  launches["first_ns"], keys["layer"], keys["nested"]))))
         if final:  # each thread's last bucket, still in its record
             counts += thread_buckets(array_values(bpf["cuda_threads"]), self.settings.cuda_bucket_ns)
         return bucket_batches("cuda_launch", counts, self.settings.cuda_bucket_ns, first_ns=True, extra={

@@ -181,6 +181,9 @@ class FaultsCollector(Collector):
             self._open(t.tid, t.pid, now_ns, born_while_recording=False)
         self._last_ns = now_ns
 
+    def sample_interval_ns(self) -> int:
+        return self.settings.fault_bucket_ns
+
     def sample(self, now_ns: int) -> None:
         """Read the counters when `fault_bucket_ns` has passed since the last read."""
         if now_ns - self._last_ns >= self.settings.fault_bucket_ns:

@@ -58,10 +58,11 @@ def is_alive(pid: int) -> bool:
 
 
 class Liveness:
-    """Whether process `pid` still runs, asked at every poll (ten times a second).  A
-    pidfd turns readable once its last thread has exited (a main thread that called
-    pthread_exit does not count), which costs one select() instead of reading /proc
-    (~50-90 µs a time in the recorder); without pidfd_open, /proc as is_alive reads it."""
+    """Whether process `pid` still runs, asked at every wake-up of the recorder.  A pidfd
+    (`fd`, which the recorder also waits on) turns readable once its last thread has
+    exited (a main thread that called pthread_exit does not count), which costs one
+    select() instead of reading /proc (~50-90 µs a time in the recorder); without
+    pidfd_open, /proc as is_alive reads it."""
 
     def __init__(self, pid: int):
         self.pid = pid

@@ -133,9 +133,15 @@ class MappedRings:
         for ring in self.rings.values():
             self._epoll.register(ring.fd, select.EPOLLIN | select.EPOLLET)
 
-    def poll(self, timeout_ms: int) -> None:
-        """Wait until a ring forces a wake-up or `timeout_ms` pass, then drain them all."""
-        self._epoll.poll(timeout_ms / 1000)
+    def watch(self, fd: int) -> bool:
+        """Let `fd` turning readable end a poll too (a pidfd, a pipe)."""
+        self._epoll.register(fd, select.EPOLLIN)
+        return True
+
+    def poll(self, timeout_s: float) -> None:
+        """Wait until a ring forces a wake-up, a watched fd turns readable or `timeout_s`
+        pass, then drain them all."""
+        self._epoll.poll(timeout_s)
         self.drain()
 
     def drain(self, passes: int = 1) -> None:
@@ -162,8 +168,12 @@ class CallbackRings:
         for rb in dtypes:
             bpf[rb].open_ring_buffer(lambda ctx, data, size, out=self.chunks[rb]: out.append(ctypes.string_at(data, size)))
 
-    def poll(self, timeout_ms: int) -> None:
-        self.bpf.ring_buffer_poll(timeout_ms)
+    def watch(self, fd: int) -> bool:
+        """bcc's poll waits on its own epoll: nothing else can end it."""
+        return False
+
+    def poll(self, timeout_s: float) -> None:
+        self.bpf.ring_buffer_poll(max(0, round(timeout_s * 1000)))
         self.drain()
 
     def drain(self, passes: int = 1) -> None:

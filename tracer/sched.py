@@ -6,7 +6,8 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf.tracefile import make_batch
-from trainbpf.tracer.collector import Collector, ThreadTable, cstrings, drain_hash, py_stack_ids, stack_ids
+from trainbpf.tracer.collector import (Collector, ThreadTable, cstrings, drain_hash, py_stack_ids, read_hash,
+                                      stack_ids)
 
 # The constants sched.bpf.c shares, passed to it as -D defines (defines() below).
 # The state the probe reports for a task switched out while runnable (TASK_REPORT_MAX).
@@ -68,11 +69,21 @@ class SchedCollector(Collector):
             return
         for tid, pid, what in zip(records["tid"].tolist(), records["pid"].tolist(), records["what"].tolist()):
             if what == TASK_EXIT:
-                threads.exited.add(tid)
+                threads.exit(tid)
             else:
                 threads.tgid.setdefault(tid, pid)
         if (records["what"] == TASK_EXEC).any():
             threads.exec_seen()
+
+    def forget(self, bpf, tids: list[int]) -> None:
+        """An exited thread's last switch-out and wake-up (sched.bpf.c leaves them)."""
+        for name in ("switched_out_at", "woken_at"):
+            table = bpf[name]
+            for tid in tids:
+                try:
+                    del table[table.Key(tid)]
+                except KeyError:
+                    pass
 
     def seeded(self, bpf, walked, threads: ThreadTable, now_ns: int) -> None:
         self.seed_blocked(bpf, walked, now_ns)
@@ -165,60 +176,64 @@ class SchedCollector(Collector):
         """Off-CPU intervals still open when tracing stops (a thread blocked to the end,
         or never run again): they end at the stop, with cpu -1.  At a flush, as
         `kind` "offcpu_open" rows, they end at the flush."""
-        woken = {k.value: v for k, v in bpf["woken_at"].items()}
-        rows = []
-        for k, so in bpf["switched_out_at"].items():
-            tid = k.value
-            dur = end_ns - so.ts_ns
-            if tid not in live or dur < self.settings.min_block_ns or so.ts_ns > end_ns:
-                continue
-            w = woken.get(tid)
-            # A waking stamped after end_ns (read from the clock before the maps) came
-            # after the stop: the thread was still blocked then.
-            woke = w is not None and so.ts_ns <= w.ts_ns <= end_ns
-            preempted = so.state in (0, STATE_PREEMPTED)
-            runq = dur if preempted else (end_ns - w.ts_ns if woke else 0)
-            rows.append((so.ts_ns, dur, tid, so.tgid, so.state, runq,
-                         w.waker_tid if woke else 0, w.waker_pid if woke else 0,
-                         so.kstack_id, so.ustack_id, w.kstack_id if woke else -1, so.pystack_id))
-        if not rows:
+        woken_tid, wakes = read_hash(bpf["woken_at"])
+        tid, outs = read_hash(bpf["switched_out_at"])
+        return self.open_interval_batches(tid, outs, woken_tid, wakes, end_ns, live, kind)
+
+    def open_interval_batches(self, tid: np.ndarray, outs: np.ndarray, woken_tid: np.ndarray, wakes: np.ndarray,
+                              end_ns: int, live: set[int], kind: str) -> list[pa.RecordBatch]:
+        """open_intervals from the maps' entries: switched_out_at's (`tid`, `outs`), then
+        woken_at's (`woken_tid`, `wakes`), read after end_ns was taken."""
+        start = outs["ts_ns"].astype(np.int64)
+        dur = end_ns - start
+        keep = (dur >= self.settings.min_block_ns) & np.isin(tid, np.fromiter(live, np.int64, len(live)))
+        if not keep.any():
             return []
-        cols = list(zip(*rows))
-        waker = np.array(cols[6], dtype=np.int32)
+        tid, outs, start, dur = tid[keep].astype(np.int64), outs[keep], start[keep], dur[keep]
+        # Each interval's wake-up, if any: a waking stamped after end_ns (read from the
+        # clock before the maps) came after the stop: the thread was still blocked then.
+        order = np.argsort(woken_tid, kind="stable")
+        at = np.minimum(np.searchsorted(woken_tid[order], tid), max(0, len(order) - 1))
+        wake = wakes[order][at] if len(order) else np.zeros(len(tid), wakes.dtype)
+        woke_ts = wake["ts_ns"].astype(np.int64)
+        woke = (woken_tid[order][at] == tid if len(order) else np.zeros(len(tid), bool)) \
+            & (start <= woke_ts) & (woke_ts <= end_ns)
+        state = outs["state"].astype(np.int64)
+        preempted = (state == 0) | (state == STATE_PREEMPTED)
+        runq = np.where(preempted, dur, np.where(woke, end_ns - woke_ts, 0))
+        waker = np.where(woke, wake["waker_tid"], 0).astype(np.int32)
         return [make_batch(kind, {
-            "ts_ns": np.array(cols[0], dtype=np.int64),
-            "dur_ns": np.array(cols[1], dtype=np.int64),
-            "tid": np.array(cols[2], dtype=np.int32),
-            "pid": np.array(cols[3], dtype=np.int32),
-            "cpu": np.full(len(rows), -1, dtype=np.int32),
-            "state": state_letters(np.array(cols[4], dtype=np.int64)),
-            "runq_ns": np.array(cols[5], dtype=np.int64),
-            "peer_tid": pa.array(waker, mask=waker == 0),
-            "peer_pid": pa.array(np.array(cols[7], dtype=np.int32), mask=waker == 0),
-            "kstack_id": stack_ids(np.array(cols[8], dtype=np.int32)),
-            "ustack_id": stack_ids(np.array(cols[9], dtype=np.int32)),
-            "peer_kstack_id": stack_ids(np.array(cols[10], dtype=np.int32)),
-            "peer_ustack_id": np.full(len(rows), -1, dtype=np.int32),
-            "pystack_id": py_stack_ids(np.array(cols[11], dtype=np.int32)),
+            "ts_ns": start,
+            "dur_ns": dur,
+            "tid": tid.astype(np.int32),
+            "pid": outs["tgid"].astype(np.int32),
+            "cpu": np.full(len(tid), -1, dtype=np.int32),
+            "state": state_letters(state),
+            "runq_ns": runq,
+            "peer_tid": pa.array(waker, mask=~woke),
+            "peer_pid": pa.array(np.where(woke, wake["waker_pid"], 0).astype(np.int32), mask=~woke),
+            "kstack_id": stack_ids(outs["kstack_id"]),
+            "ustack_id": stack_ids(outs["ustack_id"]),
+            "peer_kstack_id": stack_ids(np.where(woke, wake["kstack_id"], -1)),
+            "peer_ustack_id": np.full(len(tid), -1, dtype=np.int32),
+            "pystack_id": py_stack_ids(outs["pystack_id"]),
         })]
 
     def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
-        items = drain_hash(bpf["short_waits"])
-        if not items:
+        keys, sums = drain_hash(bpf["short_waits"])
+        if not len(keys):
             return []
-        tid = np.array([k.tid for k, _ in items], dtype=np.int32)
-        state = np.array([k.state for k, _ in items], dtype=np.int64)
         return [
             make_batch(
                 "offcpu_short",
                 {
-                    "ts_ns": np.full(len(items), now_ns, dtype=np.int64),
-                    "dur_ns": np.array([v.dur_ns for _, v in items], dtype=np.int64),
-                    "tid": tid,
-                    "pid": np.array([v.pid for _, v in items], dtype=np.int32),
-                    "state": state_letters(state),
-                    "count": np.array([v.count for _, v in items], dtype=np.int64),
-                    "runq_ns": np.array([v.runq_ns for _, v in items], dtype=np.int64),
+                    "ts_ns": np.full(len(keys), now_ns, dtype=np.int64),
+                    "dur_ns": sums["dur_ns"].astype(np.int64),
+                    "tid": keys["tid"].astype(np.int32),
+                    "pid": sums["pid"].astype(np.int32),
+                    "state": state_letters(keys["state"]),
+                    "count": sums["count"].astype(np.int64),
+                    "runq_ns": sums["runq_ns"].astype(np.int64),
                 },
             )
         ]

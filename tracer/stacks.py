@@ -127,7 +127,11 @@ class StackSymbolizer:
             return f"0x{addr:x}"
         index = self._maps.get(pid)
         m = _executable_at(index, addr)
-        if m is None and pid not in refreshed:  # first seen, or a library loaded since
+        # Not in known code: the process first seen, or a library loaded since, unless a
+        # walk gone astray read the address (re-reading the maps, ~1.5 ms, would not
+        # place it): it lies in a known mapping of data (heap, a stack), or above the top
+        # of user space, where nothing new is mapped.
+        if m is None and pid not in refreshed and (index is None or index.may_map_later(addr)):
             refreshed.add(pid)
             fresh = maps.of(pid)
             if fresh is not None or index is None:
@@ -298,24 +302,26 @@ def drop_irq_wakers(batch: pa.RecordBatch, irq_ids: set[int]) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(cols, schema=batch.schema)
 
 
+STACK_COLUMNS = ("kstack_id", "peer_kstack_id", "ustack_id", "peer_ustack_id")
+_NO_REFS = (np.empty(0, np.int64), np.empty((0, 2), np.int64))
+
+
 def stack_refs(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
     """(kernel ids, user (id, pid) pairs) referenced by a decoded batch."""
     names = batch.schema.names
-    kernel, user = [], []
-    pid = batch.column(names.index("pid")).to_numpy(zero_copy_only=False)
-    peer_pid = batch.column(names.index("peer_pid")).to_numpy(zero_copy_only=False)
-    for col in ("kstack_id", "peer_kstack_id"):
-        arr = batch.column(names.index(col))
+    kstack, peer_kstack, ustack, peer_ustack = (batch.column(names.index(c)) for c in STACK_COLUMNS)
+    if all(arr.null_count == len(arr) for arr in (kstack, peer_kstack, ustack, peer_ustack)):
+        return _NO_REFS  # most kinds of rows carry no stacks
+    kernel = [arr.drop_null().to_numpy() for arr in (kstack, peer_kstack) if arr.null_count < len(arr)]
+    user = []
+    for arr, pid_col in ((ustack, "pid"), (peer_ustack, "peer_pid")):
         if arr.null_count < len(arr):
-            kernel.append(arr.drop_null().to_numpy())
-    for col, pids in (("ustack_id", pid), ("peer_ustack_id", peer_pid)):
-        arr = batch.column(names.index(col))
-        if arr.null_count < len(arr):
+            pids = batch.column(names.index(pid_col)).to_numpy(zero_copy_only=False)
             valid = arr.is_valid().to_numpy(zero_copy_only=False)
             ids = arr.drop_null().to_numpy()
             user.append(np.stack([ids, np.nan_to_num(pids[valid]).astype(np.int64)], axis=1))
-    k = sorted_unique(np.concatenate(kernel)) if kernel else np.empty(0, np.int64)
-    u = _unique_pairs(np.concatenate(user)) if user else np.empty((0, 2), np.int64)
+    k = sorted_unique(np.concatenate(kernel)) if kernel else _NO_REFS[0]
+    u = _unique_pairs(np.concatenate(user)) if user else _NO_REFS[1]
     return k, u
 
 

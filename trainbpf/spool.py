@@ -14,7 +14,7 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -62,18 +62,34 @@ def make_batch(kind: str, columns: Mapping[str, Any]) -> pa.RecordBatch:
     if len(lengths) != 1:
         raise ValueError(f"{kind}: columns of unequal length {lengths}")
     n = lengths.pop()
+    unknown = columns.keys() - allowed
+    if unknown:
+        raise ValueError(f"{kind} rows do not use column {sorted(unknown)[0]}")
     arrays = []
-    for name in COLUMNS:
-        typ = TRACE_SCHEMA.field(name).type
+    for name, typ in _COLUMN_TYPES:
         if name == "kind":
-            arrays.append(pa.array([kind] * n, type=typ))
+            arrays.append(_repeated(kind, n, lambda size: pa.array([kind] * size, type=typ)))
         elif name in columns:
-            if name not in allowed:
-                raise ValueError(f"{kind} rows do not use column {name}")
             arrays.append(pa.array(columns[name], type=typ, from_pandas=True))
         else:
-            arrays.append(pa.nulls(n, type=typ))
+            arrays.append(_repeated(typ, n, lambda size: pa.nulls(size, type=typ)))
     return pa.RecordBatch.from_arrays(arrays, schema=TRACE_SCHEMA)
+
+
+_COLUMN_TYPES = [(name, TRACE_SCHEMA.field(name).type) for name in COLUMNS]
+# make_batch runs several times a flush in the recorder; the columns that repeat one value
+# (the kind, nulls) are slices of arrays made once, not made anew each time.
+_REPEATED: dict[Any, pa.Array] = {}
+REPEATED_ROWS = 1 << 14  # longer columns are made as needed: kept, they would hold memory
+
+
+def _repeated(key: Any, n: int, make: Callable[[int], pa.Array]) -> pa.Array:
+    if n > REPEATED_ROWS:
+        return make(n)
+    array = _REPEATED.get(key)
+    if array is None:
+        array = _REPEATED[key] = make(REPEATED_ROWS)
+    return array.slice(0, n)
 
 
 def check_spool_free(spool: Path) -> None:
