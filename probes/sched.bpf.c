@@ -75,6 +75,9 @@ struct task_event {
     char comm[16];
 };
 
+/* A thread's last switch-out, kept per thread until it exits (user space removes it):
+ * ts_ns 0 once it has run again.  Rewritten in place, not replaced: a hash update or
+ * delete at every switch costs an element's allocation and free. */
 struct switched_out {
     u64 ts_ns;
     s64 state;
@@ -148,25 +151,29 @@ TRACEPOINT_PROBE(sched, sched_switch)
         *task_args = (u64)args;
 
     if (prev != 0 && is_traced(prev)) {
-        struct switched_out so = {};
-        so.ts_ns = now;
-        so.tgid = current_tgid();
-        so.state = args->prev_state;
+        struct switched_out fresh = {};
+        struct switched_out *out = switched_out_at.lookup(&prev);
+        if (!out)
+            out = &fresh;
+        out->tgid = current_tgid();
+        out->state = args->prev_state;
 #ifdef HAVE_RAW_TP_SCHED_EXIT_TP
-        so.kstack_id = -1;
-        so.ustack_id = -1;
-        so.pystack_id = PY_STACK_NONE;
+        out->kstack_id = -1;
+        out->ustack_id = -1;
+        out->pystack_id = PY_STACK_NONE;
 #else
-        so.kstack_id = stack_id(args, 0);
-        so.ustack_id = stack_id(args, BPF_F_USER_STACK);
-        so.pystack_id = py_stack();
+        out->kstack_id = stack_id(args, 0);
+        out->ustack_id = stack_id(args, BPF_F_USER_STACK);
+        out->pystack_id = py_stack();
 #endif
-        switched_out_at.update(&prev, &so);
+        out->ts_ns = now; /* last: a reader that sees it sees the rest */
+        if (out == &fresh)
+            switched_out_at.update(&prev, &fresh);
     }
     if (next == 0)
         return 0;
     struct switched_out *so = switched_out_at.lookup(&next);
-    if (!so)
+    if (!so || !so->ts_ns)
         return 0;
     u64 dur = now - so->ts_ns;
     s64 state = so->state;
@@ -182,9 +189,8 @@ TRACEPOINT_PROBE(sched, sched_switch)
     }
     s32 kstack = so->kstack_id, ustack = so->ustack_id, pystack = so->pystack_id;
     u32 pid = so->tgid;
-    switched_out_at.delete(&next);
-    /* woken_at's entry stays (one per thread, until it exits): a wake-up older than the
-     * next switch-out is ignored above, and the delete would cost each switch. */
+    so->ts_ns = 0; /* running: the interval is taken */
+    /* woken_at's entry stays too: a wake-up older than the next switch-out is ignored. */
 
     if (dur < MIN_BLOCK_NS) {
         struct short_key key = {.tid = next, .state = preempted ? STATE_PREEMPTED : (u32)(state & 0xff)};
@@ -254,9 +260,17 @@ TRACEPOINT_PROBE(sched, sched_waking)
     /* Not switched out (still running, or never seen): sched_switch ignores a wake-up
      * that comes before the switch-out, so there is nothing to keep. */
     struct switched_out *so = switched_out_at.lookup(&tid);
-    if (!so)
+    if (!so || !so->ts_ns)
         return 0;
     u64 id = bpf_get_current_pid_tgid();
+    u64 so_ts = so->ts_ns;
+    /* Written in place where the thread has an entry: wake-ups of one thread are
+     * serialised (try_to_wake_up holds its pi_lock) and it is not switched in before its
+     * wake-up ends, so only user space's map reads can meet a half-written entry. */
+    struct wakeup fresh = {};
+    struct wakeup *wp = woken_at.lookup(&tid);
+    if (!wp)
+        wp = &fresh;
     struct wakeup w = {};
     w.ts_ns = bpf_ktime_get_ns();
     w.waker_tid = (u32)id;
@@ -271,11 +285,13 @@ TRACEPOINT_PROBE(sched, sched_waking)
     int known = task_args && *task_args;
     int in_task = known && *task_args == (u64)args;
     int in_irq = known && !in_task;
-    int long_wait = w.ts_ns - so->ts_ns >= MIN_BLOCK_NS;
+    int long_wait = w.ts_ns - so_ts >= MIN_BLOCK_NS;
     w.kstack_id = in_task ? -1 : stack_id(args, 0);
     w.ustack_id = long_wait && !in_irq ? stack_id(args, BPF_F_USER_STACK) : -1;
     w.pystack_id = long_wait && !in_irq ? py_stack() : PY_STACK_NONE;
-    woken_at.update(&tid, &w);
+    *wp = w;
+    if (wp == &fresh)
+        woken_at.update(&tid, &fresh);
     return 0;
 }
 

@@ -126,7 +126,7 @@ class Collector:
 
     def sample(self, now_ns: int) -> None:
         """For what is read from user space at its own rate: called at least every
-        sample_interval_ns() (and at other wake-ups of the recorder)."""
+        sample_interval_ns() (and at other wake-ups of the recorder), if that is set."""
 
     def meta(self) -> dict:
         """What the probe adds to the trace metadata when the recording ends."""
@@ -221,6 +221,24 @@ def read_hash(table) -> tuple[np.ndarray, np.ndarray]:
         return _batches(table, delete=False)
     except (OSError, AttributeError):
         return _entries(table)
+
+
+def lookup_keys(table, keys) -> tuple[np.ndarray, np.ndarray]:
+    """The entries of a BPF hash keyed by an integer for `keys` (those present), as
+    read_hash gives them: one lookup each, for a few keys in a large map, where a batch
+    read would walk every one of its buckets (~0.3-0.5 ms for 65536 at each flush)."""
+    from bcc.libbcc import lib
+
+    key, leaf = table.Key(), table.Leaf()
+    found_keys, found_values = [], []
+    for k in keys:
+        key.value = k
+        if lib.bpf_lookup_elem(table.map_fd, ctypes.byref(key), ctypes.byref(leaf)) == 0:
+            found_keys.append(k)
+            found_values.append(bytes(leaf))
+    value_dt = ctypes_to_dtype(table.Leaf)
+    values = np.frombuffer(b"".join(found_values), dtype=value_dt) if found_values else np.zeros(0, value_dt)
+    return np.array(found_keys, dtype=ctypes_to_dtype(table.Key)), values
 
 
 def _entries(table) -> tuple[np.ndarray, np.ndarray]:

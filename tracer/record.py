@@ -19,7 +19,7 @@ import pyarrow as pa
 from trainbpf.errors import OutputError, TargetError, UsageError
 from trainbpf.schema import SCHEMA_ID
 from trainbpf.safefile import check_output as safe_check_output
-from trainbpf.tracefile import SpoolWriter, check_spool_free, finalize, make_batch, spool_path_for
+from trainbpf.tracefile import SpoolWriter, check_spool_free, combine, finalize, make_batch, spool_path_for
 from trainbpf.tracer import loader, preflight, proctree, procfs, taskstats
 from trainbpf.tracer.addrs import AddressDescriber, ProcMaps, futex_pairs
 from trainbpf.tracer.collector import Collector, Settings, ThreadTable
@@ -224,8 +224,8 @@ class Recorder:
         start = self.start_ns / 1e9
         deadline = start + self.duration if self.duration else None
         next_flush = start + FLUSH_INTERVAL_S
-        intervals = [c.sample_interval_ns() for c in self.collectors]
-        sample_s = min((i for i in intervals if i), default=0) / 1e9
+        samplers = [c for c in self.collectors if c.sample_interval_ns()]
+        sample_s = min((c.sample_interval_ns() for c in samplers), default=0) / 1e9
         woken = self.rings.watch(self._stop_fds[0]) and (target is None or target.fd is not None
                                                          and self.rings.watch(target.fd))
         while True:
@@ -234,9 +234,8 @@ class Recorder:
                                       not woken and now + POLL_S) if t)
             self.rings.poll(max(0.0, wake_at - now))
             now = time.monotonic()
-            if sample_s:
-                for c in self.collectors:
-                    c.sample(time.monotonic_ns())
+            for c in samplers:
+                c.sample(time.monotonic_ns())
             if deadline and now >= deadline:
                 self.request_stop("duration")
             if target is not None and not target.alive():
@@ -245,8 +244,8 @@ class Recorder:
             # before the ring buffers are drained, so it takes effect next time round.
             stopping = self._stop.is_set()
             if now >= next_flush or stopping:
-                if stopping:
-                    self.rings.drain(passes=FINAL_DRAIN_PASSES)  # what is still in the ring buffers
+                # what is in the ring buffers; at the stop, what is still arriving too
+                self.rings.drain(passes=FINAL_DRAIN_PASSES if stopping else 1)
                 self._flush(final=stopping)
                 next_flush = now + FLUSH_INTERVAL_S
                 if self.writer.failed:
@@ -363,6 +362,7 @@ class Recorder:
         """`batches`, and the stacks and futex addresses they refer to.  Kernel stacks
         first: they tell which wake-ups came from interrupt context, whose "waker" (and its
         user stack) must be dropped before user stacks are resolved."""
+        batches = combine(batches)
         refs = [stack_refs(b) for b in batches]
         kernel = np.concatenate([k for k, _ in refs]) if refs else np.empty(0, np.int64)
         sym_kernel = self.symbolizer.symbolize(kernel, [])

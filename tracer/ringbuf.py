@@ -140,9 +140,11 @@ class MappedRings:
 
     def poll(self, timeout_s: float) -> None:
         """Wait until a ring forces a wake-up, a watched fd turns readable or `timeout_s`
-        pass, then drain them all."""
-        self._epoll.poll(timeout_s)
-        self.drain()
+        pass; drain the rings that woke it (drain() takes the rest, before a flush)."""
+        ready = {fd for fd, _ in self._epoll.poll(timeout_s)}
+        for ring in self.rings.values():
+            if ring.fd in ready:
+                ring.drain()
 
     def drain(self, passes: int = 1) -> None:
         for ring in self.rings.values():

@@ -6,8 +6,8 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf.tracefile import make_batch
-from trainbpf.tracer.collector import (Collector, ThreadTable, cstrings, drain_hash, py_stack_ids, read_hash,
-                                      stack_ids)
+from trainbpf.tracer.collector import (Collector, ThreadTable, cstrings, drain_hash, lookup_keys, py_stack_ids,
+                                      read_hash, stack_ids)
 
 # The constants sched.bpf.c shares, passed to it as -D defines (defines() below).
 # The state the probe reports for a task switched out while runnable (TASK_REPORT_MAX).
@@ -22,6 +22,11 @@ STATE_LETTERS = {STATE_PREEMPTED: "R", 0: "R", 1: "S", 2: "D", 4: "T", 8: "t", 1
 
 # /proc state letter -> the prev_state bits sched_switch would have reported
 PROC_STATE_BITS = {"S": 1, "D": 2, "T": 4, "t": 8, "I": 128}
+
+
+# Live threads up to which open_intervals looks each one up rather than reading the maps
+# whole (a read walks all MAX_THREADS buckets; a lookup costs a few µs).
+DIRECT_LOOKUPS = 2048
 
 
 def state_letters(raw: np.ndarray) -> np.ndarray:
@@ -176,8 +181,12 @@ class SchedCollector(Collector):
         """Off-CPU intervals still open when tracing stops (a thread blocked to the end,
         or never run again): they end at the stop, with cpu -1.  At a flush, as
         `kind` "offcpu_open" rows, they end at the flush."""
-        woken_tid, wakes = read_hash(bpf["woken_at"])
-        tid, outs = read_hash(bpf["switched_out_at"])
+        if len(live) <= DIRECT_LOOKUPS:
+            woken_tid, wakes = lookup_keys(bpf["woken_at"], live)
+            tid, outs = lookup_keys(bpf["switched_out_at"], live)
+        else:
+            woken_tid, wakes = read_hash(bpf["woken_at"])
+            tid, outs = read_hash(bpf["switched_out_at"])
         return self.open_interval_batches(tid, outs, woken_tid, wakes, end_ns, live, kind)
 
     def open_interval_batches(self, tid: np.ndarray, outs: np.ndarray, woken_tid: np.ndarray, wakes: np.ndarray,
@@ -186,7 +195,8 @@ class SchedCollector(Collector):
         woken_at's (`woken_tid`, `wakes`), read after end_ns was taken."""
         start = outs["ts_ns"].astype(np.int64)
         dur = end_ns - start
-        keep = (dur >= self.settings.min_block_ns) & np.isin(tid, np.fromiter(live, np.int64, len(live)))
+        # ts_ns 0: the thread is running (sched.bpf.c keeps its entry)
+        keep = (start > 0) & (dur >= self.settings.min_block_ns) & np.isin(tid, np.fromiter(live, np.int64, len(live)))
         if not keep.any():
             return []
         tid, outs, start, dur = tid[keep].astype(np.int64), outs[keep], start[keep], dur[keep]

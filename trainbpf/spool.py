@@ -92,6 +92,13 @@ def _repeated(key: Any, n: int, make: Callable[[int], pa.Array]) -> pa.Array:
     return array.slice(0, n)
 
 
+def combine(batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
+    """`batches` as one batch (none if they hold no rows): what is done to a flush's rows
+    runs once, not once for each probe's batch."""
+    table = pa.Table.from_batches([b for b in batches if b.num_rows], schema=TRACE_SCHEMA).combine_chunks()
+    return table.to_batches()
+
+
 def check_spool_free(spool: Path) -> None:
     """Refuse to start a recording whose spool exists: another recorder is writing it
     (named by its pid), or it is an unfinished recording that `recover` would save."""

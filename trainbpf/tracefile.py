@@ -21,7 +21,7 @@ from trainbpf.errors import TraceReadError
 from trainbpf.safefile import fd_path, open_input
 from trainbpf.schema import COLUMNS, KIND_COLUMNS, TRACE_SCHEMA, V2_COLUMNS, named_frame, storage_column
 from trainbpf.spool import (
-    SpoolWriter, check_spool_free, discard_stale_spool, finalize, make_batch, read_spool, recover, settle,
+    SpoolWriter, check_spool_free, combine, discard_stale_spool, finalize, make_batch, read_spool, recover, settle,
     spool_path_for,
 )
 from trainbpf.trace_meta import decode_meta, derive_final_meta
@@ -29,7 +29,8 @@ from trainbpf.trace_meta import decode_meta, derive_final_meta
 __all__ = [
     "Trace", "read_trace", "release_unused_memory",
     # trainbpf.spool's, for the recorder's and the tests' imports
-    "SpoolWriter", "check_spool_free", "discard_stale_spool", "finalize", "make_batch", "recover", "spool_path_for",
+    "SpoolWriter", "check_spool_free", "combine", "discard_stale_spool", "finalize", "make_batch", "recover",
+    "spool_path_for",
 ]
 
 
