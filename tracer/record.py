@@ -91,6 +91,10 @@ class Recorder:
         self.stop_reason = ""
         self._stop = threading.Event()
         self._stop_fds: tuple[int, int] | None = None  # a pipe the drain loop waits on, while it runs
+        # Held to write to or close that pipe: a thread must never write to its descriptor
+        # once closed (the number may name another file by then).  Reentrant: a signal
+        # handler runs in the main thread, perhaps while it holds the lock.
+        self._stop_fds_lock = threading.RLock()
         # What the session holds, from open to finalise.
         self.collectors: list[Collector] = []
         self.gpu: GpuSampler | None = None
@@ -117,12 +121,12 @@ class Recorder:
         if not self._stop.is_set():
             self.stop_reason = reason
             self._stop.set()
-            fds = self._stop_fds
-            if fds is not None:  # end the drain loop's wait (from a signal handler or a thread)
-                try:
-                    os.write(fds[1], b"x")
-                except OSError:  # closed meanwhile, or already full: the loop is ending or awake
-                    pass
+            with self._stop_fds_lock:
+                if self._stop_fds is not None:  # end the drain loop's wait (a signal handler, a thread)
+                    try:
+                        os.write(self._stop_fds[1], b"x")
+                    except OSError:  # already full: the loop is awake
+                        pass
 
     def run(self) -> RecordResult:
         self._open()
@@ -204,15 +208,17 @@ class Recorder:
 
     def _drain(self) -> None:
         target = proctree.Liveness(self.pid) if self.pid is not None else None
-        self._stop_fds = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
+        with self._stop_fds_lock:
+            self._stop_fds = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             if self._stop.is_set():  # asked before the pipe existed
                 os.write(self._stop_fds[1], b"x")
+        try:
             self._drain_until_stop(target)
         finally:
-            fds, self._stop_fds = self._stop_fds, None
-            for fd in fds:
-                os.close(fd)
+            with self._stop_fds_lock:
+                fds, self._stop_fds = self._stop_fds, None
+                for fd in fds:
+                    os.close(fd)
             if target is not None:
                 target.close()
 
