@@ -57,3 +57,23 @@ def test_a_read_a_lookup_and_a_drain_agree_and_only_the_drain_empties_the_map(ta
     keys, values = drain_hash(table)
     assert len(keys) == 0 and len(values) == 0 and values.dtype.names == ("ts_ns", "tgid", "stack_id")
 
+
+
+def test_without_batch_operations_the_per_key_reads_give_the_same(table, monkeypatch):
+    """Kernels without BPF_MAP_*_BATCH: bcc's per-key reads, and the drain deletes only
+    what it read."""
+    from trainbpf.tracer import collector
+
+    def no_batches(*_a, **_k):
+        raise OSError(22, "batch operations not supported")
+
+    monkeypatch.setattr(collector, "_batches", no_batches)
+    tids = [3, 5, 8]
+    fill(table, tids)
+    keys, values = read_hash(table)
+    assert sorted(keys.tolist()) == tids and len(table.items()) == 3
+    found, got = lookup_keys(table, [5, 6])
+    assert found.tolist() == [5] and got["ts_ns"].tolist() == [5000]
+    keys, values = drain_hash(table)
+    assert sorted(keys.tolist()) == tids and sorted(values["tgid"].tolist()) == [0, 0, 0]
+    assert len(table.items()) == 0

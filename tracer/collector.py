@@ -205,13 +205,13 @@ def drain_hash(table) -> tuple[np.ndarray, np.ndarray]:
     try:
         return _batches(table, delete=True)
     except (OSError, AttributeError):  # kernels (or a libbcc) or maps without batch ops: read then delete per key
-        keys, values = _entries(table)
-        for key in table.keys():
+        items = list(table.items())
+        for key, _ in items:  # only what was read: an entry added since stays for the next drain
             try:
                 del table[key]
             except KeyError:
                 pass
-        return keys, values
+        return _records(table.Key, [k for k, _ in items]), _records(table.Leaf, [v for _, v in items])
 
 
 def read_hash(table) -> tuple[np.ndarray, np.ndarray]:
@@ -220,7 +220,8 @@ def read_hash(table) -> tuple[np.ndarray, np.ndarray]:
     try:
         return _batches(table, delete=False)
     except (OSError, AttributeError):
-        return _entries(table)
+        items = list(table.items())
+        return _records(table.Key, [k for k, _ in items]), _records(table.Leaf, [v for _, v in items])
 
 
 def lookup_keys(table, keys) -> tuple[np.ndarray, np.ndarray]:
@@ -234,20 +235,15 @@ def lookup_keys(table, keys) -> tuple[np.ndarray, np.ndarray]:
     for k in keys:
         key.value = k
         if lib.bpf_lookup_elem(table.map_fd, ctypes.byref(key), ctypes.byref(leaf)) == 0:
-            found_keys.append(k)
+            found_keys.append(table.Key(k))
             found_values.append(bytes(leaf))
-    value_dt = ctypes_to_dtype(table.Leaf)
-    values = np.frombuffer(b"".join(found_values), dtype=value_dt) if found_values else np.zeros(0, value_dt)
-    return np.array(found_keys, dtype=ctypes_to_dtype(table.Key)), values
+    return _records(table.Key, found_keys), _records(table.Leaf, found_values)
 
 
-def _entries(table) -> tuple[np.ndarray, np.ndarray]:
-    """One lookup per key (bcc's items()), for kernels without batch operations."""
-    items = list(table.items())
-    key_dt, value_dt = ctypes_to_dtype(table.Key), ctypes_to_dtype(table.Leaf)
-    keys = np.frombuffer(b"".join(bytes(k) for k, _ in items), dtype=key_dt) if items else np.zeros(0, key_dt)
-    values = np.frombuffer(b"".join(bytes(v) for _, v in items), dtype=value_dt) if items else np.zeros(0, value_dt)
-    return keys, values
+def _records(ctype: type, items: list) -> np.ndarray:
+    """ctypes values (or their bytes) of one layout, as a numpy array of that layout."""
+    dtype = ctypes_to_dtype(ctype)
+    return np.frombuffer(b"".join(bytes(i) for i in items), dtype=dtype) if items else np.zeros(0, dtype)
 
 
 def _batches(table, *, delete: bool) -> tuple[np.ndarray, np.ndarray]:

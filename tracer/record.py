@@ -368,17 +368,18 @@ class Recorder:
         """`batches`, and the stacks and futex addresses they refer to.  Kernel stacks
         first: they tell which wake-ups came from interrupt context, whose "waker" (and its
         user stack) must be dropped before user stacks are resolved."""
-        batches = combine(batches)
-        refs = [stack_refs(b) for b in batches]
-        kernel = np.concatenate([k for k, _ in refs]) if refs else np.empty(0, np.int64)
+        rows = combine(batches)  # one batch: each step below runs once
+        if rows is None:
+            return []
+        kernel, user = stack_refs(rows)
         sym_kernel = self.symbolizer.symbolize(kernel, [])
-        dropped = [drop_irq_wakers(b, self.symbolizer.irq_ids) for b in batches]
-        user = [stack_refs(d)[1] if d is not b else u for d, b, (_, u) in zip(dropped, batches, refs)]
-        batches = dropped
+        dropped = drop_irq_wakers(rows, self.symbolizer.irq_ids)
+        if dropped is not rows:  # wakers dropped: their user stacks are no longer referenced
+            rows, user = dropped, stack_refs(dropped)[1]
         maps = ProcMaps()  # read once for this flush, by both
-        sym_user = self.symbolizer.symbolize([], np.concatenate(user) if user else [], maps)
-        described = self.futex_addrs.describe(futex_pairs(batches), maps)
-        return batches + [s for s in (sym_kernel, sym_user, described) if s is not None]
+        sym_user = self.symbolizer.symbolize([], user, maps)
+        described = self.futex_addrs.describe(futex_pairs([rows]), maps)
+        return [rows] + [s for s in (sym_kernel, sym_user, described) if s is not None]
 
     def _flush(self, *, final: bool) -> None:
         """One flush: every probe's records and aggregates, their stacks and futex

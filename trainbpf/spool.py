@@ -92,11 +92,11 @@ def _repeated(key: Any, n: int, make: Callable[[int], pa.Array]) -> pa.Array:
     return array.slice(0, n)
 
 
-def combine(batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
-    """`batches` as one batch (none if they hold no rows): what is done to a flush's rows
-    runs once, not once for each probe's batch."""
-    table = pa.Table.from_batches([b for b in batches if b.num_rows], schema=TRACE_SCHEMA).combine_chunks()
-    return table.to_batches()
+def combine(batches: list[pa.RecordBatch]) -> pa.RecordBatch | None:
+    """`batches` (of TRACE_SCHEMA) as one batch, None if they hold no rows: what is done
+    to a flush's rows runs once, not once for each probe's batch."""
+    rows = [b for b in batches if b.num_rows]
+    return pa.concat_batches(rows) if rows else None
 
 
 def check_spool_free(spool: Path) -> None:
@@ -160,18 +160,16 @@ class SpoolWriter:
         """Write pending rows as one complete batch and push it to the file."""
         if not self._pending or self.failed:
             return
-        table = pa.Table.from_batches(self._pending, schema=TRACE_SCHEMA)
-        self._pending = []
+        batch, self._pending = combine(self._pending), []
         try:
-            for batch in table.combine_chunks().to_batches():
-                self._writer.write_batch(batch)
+            self._writer.write_batch(batch)
             self._file.flush()
             os.fsync(self._file.fileno())
         except OSError as exc:
             # Keep what is already on disk readable; the recorder stops and reports.
             self.failed = output_error(self.spool, exc)
             return
-        self.rows_written += table.num_rows
+        self.rows_written += batch.num_rows
         self.bytes_written = self._file.tell()
 
     def close(self, *, keep_open: bool = False) -> None:
