@@ -5,7 +5,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/setup.sh" --test || exit $?
 cd "$ROOT"
-"$ROOT/.venv/bin/python" -m pytest -p no:cacheprovider -ra "$@"
+"$ROOT/.venv/bin/python" -m pytest -p no:cacheprovider -ra --durations=25 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "test.sh: pytest collected no tests: that is a failure" >&2

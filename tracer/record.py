@@ -132,6 +132,7 @@ class Recorder:
         self._open()
         self.bpf = loader.load(self.collectors, self.settings)  # compile before the spool exists
         try:
+            self._prepare()
             self._open_spool()
             try:
                 self._attach()
@@ -177,18 +178,24 @@ class Recorder:
         self.gpu.start()
         self.gpu_processes = self.gpu.processes({t.pid for t in self.seed} | ({self.pid} if self.pid else set()))
         self.meta = self._meta()
+        # The start is taken last, just before the seed: a killed recording's spool keeps
+        # this clock, and whatever ran between it and the seed would pass for running time.
+        self.start_ns = self.meta["clock"]["start_mono_ns"] = time.monotonic_ns()
         self.writer = SpoolWriter(self.output, self.meta)
 
-    def _attach(self) -> None:
-        """The recording starts here: the tree is seeded from now, and threads already
-        blocked begin their off-CPU interval now."""
+    def _prepare(self) -> None:
+        """What the drain needs that takes time (kallsyms alone, tens of ms): done before
+        the recording's clock starts."""
         self.rings = open_rings(self.bpf, loader.event_dtypes(self.bpf, self.collectors))
         self.symbolizer = StackSymbolizer(self.bpf)
         self.symbolizer.load_kernel_symbols()
-        self.procsampler = procfs.ProcSampler()
         self.threads.exec_listeners += [self.symbolizer.exec_seen, self.futex_addrs.exec_seen]
-        self.start_ns = time.monotonic_ns()
+
+    def _attach(self) -> None:
+        """The recording starts here: the tree is seeded from the start (just taken), and
+        threads already blocked begin their off-CPU interval then."""
         self._seed(self.seed)
+        self.procsampler = procfs.ProcSampler()  # its first interval starts within the trace
         walked = self._walk()  # again: threads born between the first walk and the attach
         self._seed(walked)
         for c in self.collectors:
@@ -322,7 +329,7 @@ class Recorder:
             "target_cmdline": proctree.cmdline(self.pid) if self.pid else [],
             "trainer_tid": self.trainer_tid,
             "clock": {
-                "start_mono_ns": time.monotonic_ns(),
+                "start_mono_ns": 0,  # set by _open_spool, as the last step before the seed
                 "wall_minus_mono_ns": self.wall_minus_mono,
                 "source": "CLOCK_MONOTONIC",
             },
