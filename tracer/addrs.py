@@ -11,6 +11,7 @@ alive, once per (process, address), and travel in the trace as `futex_addr` rows
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import time
@@ -66,19 +67,19 @@ class MapsIndex:
 
     def __init__(self, maps: list[Mapping]):
         self.maps = maps
-        self._starts = np.array([m.start for m in maps], dtype=np.uint64)
+        self._starts = [m.start for m in maps]  # bisect: a numpy search per address costs ~10x
         stacks = [m.end for m in maps if m.path == "[stack]"]
         self._user_top = max(stacks) if stacks else 1 << 64
 
-    def may_map_later(self, addr: int) -> bool:
+    def may_map_later(self, addr: int, index: int | None = None) -> bool:
         """Whether a mapping made since these were read could hold `addr`: it lies in no
         mapping and below the main stack (new mappings go below it; only the vsyscall page
-        lies above), not in the kernel's half or beyond."""
-        return self.index_of(addr) < 0 and addr < self._user_top
+        lies above), not in the kernel's half or beyond.  `index`: index_of(addr), if known."""
+        return (self.index_of(addr) if index is None else index) < 0 and addr < self._user_top
 
     def index_of(self, addr: int) -> int:
         """The position in `maps` of the mapping holding `addr`, -1 if none does."""
-        i = int(np.searchsorted(self._starts, np.uint64(addr), side="right")) - 1
+        i = bisect.bisect_right(self._starts, addr) - 1
         return i if i >= 0 and addr < self.maps[i].end else -1
 
 

@@ -27,7 +27,7 @@ from trainbpf.tracer.clock import wall_minus_mono_ns
 from trainbpf.tracer.gpu import GpuSampler
 from trainbpf.tracer.pystacks import PythonStacks
 from trainbpf.tracer.ringbuf import open_rings
-from trainbpf.tracer.stacks import StackSymbolizer, drop_irq_wakers, stack_refs
+from trainbpf.tracer.stacks import StackSymbolizer, drop_irq_wakers, kernel_refs, user_refs
 
 FLUSH_INTERVAL_S = 1.0
 # Where the wait cannot be woken by what ends it (no pidfd, or bcc's own ring-buffer
@@ -378,13 +378,10 @@ class Recorder:
         rows = combine(batches)  # one batch: each step below runs once
         if rows is None:
             return []
-        kernel, user = stack_refs(rows)
-        sym_kernel = self.symbolizer.symbolize(kernel, [])
-        dropped = drop_irq_wakers(rows, self.symbolizer.irq_ids)
-        if dropped is not rows:  # wakers dropped: their user stacks are no longer referenced
-            rows, user = dropped, stack_refs(dropped)[1]
+        sym_kernel = self.symbolizer.symbolize(kernel_refs(rows), [])
+        rows = drop_irq_wakers(rows, self.symbolizer.irq_id_array())  # their user stacks are not named
         maps = ProcMaps()  # read once for this flush, by both
-        sym_user = self.symbolizer.symbolize([], user, maps)
+        sym_user = self.symbolizer.symbolize([], user_refs(rows), maps)
         described = self.futex_addrs.describe(futex_pairs([rows]), maps)
         return [rows] + [s for s in (sym_kernel, sym_user, described) if s is not None]
 

@@ -40,6 +40,7 @@ class StackSymbolizer:
         self.done_kernel: set[int] = set()
         self.done_user: set[tuple[int, int]] = set()
         self.irq_ids: set[int] = set()  # kernel stacks taken in interrupt context
+        self._irq_array: pa.Array | None = None
         # Symbol names by address: the same frames recur in stack after stack, and each
         # lookup costs bcc time (docs/performance.md, "Costs the code is shaped by").
         self._kernel_names: dict[int, str] = {}
@@ -63,7 +64,7 @@ class StackSymbolizer:
         mappings."""
         maps = maps if maps is not None else ProcMaps(self.proc)
         rows = []
-        for sid in set(int(s) for s in kernel_ids) - self.done_kernel:
+        for sid in set(np.asarray(kernel_ids, dtype=np.int64).tolist()) - self.done_kernel:
             if sid < 0:
                 continue
             self.done_kernel.add(sid)
@@ -72,12 +73,18 @@ class StackSymbolizer:
                 self.irq_ids.add(sid)
             rows.append((sid, "kernel", 0, frames))
         refreshed: set[int] = set()  # pids whose maps this flush has re-read
-        for sid, pid in set((int(s), int(p)) for s, p in user_pairs) - self.done_user:
+        for sid, pid in set(map(tuple, np.asarray(user_pairs, dtype=np.int64).tolist())) - self.done_user:
             if sid < 0:
                 continue
             self.done_user.add((sid, pid))
             self._pending.append((sid, pid, [self._place(a, pid, maps, refreshed) for a in self._ips(sid)]))
         return _stack_batch(rows)
+
+    def irq_id_array(self) -> pa.Array:
+        """irq_ids as an int32 array (for drop_irq_wakers), remade only when one is new."""
+        if self._irq_array is None or len(self._irq_array) != len(self.irq_ids):
+            self._irq_array = pa.array(sorted(self.irq_ids), type=pa.int32())
+        return self._irq_array
 
     def finish(self, ts_ns: int | None = None) -> pa.RecordBatch | None:
         """The user stacks placed so far, named (after the stop: the files are held);
@@ -111,9 +118,11 @@ class StackSymbolizer:
     def _place(self, addr: int, pid: int, maps: ProcMaps, refreshed: set[int]) -> Frame:
         frame = self._user_frames.get((pid, addr))
         if frame is None:
-            if len(self._user_frames) >= MAX_CACHED_NAMES:
-                self._user_frames.clear()
-            frame = self._user_frames[(pid, addr)] = self._where(addr, pid, maps, refreshed)
+            frame = self._where(addr, pid, maps, refreshed)
+            if not isinstance(frame, _Stray):
+                if len(self._user_frames) >= MAX_CACHED_NAMES:
+                    self._user_frames.clear()
+                self._user_frames[(pid, addr)] = frame
         return frame
 
     def _where(self, addr: int, pid: int, maps: ProcMaps, refreshed: set[int]) -> Frame:
@@ -124,23 +133,25 @@ class StackSymbolizer:
         address, left as a number.  Anonymous code (a JIT's) or a process gone before its
         maps were read: bcc, now, while the process can still say."""
         if addr < MMAP_MIN_ADDR:
-            return f"0x{addr:x}"
+            return _raw(addr)
         index = self._maps.get(pid)
-        m = _executable_at(index, addr)
+        i = index.index_of(addr) if index is not None else -1
         # Not in known code: the process first seen, or a library loaded since, unless a
         # walk gone astray read the address (re-reading the maps, ~1.5 ms, would not
         # place it): it lies in a known mapping of data (heap, a stack), or above the top
         # of user space, where nothing new is mapped.
-        if m is None and pid not in refreshed and (index is None or index.may_map_later(addr)):
+        if ((i < 0 or not index.maps[i].executable) and pid not in refreshed
+                and (index is None or index.may_map_later(addr, i))):
             refreshed.add(pid)
             fresh = maps.of(pid)
             if fresh is not None or index is None:
                 index = self._maps[pid] = fresh
-            m = _executable_at(index, addr)
+                i = index.index_of(addr) if index is not None else -1
         if index is None:
             return self._bcc_name(addr, pid)
-        if m is None:
-            return f"0x{addr:x}"
+        if i < 0 or not index.maps[i].executable:
+            return _raw(addr)
+        m = index.maps[i]
         if m.path.startswith("/") and m.file[1] and self.files.hold(pid, m):
             return (*m.file, addr - m.start + m.offset)
         return self._bcc_name(addr, pid)
@@ -153,11 +164,13 @@ class StackSymbolizer:
         return name if name != "[unknown]" else f"0x{addr:x}"
 
 
-def _executable_at(index: MapsIndex | None, addr: int) -> Mapping | None:
-    if index is None:
-        return None
-    i = index.index_of(addr)
-    return index.maps[i] if i >= 0 and index.maps[i].executable else None
+class _Stray(str):
+    """A frame left as a number: an address no mapping holds as code (a walk gone astray).
+    Such addresses rarely recur, and are not kept in the symboliser's cache."""
+
+
+def _raw(addr: int) -> _Stray:
+    return _Stray(f"0x{addr:x}")
 
 
 def _stack_batch(rows: list[tuple[int, str, int, str]], ts_ns: int | None = None) -> pa.RecordBatch | None:
@@ -285,14 +298,15 @@ def demangle(name: str) -> str:
         _FREE(out)
 
 
-def drop_irq_wakers(batch: pa.RecordBatch, irq_ids: set[int]) -> pa.RecordBatch:
-    """Null the waker of wake-ups that came from interrupt context; their peer_kstack_id
-    stays and shows what woke the thread (timer, I/O completion)."""
+def drop_irq_wakers(batch: pa.RecordBatch, irq_ids: pa.Array) -> pa.RecordBatch:
+    """Null the waker of wake-ups that came from interrupt context (kernel stack ids
+    `irq_ids`, StackSymbolizer.irq_id_array); their peer_kstack_id stays and shows what
+    woke the thread (timer, I/O completion)."""
     names = batch.schema.names
     peer_k = batch.column(names.index("peer_kstack_id"))
-    if not irq_ids or peer_k.null_count == len(peer_k):
+    if not len(irq_ids) or peer_k.null_count == len(peer_k):
         return batch
-    mask = pc.fill_null(pc.is_in(peer_k, pa.array(sorted(irq_ids), type=pa.int32())), False)
+    mask = pc.fill_null(pc.is_in(peer_k, irq_ids), False)
     if not pc.any(mask).as_py():
         return batch
     cols = list(batch.columns)
@@ -302,27 +316,33 @@ def drop_irq_wakers(batch: pa.RecordBatch, irq_ids: set[int]) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(cols, schema=batch.schema)
 
 
-STACK_COLUMNS = ("kstack_id", "peer_kstack_id", "ustack_id", "peer_ustack_id")
-_NO_REFS = (np.empty(0, np.int64), np.empty((0, 2), np.int64))
+def kernel_refs(batch: pa.RecordBatch) -> np.ndarray:
+    """The distinct kernel stack ids a decoded batch refers to."""
+    ids = [_valid_ids(batch, column)[0] for column in ("kstack_id", "peer_kstack_id")]
+    ids = [i for i in ids if len(i)]
+    return sorted_unique(np.concatenate(ids)) if ids else np.empty(0, np.int64)
 
 
-def stack_refs(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
-    """(kernel ids, user (id, pid) pairs) referenced by a decoded batch."""
-    names = batch.schema.names
-    kstack, peer_kstack, ustack, peer_ustack = (batch.column(names.index(c)) for c in STACK_COLUMNS)
-    if all(arr.null_count == len(arr) for arr in (kstack, peer_kstack, ustack, peer_ustack)):
-        return _NO_REFS  # most kinds of rows carry no stacks
-    kernel = [arr.drop_null().to_numpy() for arr in (kstack, peer_kstack) if arr.null_count < len(arr)]
-    user = []
-    for arr, pid_col in ((ustack, "pid"), (peer_ustack, "peer_pid")):
-        if arr.null_count < len(arr):
-            pids = batch.column(names.index(pid_col)).to_numpy(zero_copy_only=False)
-            valid = arr.is_valid().to_numpy(zero_copy_only=False)
-            ids = arr.drop_null().to_numpy()
-            user.append(np.stack([ids, np.nan_to_num(pids[valid]).astype(np.int64)], axis=1))
-    k = sorted_unique(np.concatenate(kernel)) if kernel else _NO_REFS[0]
-    u = _unique_pairs(np.concatenate(user)) if user else _NO_REFS[1]
-    return k, u
+def user_refs(batch: pa.RecordBatch) -> np.ndarray:
+    """The distinct (user stack id, pid) pairs a decoded batch refers to."""
+    pairs = []
+    for column, pid_column in (("ustack_id", "pid"), ("peer_ustack_id", "peer_pid")):
+        ids, keep = _valid_ids(batch, column)
+        if len(ids):
+            pids = pc.fill_null(batch.column(batch.schema.get_field_index(pid_column)), 0).to_numpy()
+            pairs.append(np.stack([ids, pids[keep].astype(np.int64)], axis=1))
+    return _unique_pairs(np.concatenate(pairs)) if pairs else np.empty((0, 2), np.int64)
+
+
+def _valid_ids(batch: pa.RecordBatch, column: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """A stack id column's ids (nulls and failures left out) and where they are; most
+    kinds of rows carry no stacks, and leave both empty."""
+    arr = batch.column(batch.schema.get_field_index(column))
+    if arr.null_count == len(arr):
+        return np.empty(0, np.int64), None
+    ids = pc.fill_null(arr, -1).to_numpy()
+    keep = ids >= 0
+    return ids[keep].astype(np.int64), keep
 
 
 def sorted_unique(values: np.ndarray) -> np.ndarray:
