@@ -252,20 +252,15 @@ class ElfSymbols:
         return None
 
 
-def futex_pairs(batches: list[pa.RecordBatch]) -> np.ndarray:
-    """The distinct (pid, addr) pairs of the futex rows among `batches`, as int64."""
-    pairs = []
-    for b in batches:
-        futex = pc.equal(b.column(b.schema.get_field_index("kind")), "futex")
-        if not b.num_rows or not pc.any(futex).as_py():
-            continue
-        rows = b.filter(futex)
-        pid = rows.column(b.schema.get_field_index("pid")).to_numpy(zero_copy_only=False).astype(np.int64)
-        addr = rows.column(b.schema.get_field_index("addr")).to_numpy(zero_copy_only=False).astype(np.uint64)
-        pairs.append(np.stack([pid, addr.view(np.int64)], axis=1))
-    if not pairs:
+def futex_pairs(batch: pa.RecordBatch) -> np.ndarray:
+    """The distinct (pid, addr) pairs of the futex rows in `batch`, as int64."""
+    futex = pc.equal(batch.column(batch.schema.get_field_index("kind")), "futex")
+    if not batch.num_rows or not pc.any(futex).as_py():
         return np.zeros((0, 2), np.int64)
-    return np.unique(np.concatenate(pairs), axis=0)
+    rows = batch.filter(futex)
+    pid = rows.column(batch.schema.get_field_index("pid")).to_numpy(zero_copy_only=False).astype(np.int64)
+    addr = rows.column(batch.schema.get_field_index("addr")).to_numpy(zero_copy_only=False).astype(np.uint64)
+    return np.unique(np.stack([pid, addr.view(np.int64)], axis=1), axis=0)
 
 
 def _cstring(data, start: int) -> bytes:

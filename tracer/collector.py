@@ -211,7 +211,7 @@ def drain_hash(table) -> tuple[np.ndarray, np.ndarray]:
                 del table[key]
             except KeyError:
                 pass
-        return _records(table.Key, [k for k, _ in items]), _records(table.Leaf, [v for _, v in items])
+        return _item_records(table, items)
 
 
 def read_hash(table) -> tuple[np.ndarray, np.ndarray]:
@@ -220,8 +220,7 @@ def read_hash(table) -> tuple[np.ndarray, np.ndarray]:
     try:
         return _batches(table, delete=False)
     except (OSError, AttributeError):
-        items = list(table.items())
-        return _records(table.Key, [k for k, _ in items]), _records(table.Leaf, [v for _, v in items])
+        return _item_records(table, list(table.items()))
 
 
 def lookup_keys(table, keys) -> tuple[np.ndarray, np.ndarray]:
@@ -238,6 +237,11 @@ def lookup_keys(table, keys) -> tuple[np.ndarray, np.ndarray]:
             found_keys.append(table.Key(k))
             found_values.append(bytes(leaf))
     return _records(table.Key, found_keys), _records(table.Leaf, found_values)
+
+
+def _item_records(table, items: list) -> tuple[np.ndarray, np.ndarray]:
+    """bcc's (key, value) pairs of `table` as its Key and Leaf arrays."""
+    return _records(table.Key, [k for k, _ in items]), _records(table.Leaf, [v for _, v in items])
 
 
 def _records(ctype: type, items: list) -> np.ndarray:

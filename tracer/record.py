@@ -382,7 +382,7 @@ class Recorder:
         rows = drop_irq_wakers(rows, self.symbolizer.irq_id_array())  # their user stacks are not named
         maps = ProcMaps()  # read once for this flush, by both
         sym_user = self.symbolizer.symbolize([], user_refs(rows), maps)
-        described = self.futex_addrs.describe(futex_pairs([rows]), maps)
+        described = self.futex_addrs.describe(futex_pairs(rows), maps)
         return [rows] + [s for s in (sym_kernel, sym_user, described) if s is not None]
 
     def _flush(self, *, final: bool) -> None:

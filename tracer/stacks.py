@@ -140,8 +140,7 @@ class StackSymbolizer:
         # walk gone astray read the address (re-reading the maps, ~1.5 ms, would not
         # place it): it lies in a known mapping of data (heap, a stack), or above the top
         # of user space, where nothing new is mapped.
-        if ((i < 0 or not index.maps[i].executable) and pid not in refreshed
-                and (index is None or index.may_map_later(addr, i))):
+        if not _is_code(index, i) and pid not in refreshed and (index is None or index.may_map_later(addr, i)):
             refreshed.add(pid)
             fresh = maps.of(pid)
             if fresh is not None or index is None:
@@ -149,7 +148,7 @@ class StackSymbolizer:
                 i = index.index_of(addr) if index is not None else -1
         if index is None:
             return self._bcc_name(addr, pid)
-        if i < 0 or not index.maps[i].executable:
+        if not _is_code(index, i):
             return _raw(addr)
         m = index.maps[i]
         if m.path.startswith("/") and m.file[1] and self.files.hold(pid, m):
@@ -162,6 +161,11 @@ class StackSymbolizer:
         except Exception:
             name = "[unknown]"
         return name if name != "[unknown]" else f"0x{addr:x}"
+
+
+def _is_code(index: MapsIndex | None, i: int) -> bool:
+    """Whether mapping `i` of `index` (index_of's answer, -1 for none) holds code."""
+    return i >= 0 and index.maps[i].executable
 
 
 class _Stray(str):
