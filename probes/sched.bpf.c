@@ -114,7 +114,12 @@ BPF_RINGBUF_OUTPUT(sched_events, RINGBUF_PAGES);
 BPF_RINGBUF_OUTPUT(task_events, TASK_RINGBUF_PAGES);
 BPF_HASH(switched_out_at, u32, struct switched_out, MAX_THREADS);
 BPF_HASH(woken_at, u32, struct wakeup, MAX_THREADS);
-BPF_HASH(short_waits, struct short_key, struct short_sum, MAX_THREADS);
+/* Drained whole at every flush, and a drain walks every bucket (~5 ns each, used or not):
+ * sized by the loader for what one second can hold (SchedCollector.defines). */
+#ifndef SHORT_WAIT_ENTRIES
+#define SHORT_WAIT_ENTRIES MAX_THREADS
+#endif
+BPF_HASH(short_waits, struct short_key, struct short_sum, SHORT_WAIT_ENTRIES);
 /* Where a tracepoint program's arguments lie on this CPU in task context: sched_switch
  * (always task context) notes it.  The kernel fills tracepoint arguments into one
  * per-CPU buffer per context (task, softirq, hardirq, NMI: perf_trace_buf_alloc), so a
@@ -196,12 +201,14 @@ TRACEPOINT_PROBE(sched, sched_switch)
         struct short_key key = {.tid = next, .state = preempted ? STATE_PREEMPTED : (u32)(state & 0xff)};
         struct short_sum zero = {};
         struct short_sum *sum = short_waits.lookup_or_try_init(&key, &zero);
-        if (sum) {
-            sum->count += 1;
-            sum->dur_ns += dur;
-            sum->runq_ns += runq;
-            sum->pid = pid;
+        if (!sum) { /* full: more (thread, state) pairs waited briefly this second than it holds */
+            count_lost(PROBE_SCHED);
+            return 0;
         }
+        sum->count += 1;
+        sum->dur_ns += dur;
+        sum->runq_ns += runq;
+        sum->pid = pid;
         return 0;
     }
     struct offcpu_event ev = {};

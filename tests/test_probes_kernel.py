@@ -330,3 +330,20 @@ def test_a_thread_blocked_for_the_whole_recording_is_blocked_not_running(tmp_pat
     assert row.state == "S" and row.cpu == -1, "still asleep when the recording stopped"
     assert row.ts_ns == clock["start_mono_ns"] and row.ts_ns + row.dur_ns == clock["end_mono_ns"]
     assert span >= 1.9e9
+
+
+def test_short_waits_past_the_maps_size_are_counted_as_lost(tmp_path, monkeypatch):
+    """Every off-CPU interval is short (min_block 1 s) and the short-wait map holds one
+    (thread, state) pair: the others of each second are counted as the sched probe's
+    lost events, not dropped unseen."""
+    require_root()
+    from trainbpf.tracer import sched
+
+    monkeypatch.setattr(sched, "SHORT_WAIT_ENTRIES", 1)
+    rec = record_workload(tmp_path / "trace.parquet", "basic", probes=["sched"],
+                          settings=Settings(min_block_ns=1_000_000_000, python_frames=False))
+    short = rec.trace.frame("offcpu_short")
+    assert len(short) > 0, "no short wait was summed at all"
+    assert short.groupby("ts_ns").size().max() == 1, "a drain held more pairs than the map's one entry"
+    assert rec.result.lost["sched"] > 0, rec.result.lost
+    assert rec.trace.meta["lost"]["sched"] == rec.result.lost["sched"]

@@ -33,6 +33,8 @@ FLUSH_INTERVAL_S = 1.0
 # Where the wait cannot be woken by what ends it (no pidfd, or bcc's own ring-buffer
 # poll), the loop looks again this often.
 POLL_S = 0.1
+# vmstat and PSI are summed over the recording: sampled this often, and at the stop.
+PROC_SAMPLE_S = 5.0
 FINAL_DRAIN_PASSES = 4  # bounded: a target still running keeps producing
 
 
@@ -151,6 +153,8 @@ class Recorder:
                 self.pystacks.close()
             if self.rings is not None:
                 self.rings.close()
+            if self.procsampler is not None:
+                self.procsampler.close()
             loader.detach(self.bpf)  # every program and perf event we attached
 
     def _open(self) -> None:
@@ -195,7 +199,7 @@ class Recorder:
         """The recording starts here: the tree is seeded from the start (just taken), and
         threads already blocked begin their off-CPU interval then."""
         self._seed(self.seed)
-        self.procsampler = procfs.ProcSampler()  # its first interval starts within the trace
+        self.procsampler = procfs.ProcSampler(interval_ns=int(PROC_SAMPLE_S * 1e9))  # starts within the trace
         walked = self._walk()  # again: threads born between the first walk and the attach
         self._seed(walked)
         for c in self.collectors:
@@ -382,7 +386,9 @@ class Recorder:
         rows = drop_irq_wakers(rows, self.symbolizer.irq_id_array())  # their user stacks are not named
         maps = ProcMaps()  # read once for this flush, by both
         sym_user = self.symbolizer.symbolize([], user_refs(rows), maps)
-        described = self.futex_addrs.describe(futex_pairs(rows), maps)
+        # only the futex probe records futex rows: looking for them costs ~0.2 ms a flush
+        described = self.futex_addrs.describe(futex_pairs(rows), maps) \
+            if any(c.name == "futex" for c in self.collectors) else None
         return [rows] + [s for s in (sym_kernel, sym_user, described) if s is not None]
 
     def _flush(self, *, final: bool) -> None:
@@ -401,7 +407,7 @@ class Recorder:
         gpu_batch = self.gpu.take()
         if gpu_batch is not None:
             batches.append(gpu_batch)
-        batches += self.procsampler.take()
+        batches += self.procsampler.take(final=final)
         if not final:  # what a killed recording's last segment says was still blocked
             segment_ns = time.monotonic_ns()
             for c in self.collectors:

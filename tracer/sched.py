@@ -24,6 +24,12 @@ STATE_LETTERS = {STATE_PREEMPTED: "R", 0: "R", 1: "S", 2: "D", 4: "T", 8: "t", 1
 PROC_STATE_BITS = {"S": 1, "D": 2, "T": 4, "t": 8, "I": 128}
 
 
+# (thread, state) pairs with short waits one flush can sum (sched.bpf.c short_waits), one
+# process tree's and the whole node's: every flush's drain walks each bucket (~0.3 ms at
+# 65536), and a tree rarely has thousands of threads.  Past it, short waits count as lost.
+SHORT_WAIT_ENTRIES = 16384
+SHORT_WAIT_ENTRIES_NODE = 65536
+
 # Live threads up to which open_intervals looks each one up rather than reading the maps
 # whole (a read walks all MAX_THREADS buckets; a lookup costs a few µs).
 DIRECT_LOOKUPS = 2048
@@ -66,6 +72,7 @@ class SchedCollector(Collector):
 
     def defines(self) -> dict[str, int]:
         return {"MIN_BLOCK_NS": self.settings.min_block_ns, "STATE_PREEMPTED": STATE_PREEMPTED,
+                "SHORT_WAIT_ENTRIES": SHORT_WAIT_ENTRIES_NODE if self.settings.trace_all else SHORT_WAIT_ENTRIES,
                 **{f"TASK_{what.upper()}": code for code, what in TASK_WHAT.items()}}
 
     def on_batch(self, ringbuf: str, records: np.ndarray, threads: ThreadTable) -> None:
