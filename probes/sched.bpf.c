@@ -59,7 +59,6 @@ struct offcpu_event {
     s32 kstack_id;
     s32 ustack_id;
     s32 waker_kstack_id;
-    s32 waker_ustack_id;
     s32 cpu;   /* where it ran next */
     s32 state; /* prev_state at switch-out; 0 or STATE_PREEMPTED = preempted */
     s32 pystack_id;       /* probes/pyframes.h: PY_STACK_NONE without Python frames */
@@ -92,9 +91,7 @@ struct wakeup {
     u32 waker_tid;
     u32 waker_pid;
     s32 kstack_id;
-    s32 ustack_id;
     s32 pystack_id;
-    u32 pad;
 };
 
 struct short_key {
@@ -220,7 +217,6 @@ TRACEPOINT_PROBE(sched, sched_switch)
     ev.waker_tid = wake.waker_tid;
     ev.waker_pid = wake.waker_pid;
     ev.waker_kstack_id = wake.ts_ns ? wake.kstack_id : -1;
-    ev.waker_ustack_id = wake.ts_ns ? wake.ustack_id : -1;
     ev.waker_pystack_id = wake.ts_ns ? wake.pystack_id : PY_STACK_NONE;
     ev.cpu = bpf_get_smp_processor_id();
     ev.state = preempted ? STATE_PREEMPTED : (s32)state;
@@ -282,11 +278,14 @@ TRACEPOINT_PROBE(sched, sched_waking)
     w.ts_ns = bpf_ktime_get_ns();
     w.waker_tid = (u32)id;
     w.waker_pid = id >> 32;
-    /* The wake-up chains use the waker's user and Python stacks, only for a wait already
-     * long enough to stream.  The kernel stack is taken for a wake-up from interrupt
-     * context, where it shows what woke the thread (a timer, an I/O completion) and tells
-     * user space to drop the "waker"; and where this CPU's task-context argument buffer is
-     * not known yet, since then only the stack can tell (user space looks for irq frames). */
+    /* The analysis names a producer by its Python stack at its wake-ups where its own
+     * samples and switch-outs show none (analyzers/pystacks.py): the waker's Python stack
+     * is taken, for a wait already long enough to stream.  Its native user stack is not:
+     * nothing reads it, and its walk was most of this program's cost.  The kernel stack
+     * is taken for a wake-up from interrupt context, where it shows what woke the thread
+     * (a timer, an I/O completion) and tells user space to drop the "waker"; and where
+     * this CPU's task-context argument buffer is not known yet, since then only the stack
+     * can tell (user space looks for irq frames). */
     u32 zero = 0;
     u64 *task_args = task_context_args.lookup(&zero);
     int known = task_args && *task_args;
@@ -294,7 +293,6 @@ TRACEPOINT_PROBE(sched, sched_waking)
     int in_irq = known && !in_task;
     int long_wait = w.ts_ns - so_ts >= MIN_BLOCK_NS;
     w.kstack_id = in_task ? -1 : stack_id(args, 0);
-    w.ustack_id = long_wait && !in_irq ? stack_id(args, BPF_F_USER_STACK) : -1;
     w.pystack_id = long_wait && !in_irq ? py_stack() : PY_STACK_NONE;
     *wp = w;
     if (wp == &fresh)

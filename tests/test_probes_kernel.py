@@ -76,8 +76,9 @@ def test_producer_appears_as_waker(basic):
     assert wakers.count(basic.tids["producer"]) >= 3, f"wakers of the consumer: {wakers}"
     woken = consumer[consumer.peer_tid == basic.tids["producer"]]
     assert (woken.dur_ns >= 20e6).sum() >= 3, "the consumer should wait ~30 ms per hand-off"
-    # A waker in task context: its user stack is taken, its kernel stack is not (sched.bpf.c).
-    assert woken.peer_ustack_id.notna().all() and (woken.peer_kstack_id == -1).all()
+    # A waker in task context: neither its kernel nor its native user stack is taken
+    # (sched.bpf.c; its Python stack is, where Python frames are walked).
+    assert (woken.peer_kstack_id == -1).all() and woken.peer_ustack_id.isna().all()
 
 
 def test_timer_wakeups_name_no_waker(basic):

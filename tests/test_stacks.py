@@ -133,9 +133,10 @@ def test_a_stack_ends_at_its_first_zero_or_after_32_frames():
 
 
 def test_a_flushs_stack_references_leave_out_nulls_failures_and_interrupt_wakers():
-    """kernel_refs and user_refs: the distinct ids (user ids with the pid they belong
-    to: the thread's, or the waker's for a waker's stack); no null and no failed walk
-    (-1).  A waker dropped for an interrupt-context wake-up leaves its user stack out."""
+    """kernel_refs and user_refs: the distinct ids (user ids with the pid of the thread
+    they belong to); no null and no failed walk (-1).  A waker dropped for an
+    interrupt-context wake-up loses its tid, pid and Python stack, not the kernel stack
+    that shows what woke the thread."""
     import pyarrow as pa
 
     from trainbpf.tracefile import make_batch
@@ -147,14 +148,18 @@ def test_a_flushs_stack_references_leave_out_nulls_failures_and_interrupt_wakers
     rows = make_batch("offcpu", {
         "ts_ns": np.arange(4, dtype=np.int64), "tid": ids([1, 2, 3, 1]), "pid": ids([10, 11, 12, 10]),
         "kstack_id": ids([3, None, 3, -1]), "peer_kstack_id": ids([None, 9, 40, None]),
-        "ustack_id": ids([5, None, -1, 5]), "peer_ustack_id": ids([None, 7, 8, None]),
+        "ustack_id": ids([5, None, -1, 7]), "pystack_id": ids([None, None, None, None]),
         "peer_tid": ids([None, 21, 22, None]), "peer_pid": ids([None, 20, 20, None]),
+        "peer_pystack_id": ids([None, 1 << 24, (1 << 24) + 1, None]),
     })
     assert kernel_refs(rows).tolist() == [3, 9, 40]
-    assert user_refs(rows).tolist() == [[5, 10], [7, 20], [8, 20]]
+    assert user_refs(rows).tolist() == [[5, 10], [7, 10]]
     sym = StackSymbolizer(FakeBpf({}))
     sym.irq_ids.add(40)  # stack 40 was taken in interrupt context: row 3's "waker" is whoever was interrupted
     dropped = drop_irq_wakers(rows, sym.irq_id_array())
-    assert user_refs(dropped).tolist() == [[5, 10], [7, 20]]
-    assert dropped.column(dropped.schema.get_field_index("peer_tid")).to_pylist() == [None, 21, None, None]
+    column = dropped.schema.get_field_index
+    assert dropped.column(column("peer_tid")).to_pylist() == [None, 21, None, None]
+    assert dropped.column(column("peer_pid")).to_pylist() == [None, 20, None, None]
+    assert dropped.column(column("peer_pystack_id")).to_pylist() == [None, 1 << 24, None, None]
+    assert dropped.column(column("peer_kstack_id")).to_pylist() == [None, 9, 40, None]
     assert drop_irq_wakers(rows, StackSymbolizer(FakeBpf({})).irq_id_array()) is rows

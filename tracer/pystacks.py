@@ -57,6 +57,7 @@ class PythonStacks:
         self.status: dict[int, dict] = {}  # pid -> {"version", "status"}, for the metadata
         self.looks: dict[int, int] = {}  # tid -> looks left; absent once found or given up
         self.settled: set[int] = set()  # tids found or given up
+        self.exits_read = 0  # ThreadTable.exit_log entries already seen
         self.attempts: dict[int, int] = defaultdict(int)  # pid -> attaches tried
         self.tstates: dict[int, int] = {}  # tid -> PyThreadState, as given to the kernel
         self.slots_read: list[int] = []  # per CPU: slots already named
@@ -68,7 +69,8 @@ class PythonStacks:
     def track(self, threads: ThreadTable) -> None:
         """Tell the kernel about threads and processes seen since the last call."""
         live = threads.live()
-        for tid in threads.exited:
+        exits, self.exits_read = threads.exit_log[self.exits_read:], len(threads.exit_log)
+        for tid in exits:  # only the exits since the last call: a long recording has thousands
             self.looks.pop(tid, None)
             if tid in self.settled:
                 self._forget_thread(tid)

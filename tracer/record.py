@@ -377,13 +377,13 @@ class Recorder:
 
     def _with_symbols(self, batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
         """`batches`, and the stacks and futex addresses they refer to.  Kernel stacks
-        first: they tell which wake-ups came from interrupt context, whose "waker" (and its
-        user stack) must be dropped before user stacks are resolved."""
+        first: they tell which wake-ups came from interrupt context, whose "waker" (the
+        task that happened to be interrupted) is dropped from the rows."""
         rows = combine(batches)  # one batch: each step below runs once
         if rows is None:
             return []
         sym_kernel = self.symbolizer.symbolize(kernel_refs(rows), [])
-        rows = drop_irq_wakers(rows, self.symbolizer.irq_id_array())  # their user stacks are not named
+        rows = drop_irq_wakers(rows, self.symbolizer.irq_id_array())
         maps = ProcMaps()  # read once for this flush, by both
         sym_user = self.symbolizer.symbolize([], user_refs(rows), maps)
         # only the futex probe records futex rows: looking for them costs ~0.2 ms a flush

@@ -123,7 +123,6 @@ class SchedCollector(Collector):
                         "kstack_id": stack_ids(r["kstack_id"]),
                         "ustack_id": stack_ids(r["ustack_id"]),
                         "peer_kstack_id": stack_ids(r["waker_kstack_id"]),
-                        "peer_ustack_id": stack_ids(r["waker_ustack_id"]),
                         "pystack_id": py_stack_ids(r["pystack_id"]),
                         "peer_pystack_id": py_stack_ids(r["waker_pystack_id"]),
                     },
@@ -232,7 +231,6 @@ class SchedCollector(Collector):
             "kstack_id": stack_ids(outs["kstack_id"]),
             "ustack_id": stack_ids(outs["ustack_id"]),
             "peer_kstack_id": stack_ids(np.where(woke, wake["kstack_id"], -1)),
-            "peer_ustack_id": np.full(len(tid), -1, dtype=np.int32),
             "pystack_id": py_stack_ids(outs["pystack_id"]),
         })]
 

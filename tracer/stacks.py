@@ -314,7 +314,7 @@ def drop_irq_wakers(batch: pa.RecordBatch, irq_ids: pa.Array) -> pa.RecordBatch:
     if not pc.any(mask).as_py():
         return batch
     cols = list(batch.columns)
-    for col in ("peer_tid", "peer_pid", "peer_ustack_id", "peer_pystack_id"):
+    for col in ("peer_tid", "peer_pid", "peer_pystack_id"):
         i = names.index(col)
         cols[i] = pc.if_else(mask, pa.nulls(len(mask), cols[i].type), cols[i])
     return pa.RecordBatch.from_arrays(cols, schema=batch.schema)
@@ -328,14 +328,13 @@ def kernel_refs(batch: pa.RecordBatch) -> np.ndarray:
 
 
 def user_refs(batch: pa.RecordBatch) -> np.ndarray:
-    """The distinct (user stack id, pid) pairs a decoded batch refers to."""
-    pairs = []
-    for column, pid_column in (("ustack_id", "pid"), ("peer_ustack_id", "peer_pid")):
-        ids, keep = _valid_ids(batch, column)
-        if len(ids):
-            pids = pc.fill_null(batch.column(batch.schema.get_field_index(pid_column)), 0).to_numpy()
-            pairs.append(np.stack([ids, pids[keep].astype(np.int64)], axis=1))
-    return _unique_pairs(np.concatenate(pairs)) if pairs else np.empty((0, 2), np.int64)
+    """The distinct (user stack id, pid) pairs a decoded batch refers to (a waker's user
+    stack is not taken: probes/sched.bpf.c)."""
+    ids, keep = _valid_ids(batch, "ustack_id")
+    if not len(ids):
+        return np.empty((0, 2), np.int64)
+    pids = pc.fill_null(batch.column(batch.schema.get_field_index("pid")), 0).to_numpy()
+    return _unique_pairs(np.stack([ids, pids[keep].astype(np.int64)], axis=1))
 
 
 def _valid_ids(batch: pa.RecordBatch, column: str) -> tuple[np.ndarray, np.ndarray | None]:

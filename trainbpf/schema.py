@@ -77,12 +77,13 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # switched back in after dur_ns on `cpu`.  Threads already asleep when the recording
     # started begin at its start; an interval still open at the stop ends there, cpu -1.  runq_ns is the part spent runnable
     # (wake-up -> switch-in; all of dur_ns for "R").  peer_* name the waker and its stacks
-    # at the wake-up; peer_tid/peer_pid/peer_ustack_id are null when preempted or when the
+    # at the wake-up; peer_tid/peer_pid/peer_pystack_id are null when preempted or when the
     # wake-up ran in interrupt context (a timer, an I/O completion), where peer_kstack_id
     # shows what woke the thread; a waker in task context has no kernel stack (-1: the
-    # recorder takes it only from interrupt context).  peer_ustack_id is also -1 when the wake-up came
-    # sooner than min_block_ns after the switch-out (the interval got that long waiting
-    # for a CPU); the recorder takes the waker's user stack only for waits that long.
+    # recorder takes it only from interrupt context).  peer_pystack_id is also null when the
+    # wake-up came sooner than min_block_ns after the switch-out (the interval got that long
+    # waiting for a CPU).  peer_ustack_id (the waker's native user stack) is not recorded
+    # (null); traces before 2026-12-06 have it.
     # kstack_id/ustack_id: stacks at switch-out (-1 where unknown: for intervals seeded at
     # the start, and, on kernels with sched_exit_tp where stacks are taken at switch-in,
     # for intervals still open at the stop).  pystack_id / peer_pystack_id: the thread's
