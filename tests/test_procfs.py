@@ -4,6 +4,7 @@ and the parsing of both files' text."""
 from __future__ import annotations
 
 import mmap
+import os
 import time
 from pathlib import Path
 
@@ -69,4 +70,23 @@ def test_an_interval_of_zero_samples_every_time():
         _touch(4)
         assert "vmstat" in _rows(sampler.take())
     finally:
+        sampler.close()
+
+
+def test_a_read_that_fails_once_gives_no_delta_from_zero():
+    """One failed read of /proc/vmstat: the next good one is still a delta from the last
+    good one, not the machine's count since boot."""
+    sampler = procfs.ProcSampler(interval_ns=0)
+    good = sampler._fds["vmstat"]
+    failing = os.open("/", os.O_RDONLY | os.O_DIRECTORY)  # pread of a directory: EISDIR
+    try:
+        sampler._fds["vmstat"] = failing
+        assert "pgfault" not in _rows(sampler.take()).get("vmstat", {})
+        sampler._fds["vmstat"] = good
+        _touch(4)
+        delta = _rows(sampler.take())["vmstat"]["pgfault"][0]
+        since_boot = procfs.parse_vmstat(Path("/proc/vmstat").read_bytes())["pgfault"]
+        assert 1024 <= delta < since_boot / 2, (delta, since_boot)
+    finally:
+        os.close(failing)
         sampler.close()

@@ -76,6 +76,9 @@ class ProcSampler:
         if not final and now - self._t < self.interval_ns:
             return []
         vm, psi = self._read()
+        # A file that could not be read keeps its last values (deltas of zero), so no
+        # later delta counts from zero.
+        vm, psi = vm or self._vm, {**self._psi, **psi}
         dur = now - self._t
         vm_rows = {k: (v if k in GAUGES else v - self._vm.get(k, 0)) for k, v in vm.items()}
         vm_rows = {k: v for k, v in vm_rows.items() if v or k in GAUGES}
