@@ -240,6 +240,25 @@ def stack_counts(bpf) -> dict[str, int]:
     return {"walks": int(sum(table[ctypes.c_int(0)])), "collisions": int(sum(table[ctypes.c_int(1)]))}
 
 
+def missed_runs(bpf) -> dict[str, int]:
+    """Runs of each program the kernel skipped (its `recursion_misses`, from the program's
+    fdinfo), by attach point: a tracepoint program does not run while another BPF program
+    runs on the same CPU, so a wake-up from an interrupt that arrives inside one (a
+    timer's, an on-CPU sample's) goes unseen.  Only programs that missed any."""
+    missed = {}
+    for name, fn in bpf.funcs.items():
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        try:
+            text = Path(f"/proc/self/fdinfo/{fn.fd}").read_text()
+        except OSError:
+            continue
+        count = next((int(line.split()[1]) for line in text.splitlines() if line.startswith("recursion_misses:")), 0)
+        if count:
+            category, sep, event = name.removeprefix("tracepoint__").partition("__")
+            missed[f"{category}:{event}" if sep and name.startswith("tracepoint__") else name] = count
+    return missed
+
+
 def lost_counts(bpf) -> dict[str, int]:
     table = bpf["lost"]
     return {name: int(sum(table[ctypes.c_int(i)])) for name, i in PROBE_IDS.items()}

@@ -307,6 +307,7 @@ class Recorder:
                     "processes": self._gpu_processes(self.threads.tgids())},
             "stacks": {"frames": self.settings.stack_frames, "entries": self.settings.stack_entries,
                        **loader.stack_counts(self.bpf)},
+            "missed_runs": loader.missed_runs(self.bpf),
         }
         for c in self.collectors:
             final.update(c.meta())
