@@ -254,8 +254,9 @@ def missed_runs(bpf) -> dict[str, int]:
             continue
         count = next((int(line.split()[1]) for line in text.splitlines() if line.startswith("recursion_misses:")), 0)
         if count:
-            category, sep, event = name.removeprefix("tracepoint__").partition("__")
-            missed[f"{category}:{event}" if sep and name.startswith("tracepoint__") else name] = count
+            if name.startswith("tracepoint__"):  # bcc's name for TRACEPOINT_PROBE(category, event)
+                name = name.removeprefix("tracepoint__").replace("__", ":", 1)
+            missed[name] = count
     return missed
 
 
