@@ -26,6 +26,11 @@ struct futex_event {
     u32 pad;
 };
 
+/* A traced thread's futex wait in progress (ts_ns 0: none).  Kept per thread until it
+ * exits (user space removes it), so an entry also says the thread is traced, and
+ * rewritten in place: a hash update or delete at every futex call costs an element's
+ * allocation and free on top of the lookup, and each lookup here costs ~0.3-0.4 us
+ * (docs/performance.md). */
 struct futex_wait {
     u64 ts_ns;
     u64 uaddr;
@@ -38,13 +43,21 @@ BPF_HASH(futex_waiting, u32, struct futex_wait, MAX_THREADS);
 static __always_inline int futex_enter(u64 uaddr, s32 op)
 {
     u32 tid = current_tid();
-    if (!is_traced(tid))
+    struct futex_wait *w = futex_waiting.lookup(&tid);
+    if (!w) { /* a traced thread's first futex wait, or an untraced thread */
+        if (!is_traced(tid))
+            return 0;
+        struct futex_wait fresh = {};
+        fresh.ts_ns = bpf_ktime_get_ns();
+        fresh.uaddr = uaddr;
+        fresh.op = op;
+        futex_waiting.update(&tid, &fresh);
         return 0;
-    struct futex_wait w = {};
-    w.ts_ns = bpf_ktime_get_ns();
-    w.uaddr = uaddr;
-    w.op = op;
-    futex_waiting.update(&tid, &w);
+    }
+    /* Only this thread writes its entry, and only user space reads it meanwhile. */
+    w->uaddr = uaddr;
+    w->op = op;
+    w->ts_ns = bpf_ktime_get_ns();
     return 0;
 }
 
@@ -52,11 +65,11 @@ static __always_inline int futex_exit(void *args)
 {
     u32 tid = current_tid();
     struct futex_wait *w = futex_waiting.lookup(&tid);
-    if (!w)
+    if (!w || !w->ts_ns) /* untraced, or a futex call that does not wait */
         return 0;
     u64 dur = bpf_ktime_get_ns() - w->ts_ns;
     struct futex_wait wait = *w;
-    futex_waiting.delete(&tid);
+    w->ts_ns = 0;
     if (dur < MIN_FUTEX_NS)
         return 0;
     struct futex_event *e = futex_events.ringbuf_reserve(sizeof(*e));

@@ -74,11 +74,15 @@ struct task_event {
     char comm[16];
 };
 
-/* A thread's last switch-out, kept per thread until it exits (user space removes it):
- * ts_ns 0 once it has run again.  Rewritten in place, not replaced: a hash update or
- * delete at every switch costs an element's allocation and free. */
+/* What sched_switch and sched_waking keep of each traced thread, in one entry: its last
+ * switch-out and the last wake-up since.  One entry, not one map each, because each hash
+ * lookup here costs ~0.3-0.4 us (the switch has just emptied the caches; measured in
+ * docs/performance.md): a switch now looks a thread up once, a wake-up once.  Created at
+ * a traced thread's first switch-out and kept until it exits (user space removes it), so
+ * an entry also says the thread is traced.  Rewritten in place, never replaced: a hash
+ * update or delete at every switch costs an element's allocation and free. */
 struct switched_out {
-    u64 ts_ns;
+    u64 ts_ns; /* 0 once it has run again */
     s64 state;
     s32 kstack_id;
     s32 ustack_id;
@@ -87,11 +91,16 @@ struct switched_out {
 };
 
 struct wakeup {
-    u64 ts_ns;
+    u64 ts_ns; /* older than out.ts_ns: a wake-up before the last switch-out, ignored */
     u32 waker_tid;
     u32 waker_pid;
     s32 kstack_id;
     s32 pystack_id;
+};
+
+struct sched_thread {
+    struct switched_out out;
+    struct wakeup woken;
 };
 
 struct short_key {
@@ -109,8 +118,7 @@ struct short_sum {
 
 BPF_RINGBUF_OUTPUT(sched_events, RINGBUF_PAGES);
 BPF_RINGBUF_OUTPUT(task_events, TASK_RINGBUF_PAGES);
-BPF_HASH(switched_out_at, u32, struct switched_out, MAX_THREADS);
-BPF_HASH(woken_at, u32, struct wakeup, MAX_THREADS);
+BPF_HASH(sched_threads, u32, struct sched_thread, MAX_THREADS);
 /* Drained whole at every flush, and a drain walks every bucket (~5 ns each, used or not):
  * sized by the loader for what one second can hold (SchedCollector.defines). */
 #ifndef SHORT_WAIT_ENTRIES
@@ -152,47 +160,52 @@ TRACEPOINT_PROBE(sched, sched_switch)
     if (task_args)
         *task_args = (u64)args;
 
-    if (prev != 0 && is_traced(prev)) {
-        struct switched_out fresh = {};
-        struct switched_out *out = switched_out_at.lookup(&prev);
-        if (!out)
-            out = &fresh;
-        out->tgid = current_tgid();
-        out->state = args->prev_state;
+    if (prev != 0) {
+        /* An entry says the thread is traced; only a thread without one is looked up in
+         * `traced` (its first switch-out, or an untraced thread). */
+        struct sched_thread *t = sched_threads.lookup(&prev);
+        struct sched_thread fresh = {};
+        if (!t && is_traced(prev))
+            t = &fresh;
+        if (t) {
+            struct switched_out *out = &t->out;
+            out->tgid = current_tgid();
+            out->state = args->prev_state;
 #ifdef HAVE_RAW_TP_SCHED_EXIT_TP
-        out->kstack_id = -1;
-        out->ustack_id = -1;
-        out->pystack_id = PY_STACK_NONE;
+            out->kstack_id = -1;
+            out->ustack_id = -1;
+            out->pystack_id = PY_STACK_NONE;
 #else
-        out->kstack_id = stack_id(args, 0);
-        out->ustack_id = stack_id(args, BPF_F_USER_STACK);
-        out->pystack_id = py_stack();
+            out->kstack_id = stack_id(args, 0);
+            out->ustack_id = stack_id(args, BPF_F_USER_STACK);
+            out->pystack_id = py_stack();
 #endif
-        out->ts_ns = now; /* last: a reader that sees it sees the rest */
-        if (out == &fresh)
-            switched_out_at.update(&prev, &fresh);
+            out->ts_ns = now; /* last: a reader that sees it sees the rest */
+            if (t == &fresh)
+                sched_threads.update(&prev, &fresh);
+        }
     }
     if (next == 0)
         return 0;
-    struct switched_out *so = switched_out_at.lookup(&next);
-    if (!so || !so->ts_ns)
+    struct sched_thread *t = sched_threads.lookup(&next);
+    if (!t || !t->out.ts_ns)
         return 0;
+    struct switched_out *so = &t->out;
     u64 dur = now - so->ts_ns;
     s64 state = so->state;
     int preempted = state == 0 || state == STATE_PREEMPTED;
     u64 runq = preempted ? dur : 0;
-    struct wakeup *w = woken_at.lookup(&next);
     struct wakeup wake = {};
-    if (w && w->ts_ns >= so->ts_ns) {
-        wake = *w;
+    if (t->woken.ts_ns >= so->ts_ns) {
+        wake = t->woken;
         /* A wake-up stamped after `now` raced this switch-in from another CPU: no queue. */
         if (!preempted)
-            runq = now > w->ts_ns ? now - w->ts_ns : 0;
+            runq = now > wake.ts_ns ? now - wake.ts_ns : 0;
     }
     s32 kstack = so->kstack_id, ustack = so->ustack_id, pystack = so->pystack_id;
     u32 pid = so->tgid;
     so->ts_ns = 0; /* running: the interval is taken */
-    /* woken_at's entry stays too: a wake-up older than the next switch-out is ignored. */
+    /* The wake-up stays: one older than the next switch-out is ignored. */
 
     if (dur < MIN_BLOCK_NS) {
         struct short_key key = {.tid = next, .state = preempted ? STATE_PREEMPTED : (u32)(state & 0xff)};
@@ -257,23 +270,20 @@ RAW_TRACEPOINT_PROBE(sched_exit_tp)
 
 TRACEPOINT_PROBE(sched, sched_waking)
 {
-    u32 tid = args->pid;
-    if (!is_traced(tid))
+    /* Node-wide, the recorder's own wake-ups stay out (is_traced's rule). */
+    if (TRACE_ALL && current_tgid() == SELF_TGID)
         return 0;
-    /* Not switched out (still running, or never seen): sched_switch ignores a wake-up
-     * that comes before the switch-out, so there is nothing to keep. */
-    struct switched_out *so = switched_out_at.lookup(&tid);
-    if (!so || !so->ts_ns)
+    u32 tid = args->pid;
+    /* No entry: not traced.  Not switched out (still running, or never seen): sched_switch
+     * ignores a wake-up that comes before the switch-out, so there is nothing to keep. */
+    struct sched_thread *t = sched_threads.lookup(&tid);
+    if (!t || !t->out.ts_ns)
         return 0;
     u64 id = bpf_get_current_pid_tgid();
-    u64 so_ts = so->ts_ns;
-    /* Written in place where the thread has an entry: wake-ups of one thread are
-     * serialised (try_to_wake_up holds its pi_lock) and it is not switched in before its
-     * wake-up ends, so only user space's map reads can meet a half-written entry. */
-    struct wakeup fresh = {};
-    struct wakeup *wp = woken_at.lookup(&tid);
-    if (!wp)
-        wp = &fresh;
+    u64 so_ts = t->out.ts_ns;
+    /* Written in place: wake-ups of one thread are serialised (try_to_wake_up holds its
+     * pi_lock) and it is not switched in before its wake-up ends, so only user space's
+     * map reads can meet a half-written wake-up. */
     struct wakeup w = {};
     w.ts_ns = bpf_ktime_get_ns();
     w.waker_tid = (u32)id;
@@ -294,9 +304,7 @@ TRACEPOINT_PROBE(sched, sched_waking)
     int long_wait = w.ts_ns - so_ts >= MIN_BLOCK_NS;
     w.kstack_id = in_task ? -1 : stack_id(args, 0);
     w.pystack_id = long_wait && !in_irq ? py_stack() : PY_STACK_NONE;
-    *wp = w;
-    if (wp == &fresh)
-        woken_at.update(&tid, &fresh);
+    t->woken = w;
     return 0;
 }
 

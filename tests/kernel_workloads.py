@@ -174,6 +174,24 @@ def forked_worker(seconds: str) -> dict:
     return {"main": threading.get_native_id(), "worker": child}
 
 
+def short_threads(count: int) -> dict:
+    """`count` threads, each waiting 30 ms on an event (a futex wait) and exiting, one
+    after another; then the main thread outlives them by two and a half seconds (two
+    flushes, which forget the exited threads)."""
+    tids = []
+
+    def wait() -> None:
+        tids.append(threading.get_native_id())
+        threading.Event().wait(0.03)
+
+    for _ in range(count):
+        t = threading.Thread(target=wait)
+        t.start()
+        t.join()
+    time.sleep(2.5)
+    return {"main": threading.get_native_id(), "workers": tids}
+
+
 class Dim3(ctypes.Structure):
     _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
 
@@ -262,7 +280,7 @@ def cuda_real(runtime: str) -> dict:
 
 
 WORKLOADS = {"basic": basic, "dirty": dirty, "reclaim": reclaim, "sleeper": sleeper, "cuda_fake": cuda_fake,
-             "cuda_real": cuda_real, "forked_worker": forked_worker}
+             "cuda_real": cuda_real, "forked_worker": forked_worker, "short_threads": short_threads}
 
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import ctypes
 import re
 from pathlib import Path
-from types import SimpleNamespace
+
+import numpy as np
 
 from trainbpf.tracer.collector import Settings
 from trainbpf.tracer.cuda import (CALLS, KINDS, LAUNCH_SLOTS, LAYERS, CudaCollector, base_name, cuda_libraries,
@@ -61,10 +62,13 @@ def test_call_table_matches_the_probe():
 def test_thread_buckets_read_each_slot_with_launches():
     """A thread's last bucket, still in its record at the stop: one row per slot (runtime,
     direct driver, nested driver) that counted launches, in the bucket ending at end_ns."""
-    rec = SimpleNamespace(end_ns=30_000_000, tid=70, pid=7, launches=[5, 0, 4], first_ns=[21_000_000, 0, 21_000_100])
-    idle = SimpleNamespace(end_ns=10_000_000, tid=80, pid=8, launches=[0, 0, 0], first_ns=[0, 0, 0])
-    unused = SimpleNamespace(end_ns=0, tid=0, pid=0, launches=[0, 3, 0], first_ns=[0, 0, 0])  # never owned
-    assert thread_buckets([rec, idle, unused], 10_000_000) == [
+    # the fields of struct cuda_thread that are read, as array_values gives them
+    records = np.array([
+        (30_000_000, [5, 0, 4], [21_000_000, 0, 21_000_100], 70, 7),
+        (10_000_000, [0, 0, 0], [0, 0, 0], 80, 8),  # idle
+        (0, [0, 3, 0], [0, 0, 0], 0, 0),  # never owned
+    ], dtype=[("end_ns", "u8"), ("launches", "u8", 3), ("first_ns", "u8", 3), ("tid", "u4"), ("pid", "u4")])
+    assert thread_buckets(records, 10_000_000) == [
         (2, 70, 7, 5, 21_000_000, 0, 0),
         (2, 70, 7, 4, 21_000_100, 1, 1),
     ]

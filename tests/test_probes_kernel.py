@@ -368,3 +368,30 @@ def test_short_waits_past_the_maps_size_are_counted_as_lost(tmp_path, monkeypatc
     assert short.groupby("ts_ns").size().max() == 1, "a drain held more pairs than the map's one entry"
     assert rec.result.lost["sched"] > 0, rec.result.lost
     assert rec.trace.meta["lost"]["sched"] == rec.result.lost["sched"]
+
+
+def test_exited_threads_leave_the_per_thread_maps(tmp_path, monkeypatch):
+    """sched.bpf.c and futex.bpf.c keep an entry per traced thread, rewritten in place,
+    and an entry means "traced": the recorder must remove an exited thread's entries, or
+    the maps fill with the dead and a reused tid counts as traced."""
+    require_root()
+    from trainbpf.tracer.record import Recorder
+
+    left: dict[str, set[int]] = {}
+    stop_tracing = Recorder._stop_tracing
+
+    def snapshot_then_stop(self):
+        for name in ("sched_threads", "futex_waiting"):
+            left[name] = {k.value for k in self.bpf[name].keys()}
+        return stop_tracing(self)
+
+    monkeypatch.setattr(Recorder, "_stop_tracing", snapshot_then_stop)
+    rec = record_workload(tmp_path / "trace.parquet", "short_threads", 20, probes=["sched", "futex"],
+                          settings=Settings(python_frames=False))
+    workers = set(rec.tids["workers"])
+    assert len(workers) == 20
+    # each worker had entries: it waited, and both probes saw the wait
+    assert workers <= set(rec.trace.frame("futex")["tid"]), "a worker's futex wait is missing"
+    assert workers <= set(rec.trace.frame("offcpu")["tid"]), "a worker's off-CPU wait is missing"
+    for name, tids in left.items():
+        assert not workers & tids, f"{name} still holds exited threads {sorted(workers & tids)}"

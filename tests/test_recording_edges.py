@@ -226,15 +226,20 @@ def test_an_open_interval_woken_after_the_stop_is_still_blocked():
     from trainbpf.tracer.sched import SchedCollector
     from trainbpf.tracer.settings import Settings
 
-    # the fields of sched.bpf.c's struct switched_out and struct wakeup that are read
-    outs = np.array([(1_000_000, 1, 7, -1, -1, -1)] * 4 + [(0, 1, 7, -1, -1, -1)], dtype=[
-        ("ts_ns", "u8"), ("state", "i8"), ("tgid", "u4"), ("kstack_id", "i4"), ("ustack_id", "i4"),
-        ("pystack_id", "i4")])
-    wakes = np.array([(60_000_000, 8, 8, -1), (40_000_000, 8, 8, -1)], dtype=[
-        ("ts_ns", "u8"), ("waker_tid", "u4"), ("waker_pid", "u4"), ("kstack_id", "i4")])
+    # sched.bpf.c's struct sched_thread: each thread's last switch-out and wake-up
+    out = [("ts_ns", "u8"), ("state", "i8"), ("tgid", "u4"), ("kstack_id", "i4"), ("ustack_id", "i4"),
+           ("pystack_id", "i4")]
+    woken = [("ts_ns", "u8"), ("waker_tid", "u4"), ("waker_pid", "u4"), ("kstack_id", "i4"), ("pystack_id", "i4")]
+    blocked, running, never_woken = (1_000_000, 1, 7, -1, -1, -1), (0, 1, 7, -1, -1, -1), (0, 0, 0, -1, -1)
+    entries = np.array([
+        (blocked, (60_000_000, 8, 8, -1, -1)),  # 7: woken after the stop
+        (blocked, (40_000_000, 8, 8, -1, -1)),  # 9: woken before it
+        (blocked, never_woken),  # 10
+        (blocked, never_woken),  # 11: exited
+        (running, (40_000_000, 8, 8, -1, -1)),  # 12: running (ts_ns 0)
+    ], dtype=[("out", out), ("woken", woken)])
     batch = SchedCollector(Settings()).open_interval_batches(
-        np.array([7, 9, 10, 11, 12], np.uint32), outs, np.array([9, 7], np.uint32), wakes[::-1], 50_000_000,
-        {7, 9, 10, 12}, "offcpu",  # 10: never woken; 11: exited; 12: running (ts_ns 0)
+        np.array([7, 9, 10, 11, 12], np.uint32), entries, 50_000_000, {7, 9, 10, 12}, "offcpu",
     )[0].to_pandas().set_index("tid")
     assert sorted(batch.index) == [7, 9, 10]
     assert batch.loc[10, "runq_ns"] == 0 and pd.isna(batch.loc[10, "peer_tid"]) and batch.loc[10, "peer_kstack_id"] == -1

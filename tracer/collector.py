@@ -226,6 +226,16 @@ def drain_hash(table) -> tuple[np.ndarray, np.ndarray]:
         return _item_records(table, items)
 
 
+def delete_keys(table, keys) -> None:
+    """Remove the entries of a BPF hash keyed by an integer for `keys`; absent ones are
+    skipped."""
+    for k in keys:
+        try:
+            del table[table.Key(k)]
+        except KeyError:
+            pass
+
+
 def read_hash(table) -> tuple[np.ndarray, np.ndarray]:
     """Every key and value of a BPF hash, as drain_hash gives them, left in the map.
     Entries added or removed meanwhile may be missed or seen."""
@@ -295,9 +305,11 @@ def _batches(table, *, delete: bool) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(out_keys), np.concatenate(out_values)
 
 
-def array_values(table) -> list:
-    """Every value of a BPF array, in index order (one batch read where supported)."""
+def array_values(table) -> np.ndarray:
+    """Every value of a BPF array, in index order, as a numpy array of its Leaf layout: one
+    batch read where supported.  bcc's own batch read makes a Python object of each entry,
+    ~50 ms for 16384 records."""
     try:
-        return [v for _, v in table.items_lookup_batch()]
-    except Exception:  # kernels without batch ops on arrays
-        return list(table.values())
+        return _batches(table, delete=False)[1]
+    except (OSError, AttributeError):  # kernels without batch ops on arrays
+        return _records(table.Leaf, list(table.values()))

@@ -9,6 +9,7 @@ fires in every process mapping it, forked workers included, so each library file
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -61,21 +62,29 @@ def cuda_libraries(maps_text: str) -> list[tuple[str, tuple[str, int]]]:
     return [(path, file) for file, path in seen.items()]
 
 
-def thread_buckets(records: list, width: int) -> list[tuple]:
+def thread_buckets(records: np.ndarray, width: int) -> list[tuple]:
     """The bucket each thread is counting (probes/cuda.bpf.c cuda_threads: its records,
     owner 0 for a record never used) as cuda_launches rows: (bucket, tid, pid, launches,
     first_ns, layer, nested) for each slot with launches.  A bucket is moved out of its
     record only when the thread launches in a later one, so the last is read here, at
     the stop."""
     rows = []
-    for rec in records:
-        if not rec.tid:
-            continue
+    used = records[records["tid"] != 0]
+    for end_ns, tid, pid, launches, first_ns in zip(*(used[f].tolist() for f in (
+            "end_ns", "tid", "pid", "launches", "first_ns"))):
         for slot, (_, layer, nested) in enumerate(LAUNCH_SLOTS):
-            if rec.launches[slot]:
-                rows.append((rec.end_ns // width - 1, rec.tid, rec.pid, rec.launches[slot], rec.first_ns[slot],
-                             layer, nested))
+            if launches[slot]:
+                rows.append((end_ns // width - 1, tid, pid, launches[slot], first_ns[slot], layer, nested))
     return rows
+
+
+def _mapped_size(pid: int) -> bytes:
+    """The total size of a process's mappings (/proc/PID/statm's first field)."""
+    fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+    try:
+        return os.read(fd, 128).split(b" ", 1)[0]
+    finally:
+        os.close(fd)
 
 
 def exported_calls(path: str) -> list[tuple[str, str]]:
@@ -100,7 +109,7 @@ class CudaCollector(Collector):
     def __init__(self, settings):
         super().__init__(settings)
         self.libraries: dict[tuple[str, int], dict] = {}  # (device, inode) -> metadata
-        self._maps_seen: dict[int, int] = {}  # pid -> hash of its maps when last scanned
+        self._size_seen: dict[int, bytes] = {}  # pid -> its mappings' total size when last scanned
         self._pids: set[int] = set()
         self.threads = ThreadTable()  # the recorder's, from seeded()
 
@@ -125,16 +134,18 @@ class CudaCollector(Collector):
         self._pids.update(self.threads.live().values())
         for pid in sorted(self._pids):
             try:
+                # A library mapped since changes the total size, and reading it costs
+                # ~20 us where the maps cost ~0.5 ms a process (docs/performance.md).
+                size = _mapped_size(pid)
+                if self._size_seen.get(pid) == size:
+                    continue
                 with open(f"/proc/{pid}/maps") as fh:
                     text = fh.read()
             except OSError:
                 self._pids.discard(pid)
-                self._maps_seen.pop(pid, None)
+                self._size_seen.pop(pid, None)
                 continue
-            digest = hash(text)
-            if self._maps_seen.get(pid) == digest:
-                continue
-            self._maps_seen[pid] = digest
+            self._size_seen[pid] = size
             if "/libcud" not in text:  # most processes: no need to parse
                 continue
             for path, file in cuda_libraries(text):

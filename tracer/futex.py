@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf.tracefile import make_batch
-from trainbpf.tracer.collector import Collector, py_stack_ids, stack_ids
+from trainbpf.tracer.collector import Collector, delete_keys, py_stack_ids, stack_ids
 
 
 class FutexCollector(Collector):
@@ -18,6 +18,10 @@ class FutexCollector(Collector):
 
     def defines(self) -> dict[str, int]:
         return {"MIN_FUTEX_NS": self.settings.min_futex_ns}
+
+    def forget(self, bpf, tids: list[int]) -> None:
+        """An exited thread's entry (futex.bpf.c keeps one per thread)."""
+        delete_keys(bpf["futex_waiting"], tids)
 
     def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
         return [

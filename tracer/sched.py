@@ -6,8 +6,8 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf.tracefile import make_batch
-from trainbpf.tracer.collector import (Collector, ThreadTable, cstrings, drain_hash, lookup_keys, py_stack_ids,
-                                      read_hash, stack_ids)
+from trainbpf.tracer.collector import (Collector, ThreadTable, cstrings, delete_keys, drain_hash, lookup_keys,
+                                      py_stack_ids, read_hash, stack_ids)
 
 # The constants sched.bpf.c shares, passed to it as -D defines (defines() below).
 # The state the probe reports for a task switched out while runnable (TASK_REPORT_MAX).
@@ -88,14 +88,8 @@ class SchedCollector(Collector):
             threads.exec_seen()
 
     def forget(self, bpf, tids: list[int]) -> None:
-        """An exited thread's last switch-out and wake-up (sched.bpf.c leaves them)."""
-        for name in ("switched_out_at", "woken_at"):
-            table = bpf[name]
-            for tid in tids:
-                try:
-                    del table[table.Key(tid)]
-                except KeyError:
-                    pass
+        """An exited thread's entry: its last switch-out and wake-up (sched.bpf.c leaves it)."""
+        delete_keys(bpf["sched_threads"], tids)
 
     def seeded(self, bpf, walked, threads: ThreadTable, now_ns: int) -> None:
         self.seed_blocked(bpf, walked, now_ns)
@@ -172,14 +166,15 @@ class SchedCollector(Collector):
     def seed_blocked(bpf, threads, now_ns: int) -> None:
         """Threads already off-CPU when tracing starts: their interval begins now, as if
         they had switched out at the start (else the wait would pass for running time)."""
-        table = bpf["switched_out_at"]
+        table = bpf["sched_threads"]
         for t in threads:
             bits = PROC_STATE_BITS.get(t.state)
             if bits is None:
                 continue
-            leaf = table.Leaf()
-            leaf.ts_ns, leaf.state, leaf.kstack_id, leaf.ustack_id, leaf.tgid = now_ns, bits, -1, -1, t.pid
-            leaf.pystack_id = -1
+            leaf = table.Leaf()  # no wake-up yet: woken.ts_ns 0
+            out = leaf.out
+            out.ts_ns, out.state, out.kstack_id, out.ustack_id, out.tgid = now_ns, bits, -1, -1, t.pid
+            out.pystack_id = -1
             # NOEXIST: a real switch-out since attach is more accurate than the seed
             _insert(table, t.tid, leaf)
 
@@ -188,32 +183,27 @@ class SchedCollector(Collector):
         or never run again): they end at the stop, with cpu -1.  At a flush, as
         `kind` "offcpu_open" rows, they end at the flush."""
         if len(live) <= DIRECT_LOOKUPS:
-            woken_tid, wakes = lookup_keys(bpf["woken_at"], live)
-            tid, outs = lookup_keys(bpf["switched_out_at"], live)
+            tid, entries = lookup_keys(bpf["sched_threads"], live)
         else:
-            woken_tid, wakes = read_hash(bpf["woken_at"])
-            tid, outs = read_hash(bpf["switched_out_at"])
-        return self.open_interval_batches(tid, outs, woken_tid, wakes, end_ns, live, kind)
+            tid, entries = read_hash(bpf["sched_threads"])
+        return self.open_interval_batches(tid, entries, end_ns, live, kind)
 
-    def open_interval_batches(self, tid: np.ndarray, outs: np.ndarray, woken_tid: np.ndarray, wakes: np.ndarray,
-                              end_ns: int, live: set[int], kind: str) -> list[pa.RecordBatch]:
-        """open_intervals from the maps' entries: switched_out_at's (`tid`, `outs`), then
-        woken_at's (`woken_tid`, `wakes`), read after end_ns was taken."""
+    def open_interval_batches(self, tid: np.ndarray, entries: np.ndarray, end_ns: int, live: set[int],
+                              kind: str) -> list[pa.RecordBatch]:
+        """open_intervals from sched_threads' entries (`tid`, `entries`: each thread's last
+        switch-out `out` and wake-up `woken`), read after end_ns was taken."""
+        outs = entries["out"]
         start = outs["ts_ns"].astype(np.int64)
         dur = end_ns - start
         # ts_ns 0: the thread is running (sched.bpf.c keeps its entry)
         keep = (start > 0) & (dur >= self.settings.min_block_ns) & np.isin(tid, np.fromiter(live, np.int64, len(live)))
         if not keep.any():
             return []
-        tid, outs, start, dur = tid[keep].astype(np.int64), outs[keep], start[keep], dur[keep]
-        # Each interval's wake-up, if any: a waking stamped after end_ns (read from the
-        # clock before the maps) came after the stop: the thread was still blocked then.
-        order = np.argsort(woken_tid, kind="stable")
-        at = np.minimum(np.searchsorted(woken_tid[order], tid), max(0, len(order) - 1))
-        wake = wakes[order][at] if len(order) else np.zeros(len(tid), wakes.dtype)
+        tid, outs, wake, start, dur = tid[keep].astype(np.int64), outs[keep], entries["woken"][keep], start[keep], dur[keep]
+        # The wake-up since the switch-out, if any: one stamped after end_ns (read from the
+        # clock before the map) came after the stop: the thread was still blocked then.
         woke_ts = wake["ts_ns"].astype(np.int64)
-        woke = (woken_tid[order][at] == tid if len(order) else np.zeros(len(tid), bool)) \
-            & (start <= woke_ts) & (woke_ts <= end_ns)
+        woke = (start <= woke_ts) & (woke_ts <= end_ns)
         state = outs["state"].astype(np.int64)
         preempted = (state == 0) | (state == STATE_PREEMPTED)
         runq = np.where(preempted, dur, np.where(woke, end_ns - woke_ts, 0))
