@@ -51,7 +51,8 @@ static __always_inline int futex_enter(u64 uaddr, s32 op)
         fresh.ts_ns = bpf_ktime_get_ns();
         fresh.uaddr = uaddr;
         fresh.op = op;
-        futex_waiting.update(&tid, &fresh);
+        if (futex_waiting.update(&tid, &fresh)) /* full: more threads than it holds */
+            count_lost(PROBE_FUTEX);
         return 0;
     }
     /* Only this thread writes its entry, and only user space reads it meanwhile. */

@@ -181,8 +181,8 @@ TRACEPOINT_PROBE(sched, sched_switch)
             out->pystack_id = py_stack();
 #endif
             out->ts_ns = now; /* last: a reader that sees it sees the rest */
-            if (t == &fresh)
-                sched_threads.update(&prev, &fresh);
+            if (t == &fresh && sched_threads.update(&prev, &fresh)) /* full: more threads than it holds */
+                count_lost(PROBE_SCHED);
         }
     }
     if (next == 0)

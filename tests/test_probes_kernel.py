@@ -395,3 +395,32 @@ def test_exited_threads_leave_the_per_thread_maps(tmp_path, monkeypatch):
     assert workers <= set(rec.trace.frame("offcpu")["tid"]), "a worker's off-CPU wait is missing"
     for name, tids in left.items():
         assert not workers & tids, f"{name} still holds exited threads {sorted(workers & tids)}"
+
+
+def test_threads_past_the_per_thread_maps_size_are_counted_as_lost(tmp_path, monkeypatch):
+    """Node-wide, every thread that switches out or waits on a futex needs an entry in
+    sched_threads and futex_waiting; with room for four, the threads past them are
+    counted as the probes' lost events, not dropped unseen."""
+    require_root()
+    from trainbpf.tracefile import read_trace
+    from trainbpf.tracer import loader
+    from trainbpf.tracer.record import record
+
+    cflags = loader.cflags
+    monkeypatch.setattr(loader, "cflags", lambda *a, **k: cflags(*a, **k) + ["-DMAX_THREADS=4"])
+    waiters = subprocess.Popen([sys.executable, "-c", (
+        "import threading, time\n"
+        "def wait():\n"
+        "    while True: threading.Event().wait(0.005)\n"
+        "for _ in range(8): threading.Thread(target=wait, daemon=True).start()\n"
+        "time.sleep(60)\n")])
+    try:
+        time.sleep(0.5)
+        result = record(pid=None, output=tmp_path / "node.parquet", duration=2, probes=["sched", "futex"],
+                        settings=Settings(trace_all=True, python_frames=False), gpu="off", handle_signals=False)
+    finally:
+        waiters.kill()
+        waiters.wait()
+    assert result.lost["sched"] > 0, result.lost
+    assert result.lost["futex"] > 0, result.lost
+    assert read_trace(tmp_path / "node.parquet").meta["lost"]["futex"] == result.lost["futex"]
