@@ -136,6 +136,8 @@ class CudaCollector(Collector):
             try:
                 # A library mapped since changes the total size, and reading it costs
                 # ~20 us where the maps cost ~0.5 ms a process (docs/performance.md).
+                # Unless something else unmapped exactly as much meanwhile: then the
+                # library is found at the next change of size.
                 size = _mapped_size(pid)
                 if self._size_seen.get(pid) == size:
                     continue
