@@ -19,7 +19,7 @@ from pathlib import Path
 from trainbpf.errors import EnvironmentCheckError
 from trainbpf.schema import PY_STACK_ID_BASE
 from trainbpf.tracer.block import BlockCollector
-from trainbpf.tracer.collector import PROBE_IDS, Collector, Settings, ctypes_to_dtype, probe_defines
+from trainbpf.tracer.collector import PROBE_IDS, Collector, Settings, ctypes_to_dtype, delete_keys, probe_defines
 from trainbpf.tracer.cuda import CudaCollector
 from trainbpf.tracer.faults import FaultsCollector
 from trainbpf.tracer.futex import FutexCollector
@@ -227,11 +227,9 @@ def set_traced(bpf, tid: int, tgid: int) -> None:
     bpf["traced"][ctypes.c_uint32(tid)] = ctypes.c_uint32(tgid)
 
 
-def untrace(bpf, tid: int) -> None:
-    try:
-        del bpf["traced"][ctypes.c_uint32(tid)]
-    except KeyError:
-        pass
+def untrace(bpf, tids: list[int]) -> None:
+    """Threads out of the traced set (they exited)."""
+    delete_keys(bpf["traced"], tids)
 
 
 def stack_counts(bpf) -> dict[str, int]:

@@ -417,8 +417,7 @@ class Recorder:
         for b in batches:
             self.writer.add(b)
         gone, self.threads.unforgotten = self.threads.unforgotten, []  # drained: the map entries can go
-        for tid in gone:
-            loader.untrace(self.bpf, tid)
+        loader.untrace(self.bpf, gone)
         for c in self.collectors:
             c.forget(self.bpf, gone)
         self.rows += sum(b.num_rows for b in batches)

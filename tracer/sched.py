@@ -199,7 +199,8 @@ class SchedCollector(Collector):
         keep = (start > 0) & (dur >= self.settings.min_block_ns) & np.isin(tid, np.fromiter(live, np.int64, len(live)))
         if not keep.any():
             return []
-        tid, outs, wake, start, dur = tid[keep].astype(np.int64), outs[keep], entries["woken"][keep], start[keep], dur[keep]
+        tid, start, dur = tid[keep].astype(np.int64), start[keep], dur[keep]
+        outs, wake = outs[keep], entries["woken"][keep]
         # The wake-up since the switch-out, if any: one stamped after end_ns (read from the
         # clock before the map) came after the stop: the thread was still blocked then.
         woke_ts = wake["ts_ns"].astype(np.int64)
