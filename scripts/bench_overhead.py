@@ -136,7 +136,7 @@ class _Process(Tracer):
 
     def start(self, pid: int, out: Path) -> None:
         self.proc = subprocess.Popen(self.argv(pid, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env={**os.environ, **bl.bcc_env()})
+                                     text=True, env=bl.bcc_env())
         if self.grace_s:
             try:
                 self.proc.wait(self.grace_s)

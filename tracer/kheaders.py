@@ -19,6 +19,7 @@ from pathlib import Path
 from trainbpf.errors import EnvironmentCheckError
 
 SRC_ROOT = Path("/usr/src")
+MODULES_ROOT = Path("/lib/modules")
 CACHE_ROOT = Path(os.environ.get("TRAINBPF_CACHE", "/var/cache/trainbpf"))
 
 
@@ -30,7 +31,7 @@ class KernelHeaders:
 
 
 def _running_build_dir() -> Path | None:
-    build = Path("/lib/modules") / platform.release() / "build"
+    build = MODULES_ROOT / platform.release() / "build"
     return build if (build / "include").is_dir() else None
 
 

@@ -28,10 +28,15 @@ PAGE_KIB = os.sysconf("SC_PAGE_SIZE") // 1024
 
 
 def bcc_env() -> dict[str, str]:
-    """Environment for bcc tools run as commands: where the kernel headers are."""
+    """The environment for bcc tools run as commands: this process's, with the kernel
+    headers chosen as the recorder chooses them (use_headers sets BCC_KERNEL_SOURCE to a
+    merged tree, or unsets it where the running kernel's own headers are installed: bcc
+    finds their build and source folders itself, and given only the build folder it
+    misses the common headers and falls back to `modprobe kheaders`)."""
     from trainbpf.tracer.kheaders import use_headers
 
-    return {"BCC_KERNEL_SOURCE": str(use_headers().path)}
+    use_headers()
+    return dict(os.environ)
 
 
 def python() -> str:
