@@ -25,7 +25,7 @@ import pandas as pd
 from trainbpf.analyzers import Analysis, analyze
 from trainbpf.analyzers.categories import CATEGORIES
 from trainbpf.safefile import check_output, invoker, write_new
-from trainbpf.tracefile import read_trace
+from trainbpf.memory import read_for_analysis
 
 GPU_PID = 0  # a pseudo-process holding the GPU counter and the starved-time tracks
 STARVED_TID_BASE = 1000
@@ -184,8 +184,10 @@ def write_trace_events(analysis: Analysis, output: str | os.PathLike, *, force: 
     return write_new(output, write, owner=invoker(), force=force)
 
 
-def run_export(*, path: str | os.PathLike, output: str | os.PathLike, force: bool = False) -> Path:
+def run_export(*, path: str | os.PathLike, output: str | os.PathLike, force: bool = False,
+               memory_check: bool = True) -> Path:
     """Read a trace, analyse it and write the Chrome/Perfetto JSON to `output` (an
-    existing file only with `force`)."""
+    existing file only with `force`); a trace too large for the memory available is
+    refused unless `memory_check` is off."""
     check_output(output, force=force)  # before the analysis, not after it
-    return write_trace_events(analyze(read_trace(path)), output, force=force)
+    return write_trace_events(analyze(read_for_analysis(path, memory_check=memory_check)), output, force=force)

@@ -22,7 +22,7 @@ from trainbpf.analyzers.vocab import ROLES
 from trainbpf.html_report import render_html
 from trainbpf.safefile import check_output, invoker, write_new
 from trainbpf.text_report import render_text
-from trainbpf.tracefile import read_trace
+from trainbpf.memory import read_for_analysis
 
 REPORT_SCHEMA = "trainbpf.report/2"
 _ROLE_ORDER = {role: i for i, role in enumerate(ROLES)}
@@ -189,9 +189,11 @@ def run_analyze(
     gpu_idle_threshold: float = GPU_IDLE_THRESHOLD,
     window: Window | tuple[float | None, float | None] | str | None = None,
     force: bool = False,
+    memory_check: bool = True,
 ) -> str:
     """Analyse a trace and render it as `fmt` (text, json, html); write it to `output`
-    when given (an existing file only with `force`); return the text.  Values the CLI has
+    when given (an existing file only with `force`); return the text.  A trace too large
+    for the memory available is refused unless `memory_check` is off.  Values the CLI has
     parsed (a ReportFormat, a Window) pass as they are; others are checked here.  Raises
     trainbpf.errors exceptions only."""
     renderer = RENDERERS[ReportFormat.of(fmt)]
@@ -199,7 +201,7 @@ def run_analyze(
     window = Window.of(window)
     if output is not None:
         check_output(output, force=force)  # before the analysis, not after it
-    trace = read_trace(path)
+    trace = read_for_analysis(path, memory_check=memory_check)
     analysis = analyze(trace, trainer_tid=trainer_tid, gpu_idle_threshold=threshold, window=window)
     text = renderer(Report.of(analysis))
     if output is not None:
