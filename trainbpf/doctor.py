@@ -13,6 +13,7 @@ import os
 import shutil
 import textwrap
 from pathlib import Path
+from typing import Callable
 
 from trainbpf.errors import TargetError, TrainbpfError
 from trainbpf.tracer.preflight import (
@@ -159,10 +160,28 @@ def check_probes_load() -> list[Check]:
     return [Check("probes load", OK, f"all {len(loader.ALL_COLLECTORS)} probes compiled, loaded and detached"), uprobe]
 
 
+# Names of the checks whose own name says less (the rest: the function's name).
+_CHECK_NAMES = {"check_headers": "kernel headers", "check_gpu": "gpu sampling", "check_delayacct": "delay accounting",
+                "check_psi": "pressure (PSI)"}
+
+
+def _unseen(check: Callable[[], Check | list[Check]]) -> list[Check]:
+    """`check`'s result; what it cannot see without root (tracefs, a root-only file)
+    is a warning that says so, not a traceback."""
+    try:
+        result = check()
+    except PermissionError as exc:
+        name = _CHECK_NAMES.get(check.__name__, check.__name__.removeprefix("check_").replace("_", " "))
+        fix = "run doctor with sudo" if os.geteuid() else "make it readable by root"
+        return [Check(name, WARN, f"not checked: {exc.filename or exc.strerror} is not readable by this user", fix)]
+    return result if isinstance(result, list) else [result]
+
+
 def run_checks(*, load_probes: bool = True) -> list[Check]:
-    checks = [check_privileges(), check_bpf_syscall(), *(check() for check in ENVIRONMENT)]
-    checks += check_tracepoints()
-    checks += [check_fault_counters(), check_uprobes(), check_gpu(), check_delayacct(), check_psi()]
+    checks = [check_privileges()]
+    for check in (check_bpf_syscall, *ENVIRONMENT, check_tracepoints, check_fault_counters, check_uprobes, check_gpu,
+                  check_delayacct, check_psi):
+        checks += _unseen(check)
     if load_probes and not any(c.status == FAIL for c in checks):
         checks += check_probes_load()
     return checks

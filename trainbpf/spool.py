@@ -200,8 +200,12 @@ def _spool_batches(fd: int, path: Path) -> tuple[Iterator[pa.RecordBatch], dict[
         raise TraceReadError(f"{path}: not a readable trainbpf spool") from None
     meta = decode_meta(reader.schema.metadata, path)
     # An older version's spool lacks the columns added since (V2_COLUMNS, last in the
-    # schema): they are appended, all null.
+    # schema): they are appended, all null.  Any other difference is not a spool this
+    # code wrote, and would fail somewhere in the reading.
     missing = [TRACE_SCHEMA.field(n) for n in V2_COLUMNS if n not in reader.schema.names]
+    expected = pa.schema([f for f in TRACE_SCHEMA if f not in missing])
+    if not reader.schema.remove_metadata().equals(expected):
+        raise TraceReadError(f"{path}: not a trainbpf spool ({_schema_difference(reader.schema, expected)})")
 
     def batches() -> Iterator[pa.RecordBatch]:
         while True:
@@ -218,6 +222,21 @@ def _spool_batches(fd: int, path: Path) -> tuple[Iterator[pa.RecordBatch], dict[
                 return  # torn last batch after a crash: keep what came before
 
     return batches(), meta
+
+
+def _schema_difference(found: pa.Schema, expected: pa.Schema) -> str:
+    """The first way `found` differs from `expected`, in words."""
+    for name in expected.names:
+        if name not in found.names:
+            return f"no column {name}"
+    extra = [n for n in found.names if n not in expected.names]
+    if extra:
+        return f"unknown column {extra[0]}"
+    for field in found:
+        want = expected.field(field.name).type
+        if not field.type.equals(want):
+            return f"column {field.name} holds {field.type}, expected {want}"
+    return "columns repeated or out of order"
 
 
 def read_spool(fd: int, path: Path) -> tuple[pa.Table, dict[str, Any]]:

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from trainbpf.documents import TooDeep, load_json
 from trainbpf.errors import TraceReadError, TraceSchemaError
 from trainbpf.schema import METADATA_KEY, READABLE_VERSIONS, SCHEMA_ID, SCHEMA_NAME, SCHEMA_VERSION
 
@@ -90,7 +91,9 @@ def decode_meta(raw: Mapping[bytes, bytes] | None, path: Path) -> dict[str, Any]
     if not raw or METADATA_KEY not in raw:
         raise TraceReadError(f"{path}: not a trainbpf trace (no trainbpf metadata)")
     try:
-        meta = json.loads(raw[METADATA_KEY])
+        meta = load_json(raw[METADATA_KEY])
+    except TooDeep as exc:
+        raise TraceReadError(f"{path}: corrupt trainbpf metadata ({exc})") from None
     except ValueError as exc:
         raise TraceReadError(f"{path}: corrupt trainbpf metadata") from exc
     if not isinstance(meta, dict):

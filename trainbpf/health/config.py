@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 # The stall category a failing node check points at: each category names its checks.
 from trainbpf.analyzers.categories import CHECK_CATEGORY  # noqa: F401 (part of this module's API)
+from trainbpf.documents import TooDeep, load_toml
 from trainbpf.errors import UsageError
 from trainbpf.tracer.settings import GPU_MODES  # noqa: F401 (the config key gpu takes these)
 
@@ -145,6 +145,9 @@ def validate_config(config: HealthConfig, *, source: str = "health") -> HealthCo
                          f"got {config.time_limit_s}")
     if config.gpu not in GPU_MODES:
         raise UsageError(f"{source}: gpu {config.gpu!r}: choose {', '.join(GPU_MODES)}")
+    if not config.device_glob.startswith("/") or "\0" in config.device_glob:
+        raise UsageError(f"{source}: device_glob {config.device_glob!r}: expected an absolute path pattern "
+                         "such as /dev/nvidia*")
     for key in _PATTERN_KEYS:
         for pattern in getattr(config, key):
             try:
@@ -165,10 +168,12 @@ def load_config(path: Path | None) -> HealthConfig:
             return HealthConfig()
         path = DEFAULT_CONFIG_PATH
     try:
-        raw = tomllib.loads(Path(path).read_text())
+        raw = load_toml(Path(path).read_text())
     except OSError as exc:
         raise UsageError(f"config {path}: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+    except TooDeep as exc:
+        raise UsageError(f"config {path}: {exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # tomllib.TOMLDecodeError
         raise UsageError(f"config {path}: not valid TOML ({exc})") from None
     return config_from_mapping(raw, source=f"config {path}")
 

@@ -12,7 +12,7 @@ from typing import Mapping
 
 import pandas as pd
 
-from trainbpf.errors import TargetError
+from trainbpf.errors import TargetError, UsageError
 from trainbpf.tracer import proctree
 
 
@@ -33,10 +33,30 @@ class Target:
     reason: str  # "pid" (given), "device" (holds a device file), "pattern" (command matched)
 
 
+# Device files a device_glob may name: a GPU node has a few dozen; a pattern that names
+# more (say /proc/*/fd/*) is not a list of devices.
+MAX_DEVICE_FILES = 4096
+
+
+def device_files(device_glob: str) -> set[str]:
+    """The resolved paths `device_glob` names; one that cannot be resolved (gone, or not
+    readable, like another process's /proc/PID/fd/N) is left out."""
+    devices = set()
+    for i, path in enumerate(glob.iglob(device_glob)):
+        if i >= MAX_DEVICE_FILES:
+            raise UsageError(f"device_glob {device_glob!r} names more than {MAX_DEVICE_FILES} files; "
+                             "name the GPU device files (default /dev/nvidia*)")
+        try:
+            devices.add(os.path.realpath(path, strict=True))
+        except (OSError, RuntimeError):  # RuntimeError: a symlink loop (strict=True says ELOOP since 3.13)
+            continue
+    return devices
+
+
 def scan_processes(*, device_glob: str) -> dict[int, Process]:
     """Every live process: parent, name, command line, and whether it holds a file that
     `device_glob` names open (a GPU: /dev/nvidia0, /dev/nvidiactl, ...)."""
-    devices = {os.path.realpath(p) for p in glob.glob(device_glob)}
+    devices = device_files(device_glob)
     out: dict[int, Process] = {}
     for pid, main in proctree.processes().items():
         if main.state in ("Z", "X"):
