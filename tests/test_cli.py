@@ -99,6 +99,54 @@ def test_doctor_fails_without_tracefs(tmp_path):
     assert "fix: sudo mount -t tracefs" in res.stdout
 
 
+def test_doctor_without_root_says_what_it_cannot_see():
+    """issue 34 item 6: as a plain user, tracefs and its tracepoints were a PermissionError
+    traceback; each check now says what it could not read."""
+    require_root("becomes another user")
+    setpriv = which_or_fail("setpriv", "util-linux")
+    res = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", TRAINBPF, "doctor"],
+                         capture_output=True, text=True, timeout=120, cwd="/")
+    assert res.returncode == 12 and res.stderr == "", res.stderr
+    for name in ("privileges", "bpf syscall", "tracefs", "kernel headers", "bcc", "tracepoints", "fault counters",
+                 "uprobes", "gpu sampling", "delay accounting", "pressure (PSI)"):
+        assert any(line.startswith(name) for line in res.stdout.splitlines()), f"doctor does not report {name}"
+    for line in res.stdout.splitlines():
+        if "not checked" in line:
+            assert " WARN " in line and "is not readable by this user" in line or "without privileges" in line, line
+    assert res.stdout.endswith("recording cannot work: privileges\n")
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("--min-block-us", "1e30", "--min-block-us 1e+30: must be from 0 to 3600000000 microseconds"),
+    ("--min-futex-us", "-1", "--min-futex-us -1: must be from 0 to 3600000000 microseconds"),
+    ("--min-lock-us", "inf", "--min-lock-us inf: must be from 0 to 3600000000 microseconds"),
+    ("--min-cuda-us", "nan", "--min-cuda-us nan: must be from 0 to 3600000000 microseconds"),
+    ("--ringbuf-pages", "1073741824", "--ringbuf-pages 1073741824: must be a power of two from 1 to 16384 pages"),
+    ("--ringbuf-pages", "3", "--ringbuf-pages 3: must be a power of two from 1 to 16384 pages"),
+    ("--oncpu-hz", "1000000000", "--oncpu-hz 1000000000: must be from 1 to 10000 samples per second"),
+    ("--oncpu-hz", "0", "--oncpu-hz 0: must be from 1 to 10000 samples per second"),
+])
+def test_absurd_record_options_are_refused_up_front(option, value, words):
+    """issue 34 item 10: they failed as "loading the probes failed... run doctor", after
+    the compile; now a usage error (2) before anything is loaded, stating the range."""
+    res = subprocess.run([TRAINBPF, "record", "--pid", str(os.getpid()), option, value, "-o", "/nonexistent/t.parquet"],
+                         capture_output=True, text=True, timeout=60)
+    assert (res.returncode, res.stderr) == (2, f"trainbpf: error: {words}\n")
+
+
+def test_settings_check_their_ranges_where_they_are_declared():
+    from trainbpf.errors import UsageError
+    from trainbpf.tracer.settings import Settings
+
+    with pytest.raises(UsageError, match=r"^--oncpu-hz 20000: must be from 1 to 10000 samples per second$"):
+        Settings(oncpu_hz=20000)
+    with pytest.raises(UsageError, match=r"^--min-block-us 10000000000: must be from 0 to 3600000000 microseconds$"):
+        Settings(min_block_ns=10**13)
+    with pytest.raises(UsageError, match=r"^stack_frames 128: must be from 1 to 127$"):
+        Settings(stack_frames=128)
+    assert Settings.from_options(min_block_us=2.5, oncpu_hz=99).min_block_ns == 2500
+
+
 def test_doctor_pid_lists_cuda_libraries_per_process(tmp_path):
     """A plain parent whose child loaded the stand-in CUDA runtime through ctypes (and, by
     its rpath, the driver): doctor --pid lists both libraries and their probed symbols

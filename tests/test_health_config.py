@@ -65,6 +65,8 @@ def test_config_overrides_thresholds_partially_and_inf_turns_a_level_off():
     ({"duration_s": float("inf")}, "at most 86400"),  # issue 15 M3: was two OverflowError tracebacks
     ({"time_limit_s": 1e12}, "at most"),
     ({"thresholds": {"starved_ratio": {"warning": -0.5}}}, "not negative"),  # M5: was accepted
+    ({"device_glob": "dev/nvidia*"}, "device_glob 'dev/nvidia\\*': expected an absolute path pattern"),  # issue 34
+    ({"device_glob": "/dev/nv\0*"}, "expected an absolute path pattern"),  # issue 34: glob's ValueError
 ])
 def test_bad_config_is_one_line_usage_error(raw, message):
     with pytest.raises(UsageError, match=message) as err:
@@ -79,6 +81,18 @@ def test_config_file_errors(tmp_path):
         load_config(bad)
     with pytest.raises(UsageError, match="No such file"):
         load_config(tmp_path / "missing.toml")
+
+
+def test_a_deeply_nested_config_is_one_line(tmp_path):
+    """issue 34 item 6: tomllib recurses once per level; the health check read this as a
+    RecursionError ("warning", exit 1)."""
+    path = tmp_path / "deep.toml"
+    path.write_text("duration_s = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(UsageError) as err:
+        load_config(path)
+    assert str(err.value) == f"config {path}: nested deeper than 64 levels"
+    proc = subprocess.run([*TRAINBPF, "health", "--config", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and proc.stderr == f"trainbpf: error: config {path}: nested deeper than 64 levels\n"
 
 
 def test_command_line_wins_over_config(tmp_path):

@@ -100,10 +100,64 @@ def test_cli(folder, tmp_path):
 @pytest.mark.parametrize("bad", [{"starved_ratio": "x"}, {"targets": "notalist"}, {"targets": [1]},
                                  {"exit_code": "2"}, {"finished_timestamp": "yesterday"},
                                  {"targets": [{"starved_ratio": "x"}]},
-                                 {"targets": [{"starved_ratio": 0.5, "findings": [{"share": "most"}]}]}])
+                                 {"targets": [{"starved_ratio": 0.5, "findings": [{"share": "most"}]}]},
+                                 {"top_category": ["x"]}, {"host": {"name": "x"}}, {"error": 3}])
 def test_one_bad_document_is_skipped_and_the_rest_ranked(folder, bad):
     """issue 15 M2: a malformed document costs its own row, not the table."""
     (folder / "bad.json").write_text(json.dumps({**document("node-x", "critical", 0.9, "other", share=0.5), **bad}))
     text, skipped = run_fleet(source=str(folder), fmt="json")
     assert [n["host"] for n in json.loads(text)["nodes"]] == ["node-b", "node-a", "node-f", "node-e", "node-d", "node-c"]
     assert any("bad.json" in s and "malformed" in s for s in skipped), skipped
+
+
+def test_a_deeply_nested_document_is_skipped(folder):
+    """issue 34 item 6: JSON nested deeper than Python's parser recurses is one skipped
+    file, not a RecursionError."""
+    (folder / "deep.json").write_text('{"schema": "trainbpf.health/1", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    (folder / "deep100.json").write_text(json.dumps({**document("node-y", "ok", 0.1, "other"), "x": 0}
+                                                    ).replace('"x": 0', '"x": ' + "[" * 100 + "]" * 100))
+    text, skipped = run_fleet(source=str(folder), fmt="json")
+    assert len(json.loads(text)["nodes"]) == 6
+    assert any("deep.json" in s and "nested deeper than 64 levels" in s for s in skipped), skipped
+    assert any("deep100.json" in s and "nested deeper than 64 levels" in s for s in skipped), skipped
+
+
+def test_a_glob_does_not_follow_symlinked_folders(folder):
+    """issue 34 item 6: links back up the tree (two of them: every path through them is
+    another match for glob's `**`) are not entered; each document is read once."""
+    (folder / "a" / "up").symlink_to("..")
+    (folder / "b" / "top").symlink_to(folder)
+    (folder / "elsewhere").symlink_to(folder / "a", target_is_directory=True)
+    proc = subprocess.run([*TRAINBPF, "fleet", f"{folder}/**/*.json", "--format", "json"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    files = sorted(Path(n["file"]).relative_to(folder).as_posix() for n in json.loads(proc.stdout)["nodes"])
+    assert files == ["a/health.json", "b/health.json", "c/health.json", "d/health.json", "e/health.json",
+                     "f/health.json"]
+    assert proc.stderr.count("trainbpf: warning: skipped") == 2  # notes.json, broken.json
+
+
+def test_output_is_replaced_only_with_force(folder, tmp_path):
+    """issue 34 item 10: `fleet -o` writes as `analyze -o` does (trainbpf.safefile)."""
+    out = tmp_path / "fleet.txt"
+    out.write_text("keep me\n")
+    proc = subprocess.run([*TRAINBPF, "fleet", str(folder), "-o", str(out)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 13, proc.stderr
+    assert f"{out} exists; give --force to replace it" in proc.stderr and out.read_text() == "keep me\n"
+    proc = subprocess.run([*TRAINBPF, "fleet", str(folder), "-o", str(out), "--force"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text().startswith("rank  host")
+    assert oct(out.stat().st_mode & 0o777) == "0o600"
+
+
+def test_control_characters_in_host_names_are_escaped(folder):
+    """issue 34 item 10: a host name cannot drive the terminal reading the table."""
+    evil = "node-\x1b]0;owned\x07\x1b[2J\u202egood"
+    (folder / "evil.json").write_text(json.dumps({**document(evil, "critical", 0.95, "x\x1b[31m", share=0.5)}))
+    for fmt in ("text", "csv"):
+        proc = subprocess.run([*TRAINBPF, "fleet", str(folder), "--format", fmt], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert "\x1b" not in proc.stdout and "\x07" not in proc.stdout and "\u202e" not in proc.stdout
+        assert "node-\\x1b]0;owned\\x07\\x1b[2J\\u202egood" in proc.stdout, proc.stdout

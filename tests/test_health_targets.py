@@ -11,7 +11,7 @@ import time
 import pytest
 
 from synth import Synth
-from trainbpf.errors import TargetError
+from trainbpf.errors import TargetError, UsageError
 from trainbpf.health import HealthConfig, Process, choose_targets, given_targets, recording_root, scan_processes, tree_tids
 
 
@@ -96,3 +96,30 @@ def test_tree_tids_follows_processes_born_during_the_trace(tmp_path):
     threads = s.read(tmp_path).frame("thread")
     assert tree_tids(threads, pids={10}, tids={10}) == {10, 11, 20, 21}
     assert tree_tids(threads, pids={30}, tids=set()) == {30}
+
+
+def test_device_glob_over_proc_fds_is_bounded_and_tolerates_each_entry(tmp_path, monkeypatch):
+    """issue 34 item 6: a file the pattern names that cannot be resolved (another
+    process's /proc/PID/fd/N: EACCES) is left out, not a traceback; a pattern naming
+    more files than any GPU node has is a one-line error, not a walk of every fd."""
+    import trainbpf.health.targets as targets
+
+    for i in range(6):
+        (tmp_path / f"dev{i}").write_text("")
+    realpath = os.path.realpath
+
+    def denied(path, **kwargs):
+        if str(path).endswith("dev3"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return realpath(path, **kwargs)
+
+    monkeypatch.setattr(os.path, "realpath", denied)
+    with open(tmp_path / "dev3"), open(tmp_path / "dev4"):
+        procs = scan_processes(device_glob=str(tmp_path / "dev*"))
+    assert procs[os.getpid()].holds_device  # dev4, dev3 being unreadable
+    scan_processes(device_glob="/proc/1/fd/*")  # init's descriptors: EACCES for root too where it may not ptrace
+    monkeypatch.setattr(targets, "MAX_DEVICE_FILES", 5, raising=False)
+    with pytest.raises(UsageError) as err:
+        scan_processes(device_glob=str(tmp_path / "dev*"))
+    assert str(err.value) == (f"device_glob '{tmp_path}/dev*' names more than 5 files; name the GPU device files "
+                              "(default /dev/nvidia*)")

@@ -14,8 +14,11 @@ import typer
 
 from trainbpf.analyze_options import GPU_IDLE_THRESHOLD, GPU_IDLE_THRESHOLD_MAX, GPU_IDLE_THRESHOLD_MIN, ReportFormat, Window
 from trainbpf.errors import TrainbpfError
+from trainbpf.printable import printable
 from trainbpf.tracer.settings import GPU_MODES, Settings
 
+MEMORY_CHECK_HELP = ("Refuse, before reading it, a trace whose analysis would need more memory than is available "
+                     "(its row count times ~200 bytes); --no-memory-check tries anyway.")
 # typer (>= 0.29) vendors click; click's usage errors derive from the public TyperException.
 ClickException = typer.TyperException
 
@@ -34,7 +37,7 @@ app = typer.Typer(
 
 
 def _fail(exc: TrainbpfError) -> None:
-    typer.echo(f"trainbpf: error: {exc}", err=True)
+    typer.echo(f"trainbpf: error: {printable(exc)}", err=True)
     raise typer.Exit(exc.exit_code)
 
 
@@ -100,28 +103,18 @@ def record(
     try:
         if pid is None and not system_wide:
             raise UsageError("give --pid PID (the training process) or --system-wide")
-        if ringbuf_pages < 1 or ringbuf_pages & (ringbuf_pages - 1):
-            raise UsageError(f"--ringbuf-pages {ringbuf_pages}: must be a power of two")
         if duration is not None and not (math.isfinite(duration) and duration > 0):
             raise UsageError(f"--duration {duration}: must be a positive number of seconds")
-        for option, value in (("--min-block-us", min_block_us), ("--min-futex-us", min_futex_us),
-                              ("--min-lock-us", min_lock_us), ("--min-cuda-us", min_cuda_us)):
-            if not (math.isfinite(value) and value >= 0):
-                raise UsageError(f"{option} {value}: must be 0 or more microseconds")
-        if oncpu_hz < 1:
-            raise UsageError(f"--oncpu-hz {oncpu_hz}: must be at least 1 sample per second")
-        settings = Settings(
-            min_block_ns=int(min_block_us * 1000), min_futex_ns=int(min_futex_us * 1000),
-            min_lock_ns=int(min_lock_us * 1000), min_cuda_ns=int(min_cuda_us * 1000),
-            oncpu_hz=oncpu_hz, ringbuf_pages=ringbuf_pages,
-            trace_all=system_wide, python_frames=python_frames,
+        settings = Settings.from_options(  # each option checked against its range (tracer/settings.LIMITS)
+            min_block_us=min_block_us, min_futex_us=min_futex_us, min_lock_us=min_lock_us, min_cuda_us=min_cuda_us,
+            oncpu_hz=oncpu_hz, ringbuf_pages=ringbuf_pages, trace_all=system_wide, python_frames=python_frames,
         )
         status = _status_printer()
         result = do_record(
             pid=pid, output=output, duration=duration, settings=settings,
             probes=[p.strip() for p in probes.split(",") if p.strip()] if probes else None,
             gpu=gpu.value, topology_file=topology, status=status, trainer_tid=trainer_tid, force=force,
-            notice=lambda line: typer.echo(("\n" if status else "") + line, err=True),
+            notice=lambda line: typer.echo(("\n" if status else "") + printable(line), err=True),
         )
     except TrainbpfError as exc:
         if sys.stderr.isatty():
@@ -150,6 +143,7 @@ def doctor(
 ) -> None:
     """Check that this machine can record, with a fix for everything that is missing."""
     from trainbpf.doctor import FAIL, cuda_report, render, run_checks
+    from trainbpf.printable import printable_lines
 
     try:
         cuda = cuda_report(pid) if pid is not None else None
@@ -158,7 +152,7 @@ def doctor(
     checks = run_checks(load_probes=not no_load)
     typer.echo(render(checks))
     if cuda is not None:
-        typer.echo("\n" + cuda)
+        typer.echo("\n" + printable_lines(cuda))
     if any(c.status == FAIL for c in checks):
         raise typer.Exit(12)
 
@@ -174,6 +168,7 @@ def analyze(
         help="Shade GPU samples below this utilisation percent in the HTML timeline (drawing only: starved time uses each sample's own utilisation)."),
     window: Optional[str] = typer.Option(None, help="START:END seconds from the trace start to analyse."),
     force: bool = typer.Option(False, "--force", help="Replace an existing -o file (never a symlink, a device, or a file the sudo user could not write)."),
+    memory_check: bool = typer.Option(True, "--memory-check/--no-memory-check", help=MEMORY_CHECK_HELP),
 ) -> None:
     """Attribute every stall of the trainer's threads to a cause; rank the findings (no root)."""
     from trainbpf.report import run_analyze
@@ -181,7 +176,7 @@ def analyze(
     try:
         text = run_analyze(
             path=trace, fmt=format, output=output, trainer_tid=trainer_tid,
-            gpu_idle_threshold=gpu_idle_threshold, window=Window.parse(window), force=force,
+            gpu_idle_threshold=gpu_idle_threshold, window=Window.parse(window), force=force, memory_check=memory_check,
         )
     except TrainbpfError as exc:
         _fail(exc)
@@ -196,12 +191,13 @@ def export(
     trace: Path = typer.Argument(..., help="trace.parquet to export."),
     output: Path = typer.Option(Path("trace.json"), "--output", "-o", help="Chrome trace-event JSON to write, for ui.perfetto.dev."),
     force: bool = typer.Option(False, "--force", help="Replace an existing -o file (never a symlink, a device, or a file the sudo user could not write)."),
+    memory_check: bool = typer.Option(True, "--memory-check/--no-memory-check", help=MEMORY_CHECK_HELP),
 ) -> None:
     """Export a trace as a timeline that ui.perfetto.dev opens."""
     from trainbpf.perfetto import run_export
 
     try:
-        path = run_export(path=trace, output=output, force=force)
+        path = run_export(path=trace, output=output, force=force, memory_check=memory_check)
     except TrainbpfError as exc:
         _fail(exc)
     typer.echo(f"wrote {path}", err=True)
@@ -233,16 +229,17 @@ def health(
 ) -> None:
     """Scheduled node health check: short record + analyze; exit 0 ok, 1 warning, 2 critical, 3 could not check."""
     from trainbpf.health import UNKNOWN, health_config, render_summary, run_health
+    from trainbpf.printable import printable_lines
 
     try:
         result = run_health(config=health_config(
             config_file=config, duration=duration, pids=pid, textfile_dir=textfile_dir, json_file=json_file))
     except TrainbpfError as exc:
-        typer.echo(f"trainbpf: error: {exc}", err=True)
+        typer.echo(f"trainbpf: error: {printable(exc)}", err=True)
         raise typer.Exit(UNKNOWN)
-    typer.echo(render_summary(result))
+    typer.echo(printable_lines(render_summary(result)))
     if result.error:
-        typer.echo(f"trainbpf: error: {result.error}", err=True)
+        typer.echo(f"trainbpf: error: {printable(result.error)}", err=True)
     raise typer.Exit(result.exit_code)
 
 
@@ -251,16 +248,17 @@ def fleet(
     source: str = typer.Argument(..., help="Folder of health JSON documents (searched recursively) or a glob."),
     format: str = typer.Option("text", "--format", "-f", help="text, json or csv."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the table here instead of stdout."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing -o file (never a symlink, a device, or a file the sudo user could not write)."),
 ) -> None:
     """Merge many nodes' `trainbpf health --json` documents into one table ranked by starved share."""
     from trainbpf.fleet import run_fleet
 
     try:
-        text, skipped = run_fleet(source=source, fmt=format, output=output)
+        text, skipped = run_fleet(source=source, fmt=format, output=output, force=force)
     except TrainbpfError as exc:
         _fail(exc)
     for line in skipped:
-        typer.echo(f"trainbpf: warning: skipped {line}", err=True)
+        typer.echo(f"trainbpf: warning: skipped {printable(line)}", err=True)
     if output is None:
         typer.echo(text, nl=False)
     else:

@@ -5,17 +5,22 @@ calls were traced, its training step time and host-bound share."""
 from __future__ import annotations
 
 import csv
-import glob
+import fnmatch
 import io
 import json
 import math
+import os
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from trainbpf.documents import load_json
 from trainbpf.errors import UsageError
-from trainbpf.health import HEALTH_SCHEMA, write_atomic
+from trainbpf.health import HEALTH_SCHEMA
+from trainbpf.printable import printable
+from trainbpf.safefile import check_output, invoker, write_new
 
 FLEET_SCHEMA = "trainbpf.fleet/1"
 FORMATS = ("text", "json", "csv")
@@ -43,12 +48,63 @@ class FleetRow:
     file: str
 
 
+# The walk that finds the documents: symlinked folders are not entered (a link back up
+# would loop), and it goes no deeper, and looks at no more entries, than any fleet's
+# layout needs.
+MAX_WALK_DEPTH = 32
+MAX_WALK_ENTRIES = 1_000_000
+_MAGIC = re.compile(r"[*?[]")
+
+
 def health_files(source: str) -> list[Path]:
-    """A folder (every *.json below it) or a glob pattern."""
+    """A folder (every *.json below it) or a glob pattern (`**`: any folders below)."""
     path = Path(source)
     if path.is_dir():
-        return sorted(p for p in path.rglob("*.json") if p.is_file())
-    return sorted(Path(p) for p in glob.glob(source, recursive=True) if Path(p).is_file())
+        return _walk(source, lambda names: fnmatch.fnmatchcase(names[-1], "*.json"), MAX_WALK_DEPTH)
+    if not _MAGIC.search(source):
+        return [path] if path.is_file() else []
+    parts = source.split("/")
+    first = next(i for i, part in enumerate(parts) if _MAGIC.search(part))
+    base, pattern = "/".join(parts[:first]) or ("/" if source.startswith("/") else ""), parts[first:]
+    depth = MAX_WALK_DEPTH if "**" in pattern else len(pattern) - 1
+    return _walk(base, lambda names: _glob_match(names, pattern), depth)
+
+
+def _walk(base: str, wanted, max_depth: int) -> list[Path]:
+    """Regular files below folder `base` (the current one when "") whose names from
+    there `wanted(names)` takes, at most `max_depth` folders down."""
+    found, seen = [], 0
+    for folder, dirs, files in os.walk(base or ".", followlinks=False):
+        rel = [] if folder == (base or ".") else os.path.relpath(folder, base or ".").split(os.sep)
+        seen += len(dirs) + len(files)
+        if seen > MAX_WALK_ENTRIES:
+            raise UsageError(f"{base or '.'}: more than {MAX_WALK_ENTRIES} entries below it; "
+                             "give the folder that holds the health documents")
+        if len(rel) >= max_depth:
+            dirs.clear()
+        found += [Path(folder, f) if base else Path(*rel, f) for f in files
+                  if wanted(rel + [f]) and os.path.isfile(os.path.join(folder, f))]
+    return sorted(found)
+
+
+def _glob_match(names: list[str], pattern: list[str]) -> bool:
+    """Whether a path's `names` match a glob's `pattern` parts, as glob.glob(recursive=True)
+    matches: `**` any number of folders, a leading dot only by a part that has one."""
+    def part_matches(name: str, part: str) -> bool:
+        return (part.startswith(".") or not name.startswith(".")) and fnmatch.fnmatchcase(name, part)
+
+    # reach[i]: the first i names are matched by the parts taken so far
+    reach = [True] + [False] * len(names)
+    for part in pattern:
+        if part == "**":
+            new, on = [False] * len(reach), False
+            for i, ok in enumerate(reach):
+                on = ok or (on and not names[i - 1].startswith("."))
+                new[i] = on
+        else:
+            new = [False] + [reach[i] and part_matches(names[i], part) for i in range(len(names))]
+        reach = new
+    return reach[-1]
 
 
 def load_documents(files: list[Path]) -> tuple[list[tuple[Path, dict[str, Any]]], list[str]]:
@@ -58,8 +114,8 @@ def load_documents(files: list[Path]) -> tuple[list[tuple[Path, dict[str, Any]]]
     skipped = []
     for path in files:
         try:
-            doc = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            doc = load_json(path.read_text())
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError, JSONDecodeError, TooDeep
             skipped.append(f"{path}: not readable JSON ({exc})")
             continue
         if not isinstance(doc, dict) or doc.get("schema") != HEALTH_SCHEMA:
@@ -81,6 +137,9 @@ def _number(value: Any) -> bool:
 
 def document_problem(doc: dict[str, Any]) -> str | None:
     """What makes a health document unusable for the table (None: nothing)."""
+    for key in ("host", "status", "top_category", "finished", "error"):
+        if doc.get(key) is not None and not isinstance(doc[key], str):
+            return f"{key} is not a string"
     for key in ("starved_ratio", "finished_timestamp"):
         if doc.get(key) is not None and not _number(doc[key]):
             return f"{key} is not a number"
@@ -162,28 +221,35 @@ def render(rows: list[FleetRow], fmt: str) -> str:
         names = list(FleetRow.__dataclass_fields__)
         writer.writerow(names)
         for r in rows:
-            writer.writerow(["" if v is None else v for v in (getattr(r, n) for n in names)])
+            writer.writerow(["" if v is None else printable(v) if isinstance(v, str) else v
+                             for v in (getattr(r, n) for n in names)])
         return buf.getvalue()
     table = [("rank", "host", "status", "starved", "top category", "share", "step p50/p99", "steps/s", "host-bound",
               "targets", "checked (UTC)")]
     for r in rows:
-        table.append((str(r.rank), r.host, r.status, _pct(r.starved_ratio), r.top_category or "-", _pct(r.top_share),
-                      _step_cell(r), "-" if r.steps_per_s is None else f"{r.steps_per_s:.3g}", _pct(r.host_bound_share),
-                      str(r.targets), r.finished.replace("T", " ").rstrip("Z")))
+        table.append(tuple(map(printable, (
+            r.rank, r.host, r.status, _pct(r.starved_ratio), r.top_category or "-", _pct(r.top_share), _step_cell(r),
+            "-" if r.steps_per_s is None else f"{r.steps_per_s:.3g}", _pct(r.host_bound_share), r.targets,
+            r.finished.replace("T", " ").rstrip("Z")))))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     counts = category_counts(rows)
     if counts:
         lines.append("")
-        lines.append("top categories: " + ", ".join(f"{c} {n} node{'s' if n != 1 else ''}" for c, n in counts.items()))
+        lines.append("top categories: " + ", ".join(f"{printable(c)} {n} node{'s' if n != 1 else ''}"
+                                                    for c, n in counts.items()))
     return "\n".join(lines) + "\n"
 
 
-def run_fleet(*, source: str, fmt: str = "text", output: Path | None = None) -> tuple[str, list[str]]:
+def run_fleet(*, source: str, fmt: str = "text", output: Path | None = None,
+              force: bool = False) -> tuple[str, list[str]]:
     """The fleet table of the health documents at `source` (a folder or a glob) as
-    `fmt`, written to `output` when given; returns (text, lines about skipped files)."""
+    `fmt`, written to `output` when given (an existing file only with `force`); returns
+    (text, lines about skipped files)."""
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt}: choose {', '.join(FORMATS)}")
+    if output is not None:
+        check_output(output, force=force)  # before the documents are read, not after
     files = health_files(source)
     if not files:
         raise UsageError(f"{source}: no health JSON files (a folder of them or a glob such as '/shared/health/*.json')")
@@ -192,5 +258,5 @@ def run_fleet(*, source: str, fmt: str = "text", output: Path | None = None) -> 
         raise UsageError(f"{source}: none of the {len(files)} JSON files is a {HEALTH_SCHEMA} document")
     text = render(fleet_rows(documents), fmt)
     if output is not None:
-        write_atomic(output, text)
+        write_new(output, lambda fh: fh.write(text.encode()), owner=invoker(), force=force)
     return text, skipped

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from trainbpf.analyzers import observed_ns
 from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.vocab import STATES
+from trainbpf.printable import printable
 from trainbpf.python_frames import python_line, refused_note
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def render_text(rendered: Report) -> str:
             "attribute and no findings. Check that the target was running and the probes attached "
             "(`trainbpf doctor`), then record for longer."
         )
-        return "\n".join(lines) + "\n"
+        return _text(lines)
 
     if gpu["samples"]:
         idle = gpu["idle_fraction"] or 0.0
@@ -118,7 +119,13 @@ def render_text(rendered: Report) -> str:
         lines.append("No critical finding.")
     lines.append("")
     lines.extend(_thread_table(report, analysis))
-    return "\n".join(lines) + "\n"
+    return _text(lines)
+
+
+def _text(lines: list[str]) -> str:
+    """The report's lines as its text: names from the trace (threads, the path, Python
+    functions) quoted in them cannot drive the terminal or add lines."""
+    return "".join(printable(line) + "\n" for line in lines)
 
 
 def _thread_table(report: dict[str, Any], analysis: Analysis) -> list[str]:
@@ -128,7 +135,7 @@ def _thread_table(report: dict[str, Any], analysis: Analysis) -> list[str]:
     rows = []
     for t in report["threads"]:
         total = float(observed.get(t["tid"], 0)) / NS_PER_S
-        rows.append([str(t["tid"]), t["comm"] or "?", t["role"]] + [f"{t['seconds'].get(s, 0.0):.2f}" for s in used] + [f"{total:.2f}"])
+        rows.append([str(t["tid"]), printable(t["comm"] or "?"), t["role"]] + [f"{t['seconds'].get(s, 0.0):.2f}" for s in used] + [f"{total:.2f}"])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     fmt = lambda r: "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     return ["Threads (seconds per state):", "  " + fmt(head)] + ["  " + fmt(r) for r in rows]
