@@ -15,7 +15,7 @@ from trainbpf.tracefile import Trace, read_trace
 
 # Peak memory of `trainbpf analyze` per trace row, above the ~155 MiB the program takes
 # for a small trace: measured on traces written as the recorder writes them
-# (scripts/bench/gen_trace.py), 215 bytes a row at 2.0M rows, 201 at 6.0M, 150 at 10.0M
+# (scripts/bench/gen_trace.py), 215 bytes a row at 2.0M rows, 201 at 6.0M, 156 at 10.0M
 # (docs/performance-analysis.md).  The larger figures, for the check to refuse only
 # what cannot fit.
 ANALYSIS_BYTES_PER_ROW = 200
