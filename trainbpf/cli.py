@@ -14,13 +14,13 @@ import typer
 
 from trainbpf.analyze_options import GPU_IDLE_THRESHOLD, GPU_IDLE_THRESHOLD_MAX, GPU_IDLE_THRESHOLD_MIN, ReportFormat, Window
 from trainbpf.errors import TrainbpfError
-from trainbpf.printable import printable
+from trainbpf.printable import printable, printable_lines
 from trainbpf.tracer.settings import GPU_MODES, Settings
 
-MEMORY_CHECK_HELP = ("Refuse, before reading it, a trace whose analysis would need more memory than is available "
-                     "(its row count times ~200 bytes); --no-memory-check tries anyway.")
 # typer (>= 0.29) vendors click; click's usage errors derive from the public TyperException.
 ClickException = typer.TyperException
+MEMORY_CHECK_HELP = ("Refuse, before reading it, a trace whose analysis would need more memory than is available "
+                     "(its row count times ~200 bytes); --no-memory-check tries anyway.")
 
 # Option defaults and choices declared where the recorder declares them.
 _RECORDING = Settings()
@@ -143,7 +143,6 @@ def doctor(
 ) -> None:
     """Check that this machine can record, with a fix for everything that is missing."""
     from trainbpf.doctor import FAIL, cuda_report, render, run_checks
-    from trainbpf.printable import printable_lines
 
     try:
         cuda = cuda_report(pid) if pid is not None else None
@@ -229,7 +228,6 @@ def health(
 ) -> None:
     """Scheduled node health check: short record + analyze; exit 0 ok, 1 warning, 2 critical, 3 could not check."""
     from trainbpf.health import UNKNOWN, health_config, render_summary, run_health
-    from trainbpf.printable import printable_lines
 
     try:
         result = run_health(config=health_config(
@@ -269,7 +267,7 @@ def _usage_line(exc: ClickException) -> str:
     """click's usage error (usage line, hint, boxed message) as one line."""
     text = " ".join(exc.format_message().split()).rstrip(".")
     ctx = getattr(exc, "ctx", None)
-    return f"trainbpf: error: {text} (see '{ctx.command_path if ctx else 'trainbpf'} --help')"
+    return f"trainbpf: error: {printable(text)} (see '{ctx.command_path if ctx else 'trainbpf'} --help')"
 
 
 def main() -> None:
