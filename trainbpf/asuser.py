@@ -206,6 +206,9 @@ class _Helper(Files):
                 user=self.who.uid, group=self.who.gid, extra_groups=sorted(self.who.groups),
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, env={"PATH": os.defpath}, cwd=None, start_new_session=True)
+        except OSError as exc:  # e.g. the interpreter is not the user's to run
+            raise OSError(exc.errno, f"cannot start the helper that opens files as uid {self.uid} "
+                                     f"({exc.strerror})") from None
         finally:
             theirs.close()
         self._sock = ours
