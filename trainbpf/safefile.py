@@ -156,7 +156,7 @@ class OutputFile:
         """Write the whole file with `write(fh)` out of sight, then publish it; returns
         where it is.  OSError becomes OutputError (disk full said so)."""
         temp = None
-        fd = _unnamed(self.dirfd, mode)
+        fd = _unnamed(self, mode)
         try:
             if fd is None:
                 temp = _temp_name(self.name)
@@ -236,10 +236,10 @@ def _temp_name(name: bytes) -> bytes:
     return b"." + name + f".{secrets.token_hex(6)}.tmp".encode()
 
 
-def _unnamed(folder: int, mode: int) -> int | None:
-    """An O_TMPFILE in the folder open as `folder`, or None where the file system has none."""
+def _unnamed(folder: OutputFile, mode: int) -> int | None:
+    """An O_TMPFILE in `folder`, or None where the file system has none."""
     try:
-        return files().open(b".", os.O_TMPFILE | os.O_RDWR, mode, dirfd=folder)
+        return folder.files.open(b".", os.O_TMPFILE | os.O_RDWR, mode, dirfd=folder.dirfd)
     except OSError as exc:
         if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
             return None
