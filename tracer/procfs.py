@@ -14,6 +14,8 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf.errors import UsageError
+from trainbpf.documents import load_json
+from trainbpf.safefile import read_small
 from trainbpf.tracefile import make_batch
 
 # The vmstat counters that speak to stalls: faults, reclaim, compaction, NUMA, dirty state.
@@ -157,18 +159,26 @@ def pci_numa_node(bus_id: str) -> int | None:
     return node if node >= 0 else None
 
 
-def topology(gpus: list[dict], declared: Path | None) -> dict:
-    """CPUs per node and each GPU's node; a declared topology file overrides both."""
+def declared_topology(path: Path) -> dict:
+    """The nodes and GPUs of a declared topology file (`--topology`), read as the user
+    who named it: a small regular file, never waited on (safefile.read_small)."""
+    try:
+        spec = load_json(read_small(path, f"--topology {path}"))  # TooDeep is a ValueError
+        nodes = {str(k): [int(c) for c in v] for k, v in spec["nodes"].items()}
+        gpu_list = [{"index": int(g["index"]), "node": g.get("node"), "bus_id": g.get("bus_id")}
+                    for g in spec.get("gpus", [])]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UsageError(f"--topology {path}: expected JSON "
+                         '{"nodes": {"0": [cpus]}, "gpus": [{"index": 0, "node": 0}]} '
+                         f"({exc.__class__.__name__})") from exc
+    return {"nodes": nodes, "gpus": gpu_list}
+
+
+def topology(gpus: list[dict], declared: dict | None) -> dict:
+    """CPUs per node and each GPU's node; a declared topology (declared_topology)
+    overrides both."""
     if declared is not None:
-        try:
-            spec = json.loads(Path(declared).read_text())
-            nodes = {str(k): [int(c) for c in v] for k, v in spec["nodes"].items()}
-            gpu_list = [{"index": int(g["index"]), "node": g.get("node"), "bus_id": g.get("bus_id")}
-                        for g in spec.get("gpus", [])]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise UsageError(f"--topology {declared}: expected JSON "
-                             '{"nodes": {"0": [cpus]}, "gpus": [{"index": 0, "node": 0}]} '
-                             f"({exc.__class__.__name__})") from exc
+        nodes, gpu_list = declared["nodes"], declared["gpus"]
         is_declared = True
     else:
         nodes = numa_nodes()

@@ -9,7 +9,6 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -18,14 +17,15 @@ import pyarrow as pa
 
 from trainbpf.errors import OutputError, TargetError, UsageError
 from trainbpf.schema import SCHEMA_ID
-from trainbpf.safefile import check_output as safe_check_output
-from trainbpf.tracefile import SpoolWriter, check_spool_free, combine, finalize, make_batch, spool_path_for
+from trainbpf.safefile import OutputFile
+from trainbpf.tracefile import SpoolWriter, combine, finalize, make_batch
 from trainbpf.tracer import loader, preflight, proctree, procfs, taskstats
 from trainbpf.tracer.addrs import AddressDescriber, ProcMaps, futex_pairs
 from trainbpf.tracer.collector import Collector, Settings, ThreadTable
 from trainbpf.tracer.clock import wall_minus_mono_ns
 from trainbpf.tracer.gpu import GpuSampler
 from trainbpf.tracer.pystacks import PythonStacks
+from trainbpf.tracer.record_output import RecordResult, check_output
 from trainbpf.tracer.ringbuf import open_rings
 from trainbpf.tracer.stacks import StackSymbolizer, drop_irq_wakers, kernel_refs, user_refs
 
@@ -38,30 +38,9 @@ PROC_SAMPLE_S = 5.0
 FINAL_DRAIN_PASSES = 4  # bounded: a target still running keeps producing
 
 
-@dataclass
-class RecordResult:
-    output: Path
-    duration_s: float
-    rows: int
-    lost: dict[str, int]
-    stop_reason: str
-    threads: int
-    gpu_source: str | None
-    bytes: int
-    probes: tuple[str, ...] = ()
-    cuda_libraries: int = 0  # CUDA library files probed
-
-
 def check_target(pid: int) -> None:
     if pid <= 0 or not proctree.is_alive(pid):
         raise TargetError(f"no such process: {pid} (--pid takes a process id, the kernel's tgid)")
-
-
-def check_output(output: Path, *, force: bool = False) -> None:
-    """Before anything is compiled: the output may be written (safefile.check_output),
-    and its spool is neither another recorder's nor an unrecovered recording."""
-    safe_check_output(output, force=force)
-    check_spool_free(spool_path_for(output))
 
 
 class Recorder:
@@ -102,6 +81,8 @@ class Recorder:
         self.gpu: GpuSampler | None = None
         self.wall_minus_mono = 0
         self.seed: list[proctree.ThreadInfo] = []  # the tree walked before the probes load
+        self.out: OutputFile | None = None  # the output's folder, opened once and checked
+        self.declared_topology: dict | None = None
         self.bpf = None
         self.rings = None  # the ring-buffer readers, once open
         self.writer: SpoolWriter | None = None
@@ -163,7 +144,9 @@ class Recorder:
         preflight.require(preflight.check_privileges)
         if self.pid is not None:
             check_target(self.pid)
-        check_output(self.output, force=self.force)
+        self.out = check_output(self.output, force=self.force, notice=self.notice)
+        if self.topology_file is not None:  # read now: a bad one is refused before the compile
+            self.declared_topology = procfs.declared_topology(self.topology_file)
         preflight.require(*preflight.ENVIRONMENT)
         self.settings = Settings(**{**self.settings.__dict__, "hz": procfs.kernel_hz()})
         self.collectors = loader.select(self.probe_names, self.settings)
@@ -185,7 +168,7 @@ class Recorder:
         # The start is taken last, just before the seed: a killed recording's spool keeps
         # this clock, and whatever ran between it and the seed would pass for running time.
         self.start_ns = self.meta["clock"]["start_mono_ns"] = time.monotonic_ns()
-        self.writer = SpoolWriter(self.output, self.meta)
+        self.writer = SpoolWriter(self.output, self.meta, out=self.out)
 
     def _prepare(self) -> None:
         """What the drain needs that takes time (kallsyms alone, tens of ms): done before
@@ -296,8 +279,9 @@ class Recorder:
     def _finalise(self) -> RecordResult:
         writer, gpu = self.writer, self.gpu
         if writer.failed:
-            raise OutputError(f"{writer.failed}; what was recorded is kept in {writer.spool} "
-                              f"(`trainbpf recover {writer.spool}`)")
+            kept = "nothing was recorded: its empty spool is removed" if writer.remove_if_empty() else \
+                f"what was recorded is kept in {writer.spool} (`trainbpf recover {writer.spool}`)"
+            raise OutputError(f"{writer.failed}; {kept}")
         final = {
             "complete": True,
             "stop_reason": self.stop_reason,
@@ -313,13 +297,13 @@ class Recorder:
             final.update(c.meta())
         final.update(self.pystacks.meta() if self.pystacks else {"python_frames": {"enabled": False}})
         try:
-            finalize(writer.spool, self.output, final, spool_fd=writer.fd, force=self.force)
+            written = finalize(writer.spool, self.output, final, spool_fd=writer.fd, force=self.force, out=self.out)
         except OutputError as exc:
             raise OutputError(f"{exc}; what was recorded is kept in {writer.spool}") from exc
         finally:
             writer.release()
-        return RecordResult(self.output, self.duration_s, self.rows, self.lost, self.stop_reason,
-                            len(self.threads.tgid), gpu.source, self.output.stat().st_size,
+        return RecordResult(written, self.duration_s, self.rows, self.lost, self.stop_reason,
+                            len(self.threads.tgid), gpu.source, self.out.size(),
                             tuple(c.name for c in self.collectors),
                             len(final.get("cuda", {}).get("libraries", ())))
 
@@ -338,7 +322,7 @@ class Recorder:
                 "wall_minus_mono_ns": self.wall_minus_mono,
                 "source": "CLOCK_MONOTONIC",
             },
-            "topology": procfs.topology(self.gpu.gpus, self.topology_file),
+            "topology": procfs.topology(self.gpu.gpus, self.declared_topology),
             "probes": [c.name for c in self.collectors],
             "thresholds": self.settings.thresholds(),
             "gpu": {**self.gpu.meta(), "processes": self.gpu_processes},
@@ -450,5 +434,7 @@ def record(*, pid: int | None, output: Path, duration: float | None = None,
     try:
         return rec.run()
     finally:
+        if rec.out is not None:  # the output's folder, opened by run's checks
+            rec.out.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

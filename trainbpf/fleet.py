@@ -20,7 +20,7 @@ from trainbpf.documents import load_json
 from trainbpf.errors import UsageError
 from trainbpf.health import HEALTH_SCHEMA
 from trainbpf.printable import printable
-from trainbpf.safefile import check_output, invoker, write_new
+from trainbpf.safefile import OutputFile, check_output, read_small, write_new
 
 FLEET_SCHEMA = "trainbpf.fleet/1"
 FORMATS = ("text", "json", "csv")
@@ -113,9 +113,12 @@ def load_documents(files: list[Path]) -> tuple[list[tuple[Path, dict[str, Any]]]
     newest: dict[str, tuple[Path, dict[str, Any]]] = {}
     skipped = []
     for path in files:
-        try:
-            doc = load_json(path.read_text())
-        except (OSError, ValueError) as exc:  # UnicodeDecodeError, JSONDecodeError, TooDeep
+        try:  # read as the user who named it: a small regular file, never waited on
+            doc = load_json(read_small(path, str(path)))
+        except UsageError as exc:  # not a regular file, too large, not readable
+            skipped.append(str(exc))
+            continue
+        except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError, TooDeep
             skipped.append(f"{path}: not readable JSON ({exc})")
             continue
         if not isinstance(doc, dict) or doc.get("schema") != HEALTH_SCHEMA:
@@ -248,8 +251,16 @@ def run_fleet(*, source: str, fmt: str = "text", output: Path | None = None,
     (text, lines about skipped files)."""
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt}: choose {', '.join(FORMATS)}")
-    if output is not None:
-        check_output(output, force=force)  # before the documents are read, not after
+    # Checked before the documents are read; written into the folder checked then.
+    out = check_output(output, force=force) if output is not None else None
+    try:
+        return _fleet_text(source, fmt, out)
+    finally:
+        if out is not None:
+            out.close()
+
+
+def _fleet_text(source: str, fmt: str, out: OutputFile | None) -> tuple[str, list[str]]:
     files = health_files(source)
     if not files:
         raise UsageError(f"{source}: no health JSON files (a folder of them or a glob such as '/shared/health/*.json')")
@@ -257,6 +268,6 @@ def run_fleet(*, source: str, fmt: str = "text", output: Path | None = None,
     if not documents:
         raise UsageError(f"{source}: none of the {len(files)} JSON files is a {HEALTH_SCHEMA} document")
     text = render(fleet_rows(documents), fmt)
-    if output is not None:
-        write_new(output, lambda fh: fh.write(text.encode()), owner=invoker(), force=force)
+    if out is not None:
+        write_new(out, lambda fh: fh.write(text.encode()))
     return text, skipped

@@ -24,8 +24,8 @@ import pandas as pd
 
 from trainbpf.analyzers import Analysis, analyze
 from trainbpf.analyzers.categories import CATEGORIES
-from trainbpf.safefile import check_output, invoker, write_new
 from trainbpf.memory import read_for_analysis
+from trainbpf.safefile import OutputFile, check_output, write_new
 
 GPU_PID = 0  # a pseudo-process holding the GPU counter and the starved-time tracks
 STARVED_TID_BASE = 1000
@@ -175,13 +175,13 @@ def _cuda_events(analysis: Analysis, tids: np.ndarray, origin: int) -> list[str]
     ) if c]
 
 
-def write_trace_events(analysis: Analysis, output: str | os.PathLike, *, force: bool = False) -> Path:
+def write_trace_events(analysis: Analysis, output: str | os.PathLike | OutputFile, *, force: bool = False) -> Path:
     def write(fh) -> None:
         fh.write(b'{"displayTimeUnit":"ms","traceEvents":[')
         fh.write(",\n".join(trace_events(analysis)).encode("utf-8"))
         fh.write(b"]}\n")
 
-    return write_new(output, write, owner=invoker(), force=force)
+    return write_new(output, write, force=force)
 
 
 def run_export(*, path: str | os.PathLike, output: str | os.PathLike, force: bool = False,
@@ -189,5 +189,5 @@ def run_export(*, path: str | os.PathLike, output: str | os.PathLike, force: boo
     """Read a trace, analyse it and write the Chrome/Perfetto JSON to `output` (an
     existing file only with `force`); a trace too large for the memory available is
     refused unless `memory_check` is off."""
-    check_output(output, force=force)  # before the analysis, not after it
-    return write_trace_events(analyze(read_for_analysis(path, memory_check=memory_check)), output, force=force)
+    with check_output(output, force=force) as out:  # before the analysis; written into the folder checked then
+        return write_trace_events(analyze(read_for_analysis(path, memory_check=memory_check)), out)

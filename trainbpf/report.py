@@ -20,7 +20,7 @@ from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.states import state_seconds
 from trainbpf.analyzers.vocab import ROLES
 from trainbpf.html_report import render_html
-from trainbpf.safefile import check_output, invoker, write_new
+from trainbpf.safefile import OutputFile, check_output, write_new
 from trainbpf.text_report import render_text
 from trainbpf.memory import read_for_analysis
 
@@ -175,9 +175,9 @@ def render_json(report: Report) -> str:
 RENDERERS = {ReportFormat.text: render_text, ReportFormat.json: render_json, ReportFormat.html: render_html}
 
 
-def _write(output: str | os.PathLike, text: str, *, force: bool = False) -> None:
+def _write(output: str | os.PathLike | OutputFile, text: str, *, force: bool = False) -> None:
     """Write a report privately (it names threads and addresses, like the trace)."""
-    write_new(output, lambda fh: fh.write(text.encode("utf-8")), owner=invoker(), force=force)
+    write_new(output, lambda fh: fh.write(text.encode("utf-8")), force=force)
 
 
 def run_analyze(
@@ -199,11 +199,15 @@ def run_analyze(
     renderer = RENDERERS[ReportFormat.of(fmt)]
     threshold = check_gpu_idle_threshold(gpu_idle_threshold)
     window = Window.of(window)
-    if output is not None:
-        check_output(output, force=force)  # before the analysis, not after it
-    trace = read_for_analysis(path, memory_check=memory_check)
-    analysis = analyze(trace, trainer_tid=trainer_tid, gpu_idle_threshold=threshold, window=window)
-    text = renderer(Report.of(analysis))
-    if output is not None:
-        _write(output, text, force=force)
+    # Checked before the analysis, not after it; written into the folder checked then.
+    out = check_output(output, force=force) if output is not None else None
+    try:
+        trace = read_for_analysis(path, memory_check=memory_check)
+        analysis = analyze(trace, trainer_tid=trainer_tid, gpu_idle_threshold=threshold, window=window)
+        text = renderer(Report.of(analysis))
+        if out is not None:
+            _write(out, text)
+    finally:
+        if out is not None:
+            out.close()
     return text

@@ -23,15 +23,14 @@ import pyarrow.parquet as pq
 
 from trainbpf.errors import OutputError, TraceReadError
 from trainbpf.safefile import (
-    create_exclusive,
+    NAME_MAX,
+    OutputFile,
+    check_output,
     fd_path,
-    invoker,
     lock_holder,
     open_input,
     output_error,
-    same_file,
     try_lock,
-    write_new,
 )
 from trainbpf.schema import COLUMNS, KIND_COLUMNS, KINDS, TRACE_SCHEMA, V2_COLUMNS
 from trainbpf.trace_meta import decode_meta, derive_final_meta, meta_bytes
@@ -99,13 +98,19 @@ def combine(batches: list[pa.RecordBatch]) -> pa.RecordBatch | None:
     return pa.concat_batches(rows) if rows else None
 
 
-def check_spool_free(spool: Path) -> None:
+def check_spool_free(out: OutputFile) -> bool:
     """Refuse to start a recording whose spool exists: another recorder is writing it
-    (named by its pid), or it is an unfinished recording that `recover` would save."""
+    (named by its pid), or it is an unfinished recording that `recover` would save.  An
+    empty spool nobody holds (a recorder killed, or a disk full, before the first write)
+    is removed: True then."""
+    name, spool = out.name + SPOOL_SUFFIX.encode(), spool_path_for(out.path)
+    if len(name) > NAME_MAX:
+        raise OutputError(f"output {out.path}: the name is too long for its spool ({len(name)} bytes with "
+                          f"{SPOOL_SUFFIX}; a file name holds at most {NAME_MAX})")
     try:
-        fd = os.open(spool, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = out.files.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dirfd=out.dirfd)
     except FileNotFoundError:
-        return
+        return False
     except OSError as exc:
         why = "is a symbolic link, not a regular file" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
         raise OutputError(f"spool {spool} exists and {why}; remove it") from None
@@ -116,31 +121,54 @@ def check_spool_free(spool: Path) -> None:
             holder = lock_holder(fd)
             raise OutputError(f"another recorder (pid {holder or '?'}) is writing {spool}; "
                               "give this recording another -o")
+        if is_empty_spool(fd) and out.remove_if_same(fd, name):
+            return True
         raise OutputError(f"{spool} holds an unfinished recording: save it with `trainbpf recover {spool}` "
                           "(or remove it), then record again")
     finally:
         os.close(fd)
 
 
+def is_empty_spool(fd: int) -> bool:
+    """Whether the spool open as `fd` ends before its Arrow header does (a recorder that
+    stopped before writing anything): nothing in it to recover.  The header starts with
+    the stream's continuation marker and the length of the schema message."""
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        return _CONTINUATION.startswith(head[:4])
+    return head[:4] == _CONTINUATION and size < 8 + int.from_bytes(head[4:], "little")
+
+
+_CONTINUATION = b"\xff\xff\xff\xff"
+
 
 class SpoolWriter:
-    """Appends record batches to the crash-safe spool of `output`."""
+    """Appends record batches to the crash-safe spool of `output`, in the output's
+    folder `out` when given (the recorder's, opened and checked once)."""
 
-    def __init__(self, output: Path, meta: Mapping[str, Any]):
+    def __init__(self, output: Path, meta: Mapping[str, Any], *, out: OutputFile | None = None):
         self.output = Path(output)
         self.spool = spool_path_for(self.output)
         self.bytes_written = 0
         self.rows_written = 0
         self._pending: list[pa.RecordBatch] = []
         self.failed: OutputError | None = None
+        self.fd = -1
+        self._out, self._own_out = (out, False) if out is not None else (OutputFile(self.output), True)
+        self._name = name = self._out.name + SPOOL_SUFFIX.encode()
         try:
             # Created, never reopened by name: finalize reads this descriptor, and its
             # lock tells a second recorder (or `recover`) that it is being written.
-            self.fd = create_exclusive(self.spool, owner=invoker(), flags=os.O_RDWR)
+            self.fd = self._out.create(name, flags=os.O_RDWR)
         except FileExistsError:
-            check_spool_free(self.spool)
+            try:
+                check_spool_free(self._out)
+            finally:
+                self._close_out()
             raise OutputError(f"spool {self.spool} appeared while starting; give another -o") from None
         except OSError as exc:
+            self._close_out()
             raise output_error(self.spool, exc) from exc
         try:
             try_lock(self.fd)  # a file just created: nobody else holds it
@@ -149,7 +177,8 @@ class SpoolWriter:
             self._writer = ipc.new_stream(self._file, schema)
             self._file.flush()
         except OSError as exc:
-            os.close(self.fd)
+            self._out.remove_if_same(self.fd, name)  # no header, nothing to recover
+            self.release()
             raise output_error(self.spool, exc) from exc
 
     def add(self, batch: pa.RecordBatch) -> None:
@@ -184,10 +213,20 @@ class SpoolWriter:
         if not keep_open:
             self.release()
 
+    def remove_if_empty(self) -> bool:
+        """Remove the spool if it holds no complete header (the disk was full before its
+        first write): there is nothing in it to recover.  True if removed."""
+        return self.fd >= 0 and is_empty_spool(self.fd) and self._out.remove_if_same(self.fd, self._name)
+
     def release(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        self._close_out()
+
+    def _close_out(self) -> None:
+        if self._own_out:
+            self._out.close()
 
 
 def _spool_batches(fd: int, path: Path) -> tuple[Iterator[pa.RecordBatch], dict[str, Any]]:
@@ -269,13 +308,15 @@ def settle(batches: Iterable[pa.RecordBatch], meta: Mapping[str, Any]) -> Iterat
 
 
 def finalize(spool: Path, output: Path, final_meta: Mapping[str, Any] | None = None, *,
-             spool_fd: int | None = None, force: bool = False) -> Path:
-    """Write the Parquet file from a spool (atomically) and remove the spool.
+             spool_fd: int | None = None, force: bool = False, out: OutputFile | None = None) -> Path:
+    """Write the Parquet file from a spool (atomically) and remove the spool; returns
+    where the file is.
 
     `spool_fd` is the recorder's own descriptor of the spool: the file finalised is the
     one it wrote, whatever has happened to the name since.  Without it the spool is
-    opened here and locked, so a recorder still writing it is refused.  An existing
-    `output` is replaced only with `force` (safefile.check_output).
+    opened here and locked, so a recorder still writing it is refused.  `out` is the
+    output's folder, opened and checked when the recording started; without it `output`
+    is checked now.  An existing `output` is replaced only with `force`.
 
     Two passes over the spool, a batch at a time, so memory stays bounded however long
     the recording: the first finds what the metadata needs from the rows (which the
@@ -284,7 +325,9 @@ def finalize(spool: Path, output: Path, final_meta: Mapping[str, Any] | None = N
     by the statistics of `kind` and skips the rest; the long table is the same rows."""
     spool, output = Path(spool), Path(output)
     fd = open_spool(spool) if spool_fd is None else spool_fd
+    target = out
     try:
+        target = target or check_output(output, force=force)
         batches, meta = _spool_batches(fd, spool)
         meta.update(final_meta or {})
         meta = derive_final_meta(batches, meta)
@@ -298,17 +341,28 @@ def finalize(spool: Path, output: Path, final_meta: Mapping[str, Any] | None = N
                     groups.add(batch)
                 groups.close()
 
-        write_new(output, write, owner=invoker(), force=force)
-        if same_file(fd, spool):  # not a file swapped in under the spool's name
-            spool.unlink()
+        written = target.write(write)
+        _remove_spool(fd, spool, target)
     finally:
         if spool_fd is None:
             os.close(fd)
-    return output
+        if out is None and target is not None:
+            target.close()
+    return written
 
 
-def open_spool(spool: Path) -> int:
-    """Open a left-over spool for finalising: a regular file no recorder is writing."""
+def _remove_spool(fd: int, spool: Path, out: OutputFile) -> None:
+    """Remove the spool's name if it still is the file finalised (not one swapped in
+    under it): through the output's folder when it holds the spool."""
+    if spool_path_for(out.path) == spool:
+        out.remove_if_same(fd, os.fsencode(spool.name))
+        return
+    with OutputFile(spool) as folder:
+        folder.remove_if_same(fd, folder.name)
+
+
+def _open_unheld(spool: Path) -> int:
+    """Open a spool no recorder is writing (its lock taken)."""
     fd = open_input(spool)
     if not try_lock(fd):
         holder = lock_holder(fd)
@@ -318,20 +372,29 @@ def open_spool(spool: Path) -> int:
     return fd
 
 
+def open_spool(spool: Path) -> int:
+    """Open a left-over spool for finalising: a regular file no recorder is writing,
+    with something in it."""
+    fd = _open_unheld(spool)
+    if is_empty_spool(fd):
+        os.close(fd)
+        raise TraceReadError(f"{spool}: empty spool (its recorder stopped before writing anything); "
+                             "nothing to recover: remove it")
+    return fd
+
+
 def discard_stale_spool(spool: Path) -> bool:
     """Remove the spool of a recording that was killed (nobody holds its lock): for
     callers whose recordings are scratch (health).  True if one was removed."""
     try:
-        fd = open_spool(spool)
+        fd = _open_unheld(spool)
     except TraceReadError:
         if not os.path.lexists(spool):
             return False
         raise
     try:
-        if same_file(fd, spool):
-            spool.unlink()
-            return True
-        return False
+        with OutputFile(spool) as folder:
+            return folder.remove_if_same(fd, folder.name)
     finally:
         os.close(fd)
 

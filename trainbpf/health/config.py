@@ -14,12 +14,14 @@ from typing import Any, Mapping
 from trainbpf.analyzers.categories import CHECK_CATEGORY  # noqa: F401 (part of this module's API)
 from trainbpf.documents import TooDeep, load_toml
 from trainbpf.errors import UsageError
+from trainbpf.safefile import read_small
 from trainbpf.tracer.settings import GPU_MODES  # noqa: F401 (the config key gpu takes these)
 
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
 STATUS_NAMES = {OK: "ok", WARNING: "warning", CRITICAL: "critical", UNKNOWN: "unknown"}
 
 DEFAULT_CONFIG_PATH = Path("/etc/trainbpf/health.toml")
+DEFAULT_LOCK_FILE = Path("/run/trainbpf-health.lock")  # the node's: taken as root, even under sudo
 TEXTFILE_NAME = "trainbpf_health.prom"
 
 
@@ -57,7 +59,7 @@ DEFAULT_EXCLUDE_PATTERNS = (r"nvidia-persistenced", r"nv-hostengine", r"dcgm", r
 class HealthConfig:
     duration_s: float = 10.0
     time_limit_s: float | None = None  # None: duration_s + 60
-    lock_file: Path = Path("/run/trainbpf-health.lock")
+    lock_file: Path = DEFAULT_LOCK_FILE
     textfile_dir: Path | None = None
     json_file: Path | None = None
     trace_file: Path | None = None  # keep the trace here; None: a temporary file, removed
@@ -167,10 +169,8 @@ def load_config(path: Path | None) -> HealthConfig:
         if not DEFAULT_CONFIG_PATH.exists():
             return HealthConfig()
         path = DEFAULT_CONFIG_PATH
-    try:
-        raw = load_toml(Path(path).read_text())
-    except OSError as exc:
-        raise UsageError(f"config {path}: {exc.strerror or exc}") from None
+    try:  # read as the user who named it: a small regular file, never waited on
+        raw = load_toml(read_small(path, f"config {path}").decode())
     except TooDeep as exc:
         raise UsageError(f"config {path}: {exc}") from None
     except (ValueError, UnicodeDecodeError) as exc:  # tomllib.TOMLDecodeError

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import signal
 import socket
@@ -21,13 +22,13 @@ from typing import Any, Callable, Iterator, Mapping
 
 from trainbpf.analyzers.node import node_check_values, node_metrics
 from trainbpf.errors import OutputError, TrainbpfError
-from trainbpf.health.config import TEXTFILE_NAME, UNKNOWN, HealthConfig, Threshold
+from trainbpf.health.config import DEFAULT_LOCK_FILE, TEXTFILE_NAME, UNKNOWN, HealthConfig, Threshold
 from trainbpf.health.outputs import write_outputs
 from trainbpf.health.results import (
     HealthResult, TargetResult, failed_result, grade_report, make_check, overall_status, step_metrics,
 )
 from trainbpf.health.targets import Target, find_targets, recording_root, scan_processes, target_trees, tree_tids
-from trainbpf.safefile import check_output
+from trainbpf.safefile import as_root, check_output, files
 from trainbpf.tracer.preflight import check_privileges, require
 from trainbpf.tracer.proctree import is_alive
 
@@ -35,6 +36,7 @@ from trainbpf.tracer.proctree import is_alive
 # end the run (the main thread stuck where signals cannot reach it, e.g. a compile).
 BACKSTOP_GRACE_S = 10.0
 NODE_FAULT_READ_NS = 1_000_000_000  # every thread on the node: its fault counters read once a second
+LOCK_CONTENT_MAX = 32  # a pid and a newline
 
 
 class HealthBusy(TrainbpfError):
@@ -89,26 +91,41 @@ def assess(*, trace_path: Path, targets: list[Target], trees: Mapping[int, tuple
                         "targets" if targets else "node", results, node, checks, error, config)
 
 
+def _open_lock(path: Path) -> tuple[int, int]:
+    """The lock file's descriptor and the uid it must belong to.  Opened as the user who
+    named it (under sudo, the kernel refuses a file they cannot write), except the
+    node's default lock, which is root's; never through a symlink."""
+    opener = as_root() if path == DEFAULT_LOCK_FILE else contextlib.nullcontext()
+    with opener:
+        lock_files = files()
+        try:
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+            return lock_files.open(os.fsencode(path), flags, 0o644), lock_files.uid
+        except OSError as exc:
+            # ELOOP, or EACCES for another user's symlink in a sticky folder
+            why = "is a symbolic link; remove it" if os.path.islink(path) else exc.strerror or exc
+            raise OutputError(f"lock file {path}: {why}") from None
+
+
 @contextlib.contextmanager
 def exclusive_lock(path: Path) -> Iterator[None]:
     """A non-blocking flock on `path`: a second run raises HealthBusy instead of waiting
     (the kernel drops the lock when the process ends, however it ends)."""
+    fd, uid = _open_lock(path)
     try:
-        # Not through a symlink, and (checked below) only our own plain file: a lock file
-        # in a folder others can write must not truncate whatever they point it at.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        # ELOOP, or EACCES for another user's symlink in a sticky folder
-        why = "is a symbolic link; remove it" if os.path.islink(path) else exc.strerror or exc
-        raise OutputError(f"lock file {path}: {why}") from None
-    try:
+        # Only our own plain file, holding nothing or a pid: a lock file named in a
+        # config must not truncate whatever file it points at.
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
-            raise OutputError(f"lock file {path} is not a plain file of uid {os.geteuid()}'s own; remove it")
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_nlink != 1:
+            raise OutputError(f"lock file {path} is not a plain file of uid {uid}'s own; remove it")
+        held = os.pread(fd, LOCK_CONTENT_MAX + 1, 0)
+        if not re.fullmatch(rb"(\d+\n)?", held):
+            raise OutputError(f"lock file {path} holds something other than a health check's pid; "
+                              "not ours to overwrite: name another lock_file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            holder = held.decode().strip() or "?"
             raise HealthBusy(f"another health check (pid {holder}) holds {path}; this run skipped") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -170,15 +187,10 @@ def time_limit(seconds: float, *, on_backstop: Callable[[], None] | None = None,
 
 def check_outputs(config: HealthConfig) -> None:
     """Fail before recording when an output cannot be written."""
-    if config.textfile_dir is not None:
-        if not config.textfile_dir.is_dir():
-            raise OutputError(f"textfile folder {config.textfile_dir} does not exist")
-        if not os.access(config.textfile_dir, os.W_OK):
-            raise OutputError(f"textfile folder {config.textfile_dir} is not writable")
     textfile = config.textfile_dir / TEXTFILE_NAME if config.textfile_dir is not None else None
-    for path in (textfile, config.json_file, config.trace_file):
+    for path, what in ((textfile, "textfile"), (config.json_file, "output"), (config.trace_file, "output")):
         if path is not None:
-            check_output(path, force=True)  # replaced each run, but never a symlink or device
+            check_output(path, force=True, what=what).close()  # replaced each run, but never a symlink or device
 
 
 TEMP_PREFIX = "trainbpf-health-"
@@ -233,8 +245,11 @@ def _check(config: HealthConfig, *, started: float, host: str, expired: threadin
 
             discard_stale_spool(spool_path_for(trace_path))  # a killed run's scratch
         else:
+            # Root's own scratch, private to root even under sudo (docs/security.md): the
+            # trace may be node-wide, and nobody but root names or sees this folder.
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"{TEMP_PREFIX}{os.getpid()}-"))
             trace_path = Path(folder) / "trace.parquet"
+            stack.enter_context(as_root())
         _record(root=root, output=trace_path, config=config, expired=expired)
         return assess(trace_path=trace_path, targets=targets, trees=trees, config=config,
                       started=started, host=host)
