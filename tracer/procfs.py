@@ -4,7 +4,6 @@ CPU/NUMA/GPU topology, and the kernel's HZ."""
 from __future__ import annotations
 
 import gzip
-import json
 import os
 import re
 import time
