@@ -41,7 +41,9 @@ def empty_threads() -> pd.DataFrame:
 
 
 def pick_trainer(threads: pd.DataFrame, *, target_pid: int | None, trainer_tid: int | None) -> int | None:
-    """The trainer: the named thread, else the target's main thread, else its lowest tid."""
+    """The trainer: the named thread, else the target's main thread, else its lowest tid.
+    A main thread that exited (pthread_exit) while its process went on hands the role
+    to the thread that carried on (carried_on_by)."""
     tids = threads["tid"].to_numpy()
     if trainer_tid is not None:
         if int(trainer_tid) not in set(tids.tolist()):
@@ -51,12 +53,31 @@ def pick_trainer(threads: pd.DataFrame, *, target_pid: int | None, trainer_tid: 
         return None
     if target_pid is not None:
         if int(target_pid) in set(tids.tolist()):
-            return int(target_pid)
+            return carried_on_by(threads, int(target_pid))
         in_target = tids[threads["pid"].to_numpy() == int(target_pid)]
         if len(in_target):
             return int(in_target.min())
     mains = tids[tids == threads["pid"].to_numpy()]
-    return int(mains.min()) if len(mains) else int(tids.min())
+    return carried_on_by(threads, int(mains.min())) if len(mains) else int(tids.min())
+
+
+def carried_on_by(threads: pd.DataFrame, main: int) -> int:
+    """`main`, or, where that main thread exited while threads of its process were still
+    observed after it, the one of them observed longest after its exit (the oldest
+    among equals), leaving out threads named for another role (NAME_ROLES) unless
+    all are: it runs the loop now."""
+    tid, pid, first, last = (threads[c].to_numpy(np.int64) for c in ("tid", "pid", "first_ns", "last_ns"))
+    ended = last[tid == main]
+    after = (pid == main) & (tid != main) & (last > ended[0]) if len(ended) else np.zeros(len(tid), bool)
+    if not after.any():
+        return main
+    lowered = threads["comm"].astype(str).str.lower()
+    helper = lowered.str.contains("|".join(pattern for _, pattern in NAME_ROLES), regex=True).to_numpy()
+    if (after & ~helper).any():
+        after &= ~helper
+    observed = np.where(after, last - np.maximum(first, ended[0]), -1)
+    best = np.flatnonzero(observed == observed.max())
+    return int(tid[best].min())
 
 
 def observed_threads(thread_rows: pd.DataFrame, exit_rows: pd.DataFrame, seen: pd.DataFrame, *, span: Span) -> pd.DataFrame:

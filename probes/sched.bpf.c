@@ -46,6 +46,10 @@
 #ifndef TASK_EXIT
 #error "TASK_EXIT must be defined by the loader"
 #endif
+/* 1 under sudo (Settings.exec_leaves): an exec takes the process out of the traced set. */
+#ifndef EXEC_LEAVES
+#error "EXEC_LEAVES must be defined by the loader"
+#endif
 #define CLONE_THREAD_FLAG 0x00010000
 
 struct offcpu_event {
@@ -357,6 +361,16 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
     if (!is_traced(tid))
         return 0;
     emit_task(tid, current_tgid(), 0, TASK_EXEC, NULL);
+    /* Under sudo the new program may be one the user cannot trace (setuid): the process
+     * leaves here, before that program runs, and user space lets it back in only if the
+     * user could still ptrace it (tracer/access.py).  Its entry in sched_threads would
+     * keep it traced too.  A thread other than the leader that execs takes the tgid. */
+    if (EXEC_LEAVES) {
+        u32 old = args->old_pid;
+        traced.delete(&tid);
+        traced.delete(&old);
+        sched_threads.delete(&tid);
+    }
     return 0;
 }
 

@@ -8,6 +8,7 @@ import mmap
 import os
 
 import numpy as np
+import pytest
 
 from trainbpf.tracer.addrs import AddressDescriber, parse_maps
 
@@ -63,3 +64,39 @@ def test_parse_maps():
                       "7ffd0000-7ffe0000 rw-p 00000000 00:00 0                  [stack]\n")
     assert [(m.start, m.shared, m.path) for m in maps] == [
         (0x400000, False, "/usr/bin/dbus-daemon"), (0x7F0000000000, True, "/dev/shm/sem.mp-x"), (0x7FFD0000, False, "[stack]")]
+
+
+def _cut_and_garbled(elf: bytes):
+    """The file cut at every length up to its headers and at every 97th byte past them,
+    and its header fields and section table overwritten with large values."""
+    for n in [*range(0, 300), *range(300, len(elf), 97)]:
+        yield elf[:n]
+    shoff = int.from_bytes(elf[40:48], "little")
+    for at in [*range(16, 64, 2), *range(shoff, min(len(elf), shoff + 64 * 40), 4)]:
+        yield elf[:at] + b"\xff\xff\xff\x7f" + elf[at + 4:]
+
+
+def test_a_truncated_or_malformed_elf_file_raises_elf_error_only(tmp_path):
+    """Issue 34 item 6: a 4-byte file `\\x7fELF` named libpython3.11.so raised IndexError
+    in the recorder.  Every ELF reader (data symbols, functions, CUDA exports) shares one
+    parser: a file that does not hold what its headers say raises ElfError, nothing else."""
+    from trainbpf.tracer.addrs import FUNCTION_KINDS, ElfSymbols
+    from trainbpf.tracer.cuda import exported_calls
+
+    bad = tmp_path / "libpython3.11.so"
+    bad.write_bytes(b"\x7fELF")
+    with pytest.raises(ValueError, match="truncated or malformed ELF file"):
+        ElfSymbols(str(bad))
+    escaped = []
+    for i, data in enumerate(_cut_and_garbled(open("/bin/true", "rb").read())):
+        bad.write_bytes(data)
+        for read in (lambda: ElfSymbols(str(bad)).address_of("_PyRuntime"),
+                     lambda: ElfSymbols(str(bad), FUNCTION_KINDS, every_table=True).function(0x1100),
+                     lambda: exported_calls(str(bad))):
+            try:
+                read()
+            except ValueError:  # ElfError, or mmap's "cannot mmap an empty file"
+                pass
+            except Exception as exc:  # noqa: BLE001 - what the test looks for
+                escaped.append((i, len(data), type(exc).__name__, str(exc)[:60]))
+    assert not escaped, escaped[:5]

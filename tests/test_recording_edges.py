@@ -148,6 +148,40 @@ def test_recording_follows_the_threads_that_outlive_the_main_thread(tmp_path):
     assert result.duration_s >= 3.5, result.duration_s
 
 
+@pytest.mark.parametrize("exits", ["before", "during"])
+def test_the_thread_that_carries_on_after_pthread_exit_is_the_trainer(tmp_path, exits):
+    """Issue 34 item 8: the main thread called pthread_exit (before the recording, or
+    during it) while tb_worker carried on the loop.  Was: the dead main thread stayed the
+    trainer, shown running 2.25 of 2.25 s, while the live worker slept."""
+    require_root()
+    proc = _main_exits(30 if exits == "before" else 3, 0 if exits == "before" else 0.5)
+    out = tmp_path / "t.parquet"
+
+    def go() -> None:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+
+    try:
+        if exits == "before":
+            go()
+            end = time.time() + 10
+            while _state(proc.pid) != "Z":
+                assert time.time() < end, "the main thread did not exit"
+                time.sleep(0.05)
+        record(pid=proc.pid, output=out, duration=2.5 if exits == "before" else 30, probes=["sched"], gpu="off",
+               handle_signals=False, on_attached=go if exits == "during" else None)
+    finally:
+        proc.kill()
+        proc.wait()
+    res = cli("analyze", str(out), "--format", "json")
+    assert res.returncode == 0, res.stderr
+    threads = {t["tid"]: t for t in json.loads(res.stdout)["threads"]}
+    trainer = [t for t in threads.values() if t["role"] == "trainer"]
+    assert [t["comm"] for t in trainer] == ["tb_worker"], threads
+    main = threads[proc.pid]["seconds"]
+    assert main.get("running", 0.0) < (0.05 if exits == "before" else 0.6), main
+
+
 # -- --pid 1: the recorder never traces itself -----------------------------------------
 
 def test_pid_1_leaves_out_the_recorders_own_process_tree(tmp_path):
@@ -205,6 +239,35 @@ def test_a_killed_recording_keeps_blocked_threads_blocked_and_ends_at_its_last_s
     assert cli("recover", str(spool)).returncode == 0
     assert read_trace(out).meta["clock"]["end_mono_ns"] == stop
     assert set(read_trace(out).table["kind"].to_pylist()).isdisjoint({"offcpu_open", "segment"})
+
+
+# -- issue 34 item 6: a malformed library a traced process maps --------------------------
+
+def test_a_process_mapping_a_4_byte_libpython_is_recorded_without_python_frames(tmp_path):
+    """The Python-frame reader opens every mapped libpythonX.Y: a 4-byte "\\x7fELF" killed
+    the recorder with IndexError (and left a 0-byte spool).  Now that process has no
+    Python frames, and says why."""
+    require_root()
+    fake = tmp_path / "libpython3.11.so"
+    fake.write_bytes(b"\x7fELF")
+    mapper = tmp_path / "tbmapper"  # a CPython not named python: only the fake is a candidate
+    mapper.write_bytes(Path(os.path.realpath(sys.executable)).read_bytes())
+    mapper.chmod(0o755)
+    proc = subprocess.Popen([str(mapper), "-c", f"import mmap, time; f = open({str(fake)!r}, 'rb'); "
+                             "m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); print('ready', flush=True); "
+                             "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    notices: list[str] = []
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        result = record(pid=proc.pid, output=tmp_path / "t.parquet", duration=4.5, probes=["sched"], gpu="off",
+                        handle_signals=False, notice=notices.append)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert result.stop_reason == "duration"
+    status = read_trace(tmp_path / "t.parquet").meta["python_frames"]["processes"][str(proc.pid)]
+    assert "ELF" in status["status"] and status["version"] == "3.11", status
+    assert any(f"process {proc.pid}: native stacks only" in n and "libpython3.11.so" in n for n in notices), notices
 
 
 # -- M6: bcc never takes its kheaders fallback (sh -c modprobe, stdout noise) ---------

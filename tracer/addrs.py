@@ -12,8 +12,10 @@ alive, once per (process, address), and travel in the trace as `futex_addr` rows
 from __future__ import annotations
 
 import bisect
+import errno
 import mmap
 import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -35,6 +37,18 @@ OBJECT_KINDS = (_STT_OBJECT, _STT_TLS)
 FUNCTION_KINDS = (_STT_FUNC, _STT_GNU_IFUNC)  # what bcc names code with
 _PT_LOAD = 1
 _ET_EXEC = 2
+_EHDR_SIZE, _PHDR_SIZE, _SHDR_SIZE = 64, 56, 64  # Elf64 header, program and section header sizes
+
+
+def _within(data, offset: int, size: int, what: str) -> None:
+    """Raise ElfError unless `size` bytes at `offset` lie inside the file."""
+    if offset + size > len(data):
+        raise ElfError(f"truncated or malformed ELF file: its {what} end past its {len(data)} bytes")
+
+
+class ElfError(ValueError):
+    """A file that says it is ELF but whose headers or tables lie outside it (truncated or
+    malformed): nothing is read from it."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,30 @@ def parse_maps(text: str) -> list[Mapping]:
                            parts[5].strip() if len(parts) > 5 else "", (parts[3], int(parts[4])),
                            parts[1][2:3] == "x"))
     return out
+
+
+def open_mapped(pid: int, m: Mapping, proc: str = "/proc") -> int:
+    """A read-only descriptor of the very file process `pid` maps at `m`.
+
+    The process chose the file and may since have pointed its name elsewhere (at a
+    root-only library, say): /proc/PID/map_files/START-END leads to the mapped inode
+    whatever the name now leads to.  Where that cannot be opened (it needs
+    CAP_SYS_ADMIN), the name, in the process's root.  Either only when the file opened is
+    the mapping's (device, inode); OSError otherwise."""
+    err: OSError = FileNotFoundError(m.path)
+    for path in (f"{proc}/{pid}/map_files/{m.start:x}-{m.end:x}", f"{proc}/{pid}/root{m.path}"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:
+            err = exc
+            continue
+        st = os.fstat(fd)
+        major, minor = (int(x, 16) for x in m.file[0].split(":"))
+        if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) == (major, minor, m.file[1]):
+            return fd
+        os.close(fd)
+        err = OSError(errno.ESTALE, f"{m.path} is no longer the file mapped")
+    raise err
 
 
 class MapsIndex:
@@ -106,7 +144,11 @@ class ProcMaps:
 class ElfSymbols:
     """The symbols of one ELF file of the given kinds (data objects by default), for
     address lookups.  Names are read from the string table only when looked up: a
-    library's function table holds tens of thousands."""
+    library's function table holds tens of thousands.
+
+    Every ELF file the recorder reads comes through here, and the traced processes choose
+    them: a file that is not 64-bit little-endian ELF has no symbols, and one whose
+    headers or tables do not fit in it raises ElfError (a ValueError), never anything else."""
 
     def __init__(self, path: str, kinds: tuple[int, ...] = OBJECT_KINDS, *, every_table: bool = False):
         """`every_table`: both .symtab and .dynsym (as bcc names code), else .symtab when
@@ -125,7 +167,10 @@ class ElfSymbols:
             self._parse(data, kinds, every_table)
 
     def _parse(self, data, kinds: tuple[int, ...], every_table: bool) -> None:
-        if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:  # 64-bit little-endian only
+        if data[:4] != b"\x7fELF":
+            return
+        _within(data, 0, _EHDR_SIZE, "ELF header")
+        if data[4:6] != b"\x02\x01":  # 64-bit little-endian only
             return
         e_type = int.from_bytes(data[16:18], "little")
         self.is_exec = e_type == _ET_EXEC
@@ -133,6 +178,10 @@ class ElfSymbols:
         phentsize, phnum = int.from_bytes(data[54:56], "little"), int.from_bytes(data[56:58], "little")
         shentsize, shnum = int.from_bytes(data[58:60], "little"), int.from_bytes(data[60:62], "little")
         shstrndx = int.from_bytes(data[62:64], "little")
+        if phnum:
+            _within(data, phoff, phnum * max(phentsize, _PHDR_SIZE), "program headers")
+        if shnum:
+            _within(data, shoff, shnum * max(shentsize, _SHDR_SIZE), "section headers")
         loads = []
         for i in range(phnum):
             ph = phoff + i * phentsize
@@ -155,10 +204,15 @@ class ElfSymbols:
                              int.from_bytes(data[sh + 40:sh + 44], "little"),  # link
                              int.from_bytes(data[sh:sh + 4], "little")))  # name
         self._debug_refs(data, sections, shstrndx)
+        tables = [(typ, off, size, link) for typ, off, size, link, _ in sections
+                  if typ in (_SHT_SYMTAB, _SHT_DYNSYM) and link < len(sections) and sections[link][0] != _SHT_NOBITS]
+        for _, off, size, link in tables:  # all checked before any is viewed: a view would outlive an error
+            _within(data, off, size, "symbol table")
+            _within(data, sections[link][1], sections[link][2], "string table")
         values, sizes, names = [], [], []
         for wanted in (_SHT_SYMTAB, _SHT_DYNSYM):
-            for typ, off, size, link, _ in sections:
-                if typ != wanted or link >= len(sections) or sections[link][0] == _SHT_NOBITS:
+            for typ, off, size, link in tables:
+                if typ != wanted:
                     continue
                 syms = np.frombuffer(data, dtype=_ELF64_SYM, count=size // _ELF64_SYM.itemsize, offset=off)
                 kind = syms["info"] & 0xF
@@ -198,6 +252,11 @@ class ElfSymbols:
             if offset <= file_offset < offset + filesz:
                 return file_offset - offset + vaddr
         return None
+
+    def named(self, pattern: str) -> list[tuple[str, int]]:
+        """(name, address as linked) of each symbol read whose name matches `pattern`."""
+        match = re.compile(pattern).match
+        return [(name, int(self.value[i])) for i in range(len(self.value)) if match(name := self._name(i))]
 
     def address_of(self, name: str) -> int | None:
         """The address as linked of the symbol called `name` (of the kinds read), or None.
@@ -264,6 +323,8 @@ def futex_pairs(batch: pa.RecordBatch) -> np.ndarray:
 
 
 def _cstring(data, start: int) -> bytes:
+    if not 0 <= start < len(data):  # a malformed file's offset
+        return b""
     end = data.find(b"\0", start)
     return data[start:end if end >= 0 else start]
 
@@ -274,7 +335,7 @@ class AddressDescriber:
     def __init__(self, proc: str = "/proc"):
         self.proc = proc
         self.done: set[tuple[int, int]] = set()
-        self._images: dict[tuple[str, int], ElfSymbols | None] = {}  # (path, mtime_ns)
+        self._images: dict[tuple[str, int], ElfSymbols | None] = {}  # (device, inode)
         # Each process's mappings as last read: re-read (~1.5 ms) only for an address in
         # none of them.  A mapping replaced in place is described as it was.
         self._maps: dict[int, MapsIndex] = {}
@@ -340,7 +401,7 @@ class AddressDescriber:
         return "anon", m.path or "[anon]"
 
     def _symbol(self, pid: int, maps: list[Mapping], path: str, addr: int) -> str | None:
-        elf = self._elf(pid, path)
+        elf = self._elf(pid, next(m for m in maps if m.path == path))
         if elf is None:
             return None
         base = min((m.start - m.offset for m in maps if m.path == path), default=0)
@@ -354,18 +415,20 @@ class AddressDescriber:
         name, off = sym
         return f"{name}+0x{off:x} [{short}]"
 
-    def _elf(self, pid: int, path: str) -> ElfSymbols | None:
-        # Through the process's root, so a containerised process's files are the ones read.
-        real = f"{self.proc}/{pid}/root{path}"
-        try:
-            key = (path, os.stat(real).st_mtime_ns)
-        except OSError:
-            return None
-        if key not in self._images:
+    def _elf(self, pid: int, m: Mapping) -> ElfSymbols | None:
+        """The symbols of the file mapped at `m` (open_mapped: the very file, also in a
+        container), None where it cannot be read or is malformed."""
+        if m.file not in self._images:
             if len(self._images) >= MAX_IMAGES:
                 self._images.clear()
             try:
-                self._images[key] = ElfSymbols(real)
+                fd = open_mapped(pid, m, self.proc)
+            except OSError:
+                return None  # not kept: a later flush may open it
+            try:
+                self._images[m.file] = ElfSymbols(f"/proc/self/fd/{fd}")
             except (OSError, ValueError):
-                self._images[key] = None
-        return self._images[key]
+                self._images[m.file] = None
+            finally:
+                os.close(fd)
+        return self._images[m.file]

@@ -150,6 +150,8 @@ class ThreadTable:
     exec_listeners: list[Callable[[], None]] = field(default_factory=list)
     unforgotten: list[int] = field(default_factory=list)  # exited, still in the probes' maps
     exit_log: list[int] = field(default_factory=list)  # exited tids in order: a reader keeps its place
+    exec_log: list[tuple[int, int, int, str]] = field(default_factory=list)  # execs: (tid, pid, ts_ns, comm)
+    untraced: set[int] = field(default_factory=set)  # processes taken out of the traced set (tracer/access.py)
     _live: dict[int, int] = field(default_factory=dict, repr=False)
     _live_stamp: tuple[int, int] = field(default=(-1, -1), repr=False)
 
@@ -171,7 +173,7 @@ class ThreadTable:
         return self._live
 
     def tgids(self) -> list[int]:
-        return sorted(set(self.tgid.values()))
+        return sorted(set(self.tgid.values()) - self.untraced)
 
     def exec_seen(self) -> None:
         for listener in self.exec_listeners:

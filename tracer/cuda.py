@@ -2,8 +2,10 @@
 copies and allocations (streamed), from uprobes on the libraries the traced processes map.
 
 Libraries are found in /proc/PID/maps (pip wheels put them under
-site-packages/nvidia/*/lib), opened through /proc/PID/root so a container's copy is the
-one probed, and rescanned at every flush: torch loads CUDA lazily.  A uprobe on a file
+site-packages/nvidia/*/lib), rescanned at every flush: torch loads CUDA lazily.  Each is
+probed through the file mapped itself (addrs.open_mapped: /proc/PID/map_files), never
+by the name the process saw, which its owner may have pointed at another file since
+(docs/security.md); a container's copy is so the one probed too.  A uprobe on a file
 fires in every process mapping it, forked workers included, so each library file
 (device, inode) is attached once."""
 
@@ -16,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf.tracefile import make_batch
-from trainbpf.tracer.addrs import parse_maps
+from trainbpf.tracer.addrs import FUNCTION_KINDS, ElfSymbols, Mapping, open_mapped, parse_maps
 from trainbpf.tracer.collector import Collector, ThreadTable, array_values, bucket_batches, drain_hash, stack_ids
 
 LAYERS = ("runtime", "driver")
@@ -53,13 +55,18 @@ def base_name(symbol: str) -> str | None:
     return m.group(1) if m else None
 
 
-def cuda_libraries(maps_text: str) -> list[tuple[str, tuple[str, int]]]:
-    """(path, (device, inode)) of each libcudart/libcuda mapped, once each."""
-    seen: dict[tuple[str, int], str] = {}
+def cuda_mappings(maps_text: str) -> list[Mapping]:
+    """The first mapping of each libcudart/libcuda file (device, inode) mapped."""
+    seen: dict[tuple[str, int], Mapping] = {}
     for m in parse_maps(maps_text):
         if LIBRARY_RE.search(m.path):
-            seen.setdefault(m.file, m.path)
-    return [(path, file) for file, path in seen.items()]
+            seen.setdefault(m.file, m)
+    return list(seen.values())
+
+
+def cuda_libraries(maps_text: str) -> list[tuple[str, tuple[str, int]]]:
+    """(path, (device, inode)) of each libcudart/libcuda mapped, once each."""
+    return [(m.path, m.file) for m in cuda_mappings(maps_text)]
 
 
 def thread_buckets(records: np.ndarray, width: int) -> list[tuple]:
@@ -89,12 +96,10 @@ def _mapped_size(pid: int) -> bytes:
 
 def exported_calls(path: str) -> list[tuple[str, str]]:
     """(symbol, base name) of the probed calls a library exports, one per address: an
-    alias at the address of another symbol would count every call twice."""
-    from bcc import BPF
-
+    alias at the address of another symbol would count every call twice.  The symbols
+    are read as bcc reads them (both tables); a malformed file raises ValueError."""
     by_addr: dict[int, str] = {}
-    for sym, addr in BPF.get_user_functions_and_addresses(path, SYMBOL_RE):
-        sym = sym.decode()
+    for sym, addr in ElfSymbols(path, FUNCTION_KINDS, every_table=True).named(SYMBOL_RE):
         if addr not in by_addr or len(sym) < len(by_addr[addr]):  # the base name wins
             by_addr[addr] = sym
     return sorted((sym, base_name(sym)) for sym in by_addr.values())
@@ -111,6 +116,7 @@ class CudaCollector(Collector):
         self.libraries: dict[tuple[str, int], dict] = {}  # (device, inode) -> metadata
         self._size_seen: dict[int, bytes] = {}  # pid -> its mappings' total size when last scanned
         self._pids: set[int] = set()
+        self._held: list[int] = []  # descriptors of the files probed, whose /proc/self/fd names the probes hold
         self.threads = ThreadTable()  # the recorder's, from seeded()
 
     def defines(self) -> dict[str, int | str]:
@@ -150,20 +156,28 @@ class CudaCollector(Collector):
             self._size_seen[pid] = size
             if "/libcud" not in text:  # most processes: no need to parse
                 continue
-            for path, file in cuda_libraries(text):
-                if file not in self.libraries:
-                    self._attach(bpf, pid, path, file)
-                lib = self.libraries[file]
+            for m in cuda_mappings(text):
+                if m.file not in self.libraries:
+                    self._attach(bpf, pid, m)
+                lib = self.libraries[m.file]
                 if pid not in lib["pids"]:
                     lib["pids"].append(pid)
 
-    def _attach(self, bpf, pid: int, path: str, file: tuple[str, int]) -> None:
-        opened = f"/proc/{pid}/root{path}"  # the process's own file, also in a container
-        probed, failed = [], []
+    def _attach(self, bpf, pid: int, m: Mapping) -> None:
+        """Probe the file `m` maps, through a descriptor of it: the kernel resolves
+        /proc/self/fd/N to that very inode, and no one can repoint the name."""
+        probed, failed, why = [], [], ""
         try:
-            calls = exported_calls(opened)
-        except Exception:  # unreadable or not an ELF file: nothing to probe
-            calls = []
+            fd = open_mapped(pid, m)
+        except OSError as exc:
+            calls, why = [], f"not opened: {exc.strerror or exc}"
+        else:
+            self._held.append(fd)
+            opened = f"/proc/self/fd/{fd}"
+            try:
+                calls = exported_calls(opened)
+            except (OSError, ValueError) as exc:  # unreadable, or a malformed ELF file
+                calls, why = [], f"not read: {exc}"
         for sym, base in calls:
             kind = CALLS[CALL_INDEX[base]][2]
             try:
@@ -173,11 +187,16 @@ class CudaCollector(Collector):
                 probed.append(sym)
             except Exception:  # bcc raises bare Exception
                 failed.append(sym)
-        self.libraries[file] = {"path": path, "device": file[0], "inode": file[1], "symbols": probed,
-                                "failed": failed, "pids": []}
+        self.libraries[m.file] = {"path": m.path, "device": m.file[0], "inode": m.file[1], "symbols": probed,
+                                  "failed": failed, "pids": [], **({"error": why} if why else {})}
         if self.notice:
-            self.notice(f"cuda: probing {len(probed)} symbols in {path} (process {pid})"
-                        + (f", {len(failed)} failed" if failed else ""))
+            self.notice(f"cuda: probing {len(probed)} symbols in {m.path} (process {pid})"
+                        + (f", {len(failed)} failed" if failed else "") + (f"; {why}" if why else ""))
+
+    def close(self) -> None:
+        for fd in self._held:
+            os.close(fd)
+        self._held.clear()
 
     def meta(self) -> dict:
         return {"cuda": {"libraries": list(self.libraries.values())}}

@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainbpf.tracer.addrs import ElfSymbols, parse_maps
+from trainbpf.tracer.addrs import ElfError, ElfSymbols, open_mapped, parse_maps
 
 DEBUG_COOKIE = b"xdebugpy"
 # Field order of _Py_DebugOffsets in 3.13 (Include/internal/pycore_runtime.h), each a
@@ -128,20 +128,31 @@ class ProcessMemory:
 
 
 def find_runtime(pid: int) -> tuple[str, int]:
-    """(version "3.X", address of _PyRuntime) in process `pid`."""
+    """(version "3.X", address of _PyRuntime) in process `pid`.  The files are read as
+    mapped (addrs.open_mapped), and a malformed one is passed over: the process chose it."""
+    malformed = None
     for m in parse_maps(Path(f"/proc/{pid}/maps").read_text()):
         found = _PYTHON_MAP.search(m.path)
         if m.offset != 0 or not found:
             continue
         try:
-            elf = ElfSymbols(f"/proc/{pid}/root{m.path}")
-        except (OSError, ValueError):
+            fd = open_mapped(pid, m)
+        except OSError:
             continue
+        try:
+            elf = ElfSymbols(f"/proc/self/fd/{fd}")
+        except ElfError as err:
+            malformed = PyRuntimeError(f"{m.path}: {err}", found.group(1))
+            continue
+        except (OSError, ValueError):  # not mappable (empty), unreadable
+            continue
+        finally:
+            os.close(fd)
         value = elf.address_of("_PyRuntime")
         if value is not None:
             mapped_at = elf.file_vaddr(0)
             return found.group(1), m.start + value - (elf.first_vaddr if mapped_at is None else mapped_at)
-    raise PyRuntimeError("no _PyRuntime symbol in any mapped python binary or libpython")
+    raise malformed or PyRuntimeError("no _PyRuntime symbol in any mapped python binary or libpython")
 
 
 def read_debug_offsets(mem: ProcessMemory, runtime: int) -> dict[str, int]:

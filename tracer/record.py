@@ -17,11 +17,13 @@ import pyarrow as pa
 
 from trainbpf.errors import OutputError, TargetError, UsageError
 from trainbpf.schema import SCHEMA_ID
+from trainbpf.asuser import Invoker
 from trainbpf.safefile import OutputFile
 from trainbpf.tracefile import SpoolWriter, combine, finalize, make_batch
-from trainbpf.tracer import loader, preflight, proctree, procfs, taskstats
+from trainbpf.tracer import access, loader, preflight, proctree, procfs, taskstats
 from trainbpf.tracer.addrs import AddressDescriber, ProcMaps, futex_pairs
 from trainbpf.tracer.collector import Collector, Settings, ThreadTable
+from trainbpf.tracer.drain import DrainLoop
 from trainbpf.tracer.clock import wall_minus_mono_ns
 from trainbpf.tracer.gpu import GpuSampler
 from trainbpf.tracer.pystacks import PythonStacks
@@ -29,13 +31,8 @@ from trainbpf.tracer.record_output import RecordResult, check_output
 from trainbpf.tracer.ringbuf import open_rings
 from trainbpf.tracer.stacks import StackSymbolizer, drop_irq_wakers, kernel_refs, user_refs
 
-FLUSH_INTERVAL_S = 1.0
-# Where the wait cannot be woken by what ends it (no pidfd, or bcc's own ring-buffer
-# poll), the loop looks again this often.
-POLL_S = 0.1
 # vmstat and PSI are summed over the recording: sampled this often, and at the stop.
 PROC_SAMPLE_S = 5.0
-FINAL_DRAIN_PASSES = 4  # bounded: a target still running keeps producing
 
 
 def check_target(pid: int) -> None:
@@ -43,7 +40,7 @@ def check_target(pid: int) -> None:
         raise TargetError(f"no such process: {pid} (--pid takes a process id, the kernel's tgid)")
 
 
-class Recorder:
+class Recorder(DrainLoop):
     """One recording session.  run() reads top to bottom: open (check the privileges, the
     target, the output and the machine; choose the probes) -> load (compile the probes;
     their tracepoints attach as they load) -> attach (seed the traced tree, open the
@@ -55,7 +52,7 @@ class Recorder:
                  probes: list[str] | None, gpu: str, topology_file: Path | None,
                  status: Callable[[str], None] | None, trainer_tid: int | None = None,
                  on_attached: Callable[[], None] | None = None, force: bool = False,
-                 notice: Callable[[str], None] | None = None):
+                 notice: Callable[[str], None] | None = None, invoker: Invoker | None = None):
         # What was asked for.
         self.pid = pid
         self.force = force
@@ -69,6 +66,8 @@ class Recorder:
         self.trainer_tid = trainer_tid
         self.on_attached = on_attached
         self.notice = notice
+        # Under sudo: only the processes the invoking user could ptrace are traced.
+        self.gate = access.Gate(invoker, notice) if invoker is not None else None
         self.stop_reason = ""
         self._stop = threading.Event()
         self._stop_fds: tuple[int, int] | None = None  # a pipe the drain loop waits on, while it runs
@@ -144,11 +143,14 @@ class Recorder:
         preflight.require(preflight.check_privileges)
         if self.pid is not None:
             check_target(self.pid)
+        if self.gate is not None:
+            self.gate.check_target(self.pid)
         self.out = check_output(self.output, force=self.force, notice=self.notice)
         if self.topology_file is not None:  # read now: a bad one is refused before the compile
             self.declared_topology = procfs.declared_topology(self.topology_file)
         preflight.require(*preflight.ENVIRONMENT)
-        self.settings = Settings(**{**self.settings.__dict__, "hz": procfs.kernel_hz()})
+        self.settings = Settings(**{**self.settings.__dict__, "hz": procfs.kernel_hz(),
+                                    "exec_leaves": self.gate is not None})
         self.collectors = loader.select(self.probe_names, self.settings)
         for c in self.collectors:
             c.notice = self.notice
@@ -200,62 +202,6 @@ class Recorder:
         if self.on_attached:
             self.on_attached()
 
-    def _drain(self) -> None:
-        target = proctree.Liveness(self.pid) if self.pid is not None else None
-        with self._stop_fds_lock:
-            self._stop_fds = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-            if self._stop.is_set():  # asked before the pipe existed
-                os.write(self._stop_fds[1], b"x")
-        try:
-            self._drain_until_stop(target)
-        finally:
-            with self._stop_fds_lock:
-                fds, self._stop_fds = self._stop_fds, None
-                for fd in fds:
-                    os.close(fd)
-            if target is not None:
-                target.close()
-
-    def _drain_until_stop(self, target: proctree.Liveness | None) -> None:
-        """Wake only when there is something to do: a flush, a collector's sample, a ring
-        buffer filling (probes/common.h submit_flags), the target's exit, a stop request
-        or the duration's end.  Each wake-up of this process costs ~0.1-0.2 ms of CPU
-        with its caches cold (docs/performance.md), so nothing is polled for nothing."""
-        start = self.start_ns / 1e9
-        deadline = start + self.duration if self.duration else None
-        next_flush = start + FLUSH_INTERVAL_S
-        samplers = [c for c in self.collectors if c.sample_interval_ns()]
-        sample_s = min((c.sample_interval_ns() for c in samplers), default=0) / 1e9
-        woken = self.rings.watch(self._stop_fds[0]) and (target is None or target.fd is not None
-                                                         and self.rings.watch(target.fd))
-        while True:
-            now = time.monotonic()
-            wake_at = min(t for t in (next_flush, deadline, sample_s and now + sample_s,
-                                      not woken and now + POLL_S) if t)
-            self.rings.poll(max(0.0, wake_at - now))
-            now = time.monotonic()
-            for c in samplers:
-                c.sample(time.monotonic_ns())
-            if deadline and now >= deadline:
-                self.request_stop("duration")
-            if target is not None and not target.alive():
-                self.request_stop("target exited")
-            # Read once: a signal arriving during the flush below must not end the loop
-            # before the ring buffers are drained, so it takes effect next time round.
-            stopping = self._stop.is_set()
-            if now >= next_flush or stopping:
-                # what is in the ring buffers; at the stop, what is still arriving too
-                self.rings.drain(passes=FINAL_DRAIN_PASSES if stopping else 1)
-                self._flush(final=stopping)
-                next_flush = now + FLUSH_INTERVAL_S
-                if self.writer.failed:
-                    self.request_stop("output failed")
-                if self.status:
-                    self.status(f"recording {now - start:6.1f}s  events {self.rows}  "
-                                f"lost {sum(self.lost.values())}  written {self.writer.bytes_written / 1e6:.1f} MB")
-            if stopping:
-                break
-
     def _stop_tracing(self) -> None:
         self.end_ns = time.monotonic_ns()
         for c in self.collectors:
@@ -296,6 +242,7 @@ class Recorder:
         for c in self.collectors:
             final.update(c.meta())
         final.update(self.pystacks.meta() if self.pystacks else {"python_frames": {"enabled": False}})
+        final.update(self.gate.meta() if self.gate else {})
         try:
             written = finalize(writer.spool, self.output, final, spool_fd=writer.fd, force=self.force, out=self.out)
         except OutputError as exc:
@@ -344,12 +291,17 @@ class Recorder:
 
     def _seed(self, threads: list[proctree.ThreadInfo]) -> None:
         new = [t for t in threads if t.tid not in self.threads.tgid]
-        if not new:
-            return
+        checked = time.monotonic_ns()
+        if self.gate is not None:
+            new = self.gate.admit(new, checked)
         for t in new:
             if not self.settings.trace_all:  # node-wide, the probes trace every tid anyway
                 loader.set_traced(self.bpf, t.tid, t.pid)
             self.threads.tgid[t.tid] = t.pid
+        if self.gate is not None:
+            new = self.gate.confirm(self.bpf, new, self.threads, checked)
+        if not new:
+            return
         now = time.monotonic_ns()
         self.writer.add(make_batch("thread", {
             "ts_ns": np.full(len(new), now, dtype=np.int64),
@@ -359,12 +311,33 @@ class Recorder:
             "peer_tid": np.array([t.parent_tid for t in new], dtype=np.int32),
             "name": ["seed"] * len(new),
         }))
+        gone = [t for t in new if t.state in ("Z", "X")]  # a main thread that called pthread_exit
+        if gone:  # exited before the recording: observed for no time (analyzers/roles.py)
+            self.writer.add(make_batch("exit", {
+                "ts_ns": np.full(len(gone), now, dtype=np.int64), "comm": [t.comm for t in gone],
+                "tid": np.array([t.tid for t in gone], dtype=np.int32),
+                "pid": np.array([t.pid for t in gone], dtype=np.int32)}))
+
+    def _after_execs(self) -> list[pa.RecordBatch]:
+        """Under sudo, the processes that exec'd (which the probes took out of the traced
+        set): let back in, with what they started since, or kept out (`exit` rows)."""
+        if self.gate is None:
+            return []
+        back, ended = self.gate.after_execs(self.bpf, self.threads)
+        sched = next(c for c in self.collectors if c.name == "sched")
+        for pid in back:
+            walked = proctree.tree_threads(pid, exclude=os.getpid())
+            self._seed(walked)
+            sched.seed_blocked(self.bpf, walked, time.monotonic_ns())  # a wait since the exec begins now
+        return [ended] if ended is not None else []
 
     def _with_symbols(self, batches: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
         """`batches`, and the stacks and futex addresses they refer to.  Kernel stacks
         first: they tell which wake-ups came from interrupt context, whose "waker" (the
         task that happened to be interrupted) is dropped from the rows."""
         rows = combine(batches)  # one batch: each step below runs once
+        if rows is not None and self.gate is not None:
+            rows = self.gate.drop_left(rows)
         if rows is None:
             return []
         sym_kernel = self.symbolizer.symbolize(kernel_refs(rows), [])
@@ -381,9 +354,10 @@ class Recorder:
         addresses, the GPU and /proc samples; then the lost counts."""
         now_ns = time.monotonic_ns()
         batches = [b for c in self.collectors for b in c.take(self.rings, self.threads)]
+        ended = self._after_execs()
         for c in self.collectors:
             batches += c.drain(self.bpf, now_ns, final=final)
-        batches = self._with_symbols(batches)
+        batches = self._with_symbols(batches) + ended
         if self.pystacks is not None:  # named while the processes live, then new threads
             named = self.pystacks.take(now_ns)
             if named is not None:
@@ -419,14 +393,16 @@ def record(*, pid: int | None, output: Path, duration: float | None = None,
            topology_file: Path | None = None, status: Callable[[str], None] | None = None,
            trainer_tid: int | None = None, handle_signals: bool = True,
            on_attached: Callable[[], None] | None = None, force: bool = False,
-           notice: Callable[[str], None] | None = None) -> RecordResult:
+           notice: Callable[[str], None] | None = None, invoker: Invoker | None = None) -> RecordResult:
     """Record `pid`'s process tree (or, with pid None and settings.trace_all, the whole
     machine) into `output` until `duration` passes, the target exits, or SIGINT/SIGTERM.
     `on_attached` runs once the probes are live and the tree is seeded.  An existing
-    `output` is replaced only with `force`."""
+    `output` is replaced only with `force`.  `invoker`: the sudo user, whose rights limit
+    which processes are traced (tracer/access.py)."""
     rec = Recorder(pid=pid, output=Path(output), duration=duration, settings=settings or Settings(),
                    probes=probes, gpu=gpu, topology_file=topology_file, status=status,
-                   trainer_tid=trainer_tid, on_attached=on_attached, force=force, notice=notice)
+                   trainer_tid=trainer_tid, on_attached=on_attached, force=force, notice=notice,
+                   invoker=invoker)
     previous = {}
     if handle_signals and threading.current_thread() is threading.main_thread():
         for sig, name in ((signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated")):

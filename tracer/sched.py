@@ -14,7 +14,7 @@ from trainbpf.tracer.collector import (Collector, ThreadTable, cstrings, delete_
 STATE_PREEMPTED = 0x100
 # task_event.what codes (TASK_SEED, ...), and the `thread` row names they become.
 TASK_WHAT = {0: "seed", 1: "thread", 2: "process", 3: "exec", 4: "rename", 5: "exit"}
-TASK_EXEC, TASK_EXIT = ({w: c for c, w in TASK_WHAT.items()}[what] for what in ("exec", "exit"))
+TASK_EXEC, TASK_RENAME, TASK_EXIT = ({w: c for c, w in TASK_WHAT.items()}[what] for what in ("exec", "rename", "exit"))
 
 # prev_state bits as sched_switch reports them (TASK_REPORT).
 STATE_LETTERS = {STATE_PREEMPTED: "R", 0: "R", 1: "S", 2: "D", 4: "T", 8: "t", 16: "X", 32: "Z", 64: "P", 128: "I"}
@@ -70,21 +70,33 @@ class SchedCollector(Collector):
     optional_raw_tracepoints = ("sched_exit_tp",)  # stacks at switch-in (see sched.bpf.c)
     ringbufs = ("sched_events", "task_events")
 
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.renamed: dict[int, int] = {}  # tid -> its last rename's ts_ns: where an exec began
+
     def defines(self) -> dict[str, int]:
         return {"MIN_BLOCK_NS": self.settings.min_block_ns, "STATE_PREEMPTED": STATE_PREEMPTED,
                 "SHORT_WAIT_ENTRIES": SHORT_WAIT_ENTRIES_NODE if self.settings.trace_all else SHORT_WAIT_ENTRIES,
+                "EXEC_LEAVES": int(self.settings.exec_leaves),
                 **{f"TASK_{what.upper()}": code for code, what in TASK_WHAT.items()}}
 
     def on_batch(self, ringbuf: str, records: np.ndarray, threads: ThreadTable) -> None:
         """task_events: threads born and exited, and execs (whose address space is new)."""
         if ringbuf != "task_events":
             return
-        for tid, pid, what in zip(records["tid"].tolist(), records["pid"].tolist(), records["what"].tolist()):
+        execs = records["what"] == TASK_EXEC
+        comms = cstrings(records["comm"]) if execs.any() else []
+        for i, (tid, pid, ts, what) in enumerate(zip(*(records[f].tolist() for f in ("tid", "pid", "ts_ns", "what")))):
             if what == TASK_EXIT:
                 threads.exit(tid)
-            else:
-                threads.tgid.setdefault(tid, pid)
-        if (records["what"] == TASK_EXEC).any():
+                self.renamed.pop(tid, None)
+                continue
+            threads.tgid.setdefault(tid, pid)
+            if what == TASK_RENAME:  # an exec renames the task before its new credentials apply
+                self.renamed[tid] = ts
+            elif what == TASK_EXEC:
+                threads.exec_log.append((tid, pid, min(ts, self.renamed.pop(tid, ts)), comms[i]))
+        if execs.any():
             threads.exec_seen()
 
     def forget(self, bpf, tids: list[int]) -> None:

@@ -96,6 +96,7 @@ class Settings:
     hz: int = 250
     trace_all: bool = False
     python_frames: bool = True  # walk CPython frames where user stacks are taken (probes/pyframes.h)
+    exec_leaves: bool = False  # under sudo: an exec takes a process out of the traced set (tracer/access.py)
 
     def __post_init__(self) -> None:
         for name, limit in LIMITS.items():

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trainbpf.tracefile import make_batch
-from trainbpf.tracer.addrs import FUNCTION_KINDS, ElfSymbols, MapsIndex, Mapping, ProcMaps
+from trainbpf.tracer.addrs import FUNCTION_KINDS, ElfSymbols, MapsIndex, Mapping, ProcMaps, open_mapped
 
 MAX_CACHED_NAMES = 65536
 MAX_HELD_FILES = 512  # descriptors kept open; beyond, a file is reopened by path after the stop
@@ -208,13 +208,9 @@ class MappedFiles:
             return True
         fd = None
         if sum(1 for _, f in self._opened.values() if f is not None) < MAX_HELD_FILES:
-            for path in (f"{self.proc}/{pid}/map_files/{m.start:x}-{m.end:x}", f"{self.proc}/{pid}/root{m.path}"):
-                try:
-                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                    break
-                except OSError:
-                    continue
-            if fd is None:
+            try:
+                fd = open_mapped(pid, m, self.proc)
+            except OSError:
                 return False
         self._opened[m.file] = (m.path, fd)
         return True

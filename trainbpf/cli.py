@@ -99,6 +99,7 @@ def record(
     from trainbpf.errors import UsageError
     from trainbpf.tracer.collector import Settings
     from trainbpf.tracer.record import record as do_record
+    from trainbpf.asuser import invoker
 
     try:
         if pid is None and not system_wide:
@@ -115,6 +116,7 @@ def record(
             probes=[p.strip() for p in probes.split(",") if p.strip()] if probes else None,
             gpu=gpu.value, topology_file=topology, status=status, trainer_tid=trainer_tid, force=force,
             notice=lambda line: typer.echo(("\n" if status else "") + printable(line), err=True),
+            invoker=invoker(),  # under sudo: only the processes that user could ptrace
         )
     except TrainbpfError as exc:
         if sys.stderr.isatty():

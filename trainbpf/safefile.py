@@ -35,7 +35,7 @@ from trainbpf.asuser import RENAME_NOREPLACE, Invoker, as_root, files, invoker, 
 from trainbpf.errors import OutputError, TraceReadError, UsageError
 
 __all__ = [
-    "Invoker", "OutputFile", "as_root", "check_output", "fd_path", "invoker", "lock_holder", "open_input",
+    "OutputFile", "check_output", "fd_path", "lock_holder", "open_input",
     "output_error", "read_small", "rename_noreplace", "same_file", "try_lock", "write_new",
 ]
 

@@ -28,7 +28,8 @@ from trainbpf.health.results import (
     HealthResult, TargetResult, failed_result, grade_report, make_check, overall_status, step_metrics,
 )
 from trainbpf.health.targets import Target, find_targets, recording_root, scan_processes, target_trees, tree_tids
-from trainbpf.safefile import as_root, check_output, files
+from trainbpf.asuser import as_root, files
+from trainbpf.safefile import check_output
 from trainbpf.tracer.preflight import check_privileges, require
 from trainbpf.tracer.proctree import is_alive
 
