@@ -212,10 +212,11 @@ Exported = list[tuple[str, str]] | str  # (symbol, call) pairs, or why they coul
 
 def process_cuda(pid: int, probed: dict[tuple[str, int], Exported] | None = None) -> list[tuple[str, Exported]] | str:
     """(path, exported) of each CUDA library process `pid` maps: the probed symbols it
-    exports (tracer.cuda.exported_calls, read through /proc/PID/root as `record` does)
-    or why they could not be read; or why the maps could not be read.  `probed` caches
-    the symbols per library file (device, inode) across processes."""
-    from trainbpf.tracer.cuda import cuda_libraries, exported_calls
+    exports (tracer.cuda.exported_calls, read through the mapped file itself as `record`
+    does: addrs.open_mapped) or why they could not be read; or why the maps could not be
+    read.  `probed` caches the symbols per library file (device, inode) across processes."""
+    from trainbpf.tracer.addrs import open_mapped
+    from trainbpf.tracer.cuda import cuda_mappings, exported_calls
 
     probed = {} if probed is None else probed
     try:
@@ -223,13 +224,17 @@ def process_cuda(pid: int, probed: dict[tuple[str, int], Exported] | None = None
     except OSError as exc:
         return f"maps not readable ({exc.strerror or exc}{'; run doctor with sudo' if os.geteuid() else ''})"
     out = []
-    for path, file in cuda_libraries(maps):
-        if file not in probed:
+    for m in cuda_mappings(maps):
+        if m.file not in probed:
             try:
-                probed[file] = exported_calls(f"/proc/{pid}/root{path}")
-            except Exception as exc:  # bcc raises bare Exception on an unreadable or non-ELF file
-                probed[file] = f"not readable: {exc}"
-        out.append((path, probed[file]))
+                fd = open_mapped(pid, m)
+                try:
+                    probed[m.file] = exported_calls(f"/proc/self/fd/{fd}")
+                finally:
+                    os.close(fd)
+            except (OSError, ValueError) as exc:  # unreadable, or a malformed ELF file
+                probed[m.file] = f"not readable: {exc}"
+        out.append((m.path, probed[m.file]))
     return out
 
 
