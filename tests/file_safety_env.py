@@ -120,9 +120,11 @@ def assert_untouched(victim: Path) -> None:
 
 
 @pytest.fixture
-def target():
+def target(attacker):
+    """A process of the attacker's own: under sudo only processes the invoking user could
+    ptrace are traced (tracer/access.py), and these tests are about files, not that."""
     require_root()
-    proc = subprocess.Popen(["sleep", "120"])
+    proc = subprocess.Popen(["sleep", "120"], user=attacker.uid, group=attacker.gid, extra_groups=[])
     yield proc.pid
     proc.kill()
     proc.wait()
