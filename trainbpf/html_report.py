@@ -114,11 +114,20 @@ def host_bins(analysis: Analysis, edges: np.ndarray) -> np.ndarray:
     return np.bincount(ib, weights=weight, minlength=len(edges) - 1)
 
 
-def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
-    edges = _bins(analysis)
+def _marked(analysis: Analysis, report: dict[str, Any], edges: np.ndarray) -> tuple[list[str], dict[str, np.ndarray]]:
+    """The rows of marks (the findings with starved time; first, with host work, the
+    host-bound part of starved time, whatever finding it went to) and their ns per bin."""
     cats = [f["category"] for f in report["findings"] if f["seconds"] > 0]
+    per_bin = finding_bins(analysis, edges)
     if report["host_bound_s"] > 0:
         cats = [HOST_ROW] + cats
+        per_bin[HOST_ROW] = host_bins(analysis, edges)
+    return cats, per_bin
+
+
+def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
+    edges = _bins(analysis)
+    cats, per_bin_all = _marked(analysis, report, edges)
     gpu_h, state_h, mark_h, gap = 110, 54, 14, 18
     top = 10
     height = top + gpu_h + gap + state_h + gap + mark_h * max(1, len(cats)) + 34
@@ -131,7 +140,6 @@ def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
     xs = _x(edges, analysis, WIDTH)
     bw = np.diff(xs)
     width_ns = np.diff(edges).astype(np.float64)
-    per_bin_all = finding_bins(analysis, edges)
     out.append(f'<text x="8" y="{top + 14}">GPU utilisation</text>')
     out.append(f'<rect x="{x0}" y="{top}" width="{x1 - x0}" height="{gpu_h}" fill="#fafafa" stroke="#ccc"/>')
     if analysis.basis == "gpu_idle":
@@ -172,9 +180,6 @@ def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
     out.append(f'<rect x="{x0}" y="{y}" width="{x1 - x0}" height="{state_h}" fill="none" stroke="#ccc"/>')
     # Finding marks.
     y += state_h + gap
-    # The first row, with host work: the host-bound part of starved time (the trainer busy
-    # on the CPU itself while the GPU idled), whatever finding it went to.
-    per_bin_all[HOST_ROW] = host_bins(analysis, edges)
     for i, cat in enumerate(cats):
         yy = y + i * mark_h
         out.append(f'<text x="8" y="{yy + 10}">{_e(cat)}</text>')
