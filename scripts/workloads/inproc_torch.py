@@ -1,5 +1,6 @@
 """Host-bound, with torch's own DataLoader and its default num_workers=0: every batch is
-decoded in `__getitem__` on the trainer's own thread, between GPU steps.
+decoded in `__getitem__` (decode_torch's dataset) on the trainer's own thread, between
+GPU steps.
 
 The trainer never waits for another thread: it is busy on the CPU itself while the
 simulated GPU idles.  Needs torch (a CPU build is enough).
@@ -9,28 +10,17 @@ Expected top finding: input_pipeline, with the trainer itself as the producer an
 
 import common
 import torch
-from torch.utils.data import DataLoader, Dataset
+from decode_torch import BATCH_SIZE, SlowDecodeDataset
+from torch.utils.data import DataLoader
 
-BATCH_SIZE = 8
-# Decode time per batch, in GPU steps (an eighth of it per sample): the GPU idles about
-# as long as it works.
+# Decode time per batch, in GPU steps: the GPU idles about as long as it works.
 DECODE_STEPS = 0.9
-SAMPLE_ELEMENTS = 1 << 15
-
-
-class InProcessDecodeDataset(Dataset):
-    def __len__(self) -> int:
-        return 1 << 30  # never exhausted within a run
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        common.burn_cpu(DECODE_STEPS * common.STEP_S / BATCH_SIZE)
-        return torch.ones(SAMPLE_ELEMENTS)
 
 
 def main() -> None:
     args = common.parse_args(__doc__)
     torch.set_num_threads(1)
-    loader = DataLoader(InProcessDecodeDataset(), batch_size=BATCH_SIZE)  # num_workers=0: the default
+    loader = DataLoader(SlowDecodeDataset(DECODE_STEPS), batch_size=BATCH_SIZE)  # num_workers=0: the default
     common.train(args.seconds, iter(loader).__next__)
 
 
