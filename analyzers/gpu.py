@@ -4,24 +4,30 @@ trainer's stalls that idle time is put down to (docs/findings.md, "Starved time"
 A GPU sample reports utilisation u averaged over a period p ending at its timestamp (the
 sample's own `dur_ns` where the source says so: NVML's driver samples; else the time
 since the previous sample of that GPU: nvidia-smi).  The sample holds (1 - u/100)·p of
-idle time, wherever in the period it fell.  Inside that window the trainer's stalls can
-explain at most that much:
+idle time, wherever in the period it fell.  Inside that window the trainer's stalls and
+its own host work can explain at most that much, the named stalls first:
 
-    starved(window) = min(idle, named stalls)
+    stalls(window) = min(idle, named stalls)
+    host(window)   = min(idle - stalls, host work)
+    starved(window) = stalls + host
 
-shared among the window's named stall pieces in proportion to their length.  Named stalls
+each shared among its pieces in proportion to their length.  Host work is the trainer's
+running time in user code outside GPU synchronisations (analyzers/host.py: a spinning
+sync is GPU-bound), split by its samples into data loading and other computation; with
+CUDA rows only its running time inside the exact launch gaps.  Named stalls
 are those with a cause: woken by a traced thread (followed to the producer), runnable,
 fault/reclaim/mmap_lock/throttling/block I/O, a contended lock or the GIL, and running
 time the on-CPU samples put in the kernel's fault or reclaim paths.  Sleeps that no
 traced thread ended (a timer, an interrupt: what a blocking CUDA synchronisation looks
 like from the kernel) are *not* a cause: while the trainer waits for the GPU the GPU is
-busy.  The idle time they could cover is reported as such (`unwoken_ns`), never shared
-into findings.  Only the GPUs the traced processes use count (metadata gpu.processes);
+busy.  The idle time left that they could cover is reported as such
+(`unwoken_idle_ns`), never shared into findings.  Only the GPUs the traced processes use count (metadata gpu.processes);
 with per-process samples (NVML), only the job's own share of a GPU counts.  Several GPUs
 of one job: the model runs per GPU and each GPU weighs 1/G, so starved seconds are
-GPU-averaged seconds and never exceed the trainer's stalled time.  With no GPU samples
-the whole analysed window is one fully idle window without a budget: starved time is the
-trainer's non-running time.
+GPU-averaged seconds and never exceed the trainer's stalled and host-working time.  With
+no GPU samples the whole analysed window is one fully idle window without a budget:
+starved time is the trainer's non-running time (and, with CUDA rows, its host work in
+launch gaps).
 """
 
 from __future__ import annotations
