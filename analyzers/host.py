@@ -15,6 +15,10 @@ its stacks, native frames deciding only where the sample has no Python stack:
   (receiving batches), which is still time spent getting data, and small.
 - `compute`: everything else: an optimizer step on the CPU, Python between launches,
   logging.
+- `unknown`: no Python stack in a trace that has them (the walk missed this sample,
+  typically inside a C extension) and no data-loading native leaf: such a sample counts
+  for neither, its stretch divides like its thread's others.  In a trace without any
+  Python stack the native leaf alone decides (loading or compute).
 
 `HostSplit` divides a thread's user running time between these labels by its samples,
 as RunSplit divides running time between kernel classes.  The evidence builders name
@@ -37,8 +41,8 @@ from trainbpf.analyzers.states import clipped_lengths as clipped
 from trainbpf.analyzers.stacks import CLASS_CODE, LIBRARY_FILE, python_frame, stack_class_codes
 from trainbpf.analyzers.vocab import HOST_CLASSES, STATE_CODE, codes
 
-# A sample's host label: a host class (vocab.HOST_CLASSES), then "sync".
-HOST_LABELS: tuple[str, ...] = HOST_CLASSES + ("sync",)
+# A sample's host label: a host class (vocab.HOST_CLASSES), then "sync" and "unknown".
+HOST_LABELS: tuple[str, ...] = HOST_CLASSES + ("sync", "unknown")
 HOST_LABEL_CODE: dict[str, int] = {name: i for i, name in enumerate(HOST_LABELS)}
 DATA_LOADING_FUNCTION = re.compile(r"^__getitems?__$|collate|decode|tokeni[sz]e|augment|^transform", re.IGNORECASE)
 DATA_LOADING_FILE = re.compile(
@@ -57,9 +61,9 @@ def _own_first(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
     return next((f for f in frames if not LIBRARY_FILE.search(str(f["file"]))), frames[0] if frames else None)
 
 
-def _label(python: str, native: str, sync: bool) -> tuple[int, str]:
+def _label(python: str, native: str, sync: bool, traced_python: bool) -> tuple[int, str]:
     """(host label code, function frame text) of one sample's stacks (frames leaf first,
-    joined by ";"; "" where unknown)."""
+    joined by ";"; "" where unknown); `traced_python`: the trace has Python stacks."""
     if sync:
         return HOST_LABEL_CODE["sync"], native.split(";", 1)[0]
     if python:
@@ -71,7 +75,7 @@ def _label(python: str, native: str, sync: bool) -> tuple[int, str]:
             return HOST_LABEL_CODE["loading"], texts[(own or loading)[0]]
         return HOST_LABEL_CODE["compute"], texts[frames.index(_own_first(frames))]
     leaf = native.split(";", 1)[0]
-    code = "loading" if leaf and DATA_LOADING_FUNCTION.search(leaf) else "compute"
+    code = "loading" if leaf and DATA_LOADING_FUNCTION.search(leaf) else "unknown" if traced_python else "compute"
     return HOST_LABEL_CODE[code], leaf
 
 
@@ -87,25 +91,26 @@ def host_labels(oncpu: pd.DataFrame, stacks: pd.DataFrame, pystacks: pd.DataFram
     index, uniq = keys.factorize()
     native = dict(zip(stacks["stack_id"].to_numpy(np.int64), stacks["frames"])) if len(stacks) else {}
     python = dict(zip(pystacks["stack_id"].to_numpy(np.int64), pystacks["frames"])) if len(pystacks) else {}
-    found = [_label(python.get(int(p), ""), native.get(int(u), ""), bool(s)) for u, p, s in uniq]
+    found = [_label(python.get(int(p), ""), native.get(int(u), ""), bool(s), bool(python)) for u, p, s in uniq]
     if not n:
         return np.zeros(0, np.int8), np.zeros(0, object)
     return np.array([f[0] for f in found], dtype=np.int8)[index], np.array([f[1] for f in found], dtype=object)[index]
 
 
 class HostSplit:
-    """How a thread's ordinary user running time divides between HOST_LABELS, by its
-    on-CPU samples of class "user" (samples: attribution.SAMPLE_COLUMNS + `host`): the
-    samples inside a stretch when there are some, the thread's overall mix otherwise,
-    and all `compute` for a thread without such samples."""
+    """How a thread's ordinary user running time divides between HOST_LABELS (never
+    `unknown`), by its on-CPU samples of class "user" with a known label (samples:
+    attribution.SAMPLE_COLUMNS + `host`): the samples inside a stretch when there are
+    some, the thread's overall mix otherwise, and all `compute` for a thread without
+    such samples."""
 
     def __init__(self, samples: pd.DataFrame):
         self._by_tid: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         if "host" not in samples or not len(samples):
             return
-        user = (samples["cls"] == "user").to_numpy()
-        k = len(HOST_LABELS)
         label = samples["host"].to_numpy(np.int64)
+        user = (samples["cls"] == "user").to_numpy() & (label != HOST_LABEL_CODE["unknown"])
+        k = len(HOST_LABELS)
         for tid, idx in samples[user].groupby("tid").indices.items():
             rows = np.flatnonzero(user)[idx]
             onehot = np.zeros((len(rows) + 1, k), dtype=np.int64)

@@ -198,3 +198,27 @@ def test_html_and_health_show_host_bound_time(tmp_path):
     series = {name: value for name, _, value in metric_samples(HealthResult(2, "node", 0.0, 1.0, "targets", [target]))}
     assert series["trainbpf_target_host_bound_seconds"] == pytest.approx(4.0, rel=0.01)
     assert series["trainbpf_target_host_bound_share_ratio"] == pytest.approx(1.0)
+
+
+def test_samples_the_python_walk_missed_follow_their_stretch(tmp_path):
+    """Every third sample of the decoding trainer has only native frames (inside BLAS):
+    they are not "other computation", the stretch is still all data loading.  In a trace
+    without any Python stack the native leaf decides: compute, named by its symbol."""
+    s = Synth(4.0)
+    s.thread(TRAINER, "python")
+    blas = ("dgemm_kernel_SKYLAKEX [libopenblas.so]", "cblas_dgemm [libopenblas.so]")
+    for x in periodic(0.0, 4.0, 0.04):
+        for k, ts in enumerate(np.arange(x + 0.001, x + 0.02, 0.002)):
+            s.oncpu(TRAINER, float(ts), pystack=None if k % 3 == 0 else INPROC, ustack=blas)
+        s.offcpu(TRAINER, x + 0.02, 0.02, state="S")
+    busy_while_asleep(s, TRAINER)
+    a = analyze(s.read(tmp_path))
+    assert a.findings["category"].tolist() == ["input_pipeline"]
+    for rows in s.rows.values():
+        for row in rows:
+            row.pop("pystack_id", None)
+    s.rows["stack"] = [r for r in s.rows["stack"] if r["state"] != "python"]
+    native = analyze(s.read(tmp_path, "native.parquet"))
+    f = native.findings.iloc[0]
+    assert f.category == "host_compute" and f.evidence["functions"][0]["function"].startswith("dgemm_kernel")
+    assert "while the GPU idled (dgemm_kernel_SKYLAKEX [libopenblas.so])" in Report.of(native).doc["findings"][0]["summary"]

@@ -156,7 +156,7 @@ def culprits(analysis: Analysis, category: str, threads: list[dict[str, Any]],
         if tid in producers:
             row["seconds"] = _seconds(producers[tid])
         if tid == analysis.trainer_tid and own and own.get("functions"):
-            row["function"] = frame_label(own["functions"][0])
+            row["function"] = _function_label(own["functions"][0])
             row.setdefault("seconds", _seconds(sum(f["seconds"] for f in own["functions"])))
         out.append(row)
     return out
@@ -188,7 +188,12 @@ def _where(functions: list[dict[str, Any]] | None) -> str:
     """The function most host time went to ("data.py:31 decode_batch"), or why none is named."""
     if not functions:
         return "no on-CPU sample names the function"
-    return frame_label(functions[0])
+    return _function_label(functions[0])
+
+
+def _function_label(frame: dict[str, Any]) -> str:
+    """A Python frame as "data.py:31 decode_batch"; a native one by its symbol alone."""
+    return frame_label(frame) if frame.get("file") else str(frame["function"])
 
 
 def _who(threads: list[dict[str, Any]]) -> str:
