@@ -51,7 +51,7 @@ CHURN_MIN_BYTES_PER_S = 64 << 20
 _RUN_OF_STACK = np.array([RUN_CLASSES.index(c) if c in RUN_CLASSES else 0 for c in CLASS_CODE], dtype=np.int8)
 
 FUTEX_COLUMNS = ("pid", "tid", "addr", "start_ns", "end_ns", "waker_tid", "n_waiters", "handoff", "cls")
-SAMPLE_COLUMNS = ("tid", "ts_ns", "cpu", "cls")  # and pystack_id where the oncpu rows have it
+SAMPLE_COLUMNS = ("tid", "ts_ns", "cpu", "cls")  # and pystack_id, host, host_frame where the oncpu rows have them
 CHURN_COLUMNS = (
     "tid", "calls", "calls_per_s", "map_bytes", "unmap_bytes", "median_size",
     "faults", "faults_per_s", "churning",
@@ -268,7 +268,8 @@ def _latest_before(key: np.ndarray, at: np.ndarray, q_key: np.ndarray, q_at: np.
 
 def sample_classes(oncpu: pd.DataFrame, stacks: pd.DataFrame) -> pd.DataFrame:
     """On-CPU samples with what their kernel stack says (RUN_CLASSES; "user" otherwise),
-    and their Python stack (-1: none) where `oncpu` has the column, sorted by time."""
+    their Python stack (-1: none) where `oncpu` has the column, and their host label and
+    frame (host.host_labels) where it has those, sorted by time."""
     run_cls = _RUN_OF_STACK[stack_class_codes(stacks, oncpu["kstack_id"])]
     out = pd.DataFrame(
         {"tid": as_int64(oncpu["tid"]), "ts_ns": as_int64(oncpu["ts_ns"]), "cpu": as_int64(oncpu["cpu"]),
@@ -278,6 +279,10 @@ def sample_classes(oncpu: pd.DataFrame, stacks: pd.DataFrame) -> pd.DataFrame:
     if "pystack_id" in oncpu:
         out["pystack_id"] = oncpu["pystack_id"].to_numpy(dtype=np.int32, na_value=-1)
         columns.append("pystack_id")
+    for name in ("host", "host_frame"):
+        if name in oncpu:
+            out[name] = np.asarray(oncpu[name])
+            columns.append(name)
     return out.sort_values("ts_ns", kind="stable")[columns].reset_index(drop=True)
 
 

@@ -17,14 +17,17 @@ from dataclasses import dataclass
 import pandas as pd
 
 from trainbpf.analyzers import evidence as ev
-from trainbpf.analyzers.vocab import RUN_CLASSES, STATES
+from trainbpf.analyzers import host
+from trainbpf.analyzers.vocab import HOST_CLASSES, RUN_CLASSES, STATES
 
 
 @dataclass(frozen=True)
 class Category:
     """One finding category.  `summary` is formatted with `who` (the threads, named) and
     `s` (its starved seconds); `unmeasured` (numa_remote only) is the summary of a
-    finding seen without starved time, formatted with `who` and `gpu_node`."""
+    finding seen without starved time, formatted with `who` and `gpu_node`; `own_work`
+    (input_pipeline only) the summary of one that is mostly the trainer's own host work
+    of this category, formatted with `who`, `s`, `where` (its function) and `workers`."""
 
     name: str
     evidence: ev.Builder
@@ -35,17 +38,23 @@ class Category:
     run_class: str | None = None  # the on-CPU stall class (analyzers/stacks.py) that means it
     futex_class: str | None = None  # futex waits of this class mean it (never followed to a waker)
     critical: bool = True  # can be critical
+    # The share of the analysed window it must explain to be critical (default: findings.CRITICAL_MIN_IMPACT).
+    critical_min_impact: float | None = None
+    host_class: str | None = None  # the trainer's host-bound running time of this class (vocab.HOST_CLASSES) means it
     health_checks: tuple[str, ...] = ()  # `trainbpf health` node checks that point at it
     unmeasured: str | None = None
+    own_work: str | None = None
 
 
 REGISTRY: tuple[Category, ...] = (
     Category(
-        "input_pipeline", ev.input_pipeline, "The trainer waited {s:.2f} s for data that {who} was still producing",
-        "The trainer waits for data that is still being produced: add data-loader workers (num_workers), make "
-        "decoding cheaper or move it off the critical path (pre-decode, cache decoded samples), and prefetch more "
-        "batches (prefetch_factor, pin_memory).",
-        "#1f77b4", run_class="user"),
+        "input_pipeline", host.input_pipeline, "The trainer waited {s:.2f} s for data that {who} was still producing",
+        "The trainer waits for data that is still being produced: add data-loader workers (num_workers > 0, "
+        "persistent_workers=True) so batches are decoded off the trainer's thread, make decoding cheaper or move it "
+        "off the critical path (pre-decode, cache decoded samples), and prefetch more batches (prefetch_factor, "
+        "pin_memory).",
+        "#1f77b4", run_class="user", host_class="loading",
+        own_work="{who} decoded its own batches for {s:.2f} s ({where}): {workers}"),
     Category(
         "cpu_contention", ev.cpu_contention, "{who} waited {s:.2f} s runnable for a CPU while the GPU starved",
         "Threads are runnable but get no CPU: run fewer threads (torch.set_num_threads, OMP_NUM_THREADS, fewer "
@@ -107,6 +116,14 @@ REGISTRY: tuple[Category, ...] = (
         unmeasured="{who} ran mostly on a NUMA node other than the GPU's (node {gpu_node}), "
         "without measurable starved time"),
     Category(
+        "host_compute", host.host_compute,
+        "{who} was busy on the CPU for {s:.2f} s while the GPU idled ({where})",
+        "The GPU waits for the trainer's own CPU work between launches (an optimizer step on the CPU, Python "
+        "overhead, logging or metrics): move that work to the GPU or vectorise it (a fused or foreach optimizer, "
+        "torch.compile or graph capture for launch overhead), do it less often or asynchronously (log every N steps), "
+        "and overlap it with GPU work.",
+        "#bcbd22", host_class="compute", critical_min_impact=0.1),
+    Category(
         "other", ev.unexplained, "{s:.2f} s of starved time has no cause the trace can name",
         "Time the trace cannot attribute (timer sleeps, short waits, untraced wakers): record with more probes "
         "(futex, faults, mm, writeback, block) or a lower --min-block-us to see more.",
@@ -124,8 +141,11 @@ STATE_CATEGORY: dict[str, str] = {state: c.name for c in REGISTRY for state in c
 RUN_CATEGORY: dict[str, str] = {c.run_class: c.name for c in REGISTRY if c.run_class}
 # Futex classes that are a category of their own (handoffs: never followed to a waker).
 FUTEX_CATEGORY: dict[str, str] = {c.futex_class: c.name for c in REGISTRY if c.futex_class}
+# The trainer's host work classes, as categories.
+HOST_CATEGORY: dict[str, str] = {c.host_class: c.name for c in REGISTRY if c.host_class}
 # The category a failing `trainbpf health` node check points at.
 CHECK_CATEGORY: dict[str, str] = {check: c.name for c in REGISTRY for check in c.health_checks}
 
-if set(STATE_CATEGORY) != set(STATES) - {"running"} or set(RUN_CATEGORY) != set(RUN_CLASSES):
-    raise RuntimeError("analyzers/categories.py: every blocked state and every run class needs a category")
+if (set(STATE_CATEGORY) != set(STATES) - {"running"} or set(RUN_CATEGORY) != set(RUN_CLASSES)
+        or set(HOST_CATEGORY) != set(HOST_CLASSES)):
+    raise RuntimeError("analyzers/categories.py: every blocked state, run class and host class needs a category")

@@ -19,14 +19,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.categories import BY_NAME, CATEGORIES, CATEGORY_CODE, CATEGORY_DTYPE, RUN_CATEGORY
+from trainbpf.analyzers.categories import BY_NAME, CATEGORIES, CATEGORY_CODE, CATEGORY_DTYPE, HOST_CATEGORY, RUN_CATEGORY
 from trainbpf.analyzers.chains import interval_category_codes, is_followed
 from trainbpf.analyzers.cuda import in_gaps_ns
 from trainbpf.analyzers.evidence import MAX_THREADS, EvidenceContext, contenders, numa_placement, trainer_waits
 from trainbpf.analyzers.intervals import NS_PER_S, run_parallel
 from trainbpf.analyzers.numa import REMOTE_MIN_FRACTION
 from trainbpf.analyzers.pystacks import no_python_frames, python_frames
-from trainbpf.analyzers.vocab import RUN_CLASSES, STATE_DTYPE, codes
+from trainbpf.analyzers.vocab import HOST_CLASSES, RUN_CLASSES, STATE_DTYPE, codes
 
 # Severity: share of starved time, and how much of the analysed window that time is
 # (a large share of a few stray milliseconds is not worth fixing first).
@@ -38,7 +38,8 @@ WARNING_MIN_IMPACT = 0.01
 MIN_FINDING_NS = 1_000_000
 
 # RUN_CLASS_DTYPE code -> CATEGORY code (code 0, not running, is never looked up).
-_RUN_CLASS_CATEGORY = np.array([0] + [CATEGORIES.index(RUN_CATEGORY[c]) for c in RUN_CLASSES], dtype=np.int8)
+_RUN_CLASS_CATEGORY = np.array([0] + [CATEGORIES.index(RUN_CATEGORY[c]) for c in RUN_CLASSES]
+                               + [CATEGORIES.index(HOST_CATEGORY[c]) for c in HOST_CLASSES], dtype=np.int8)
 # interval: the trainer state interval (position among its states) the piece lies in;
 # end: the row of the chain ends that shared it out, -1 for pieces not followed.
 ATTRIBUTED_COLUMNS = ("start_ns", "end_ns", "ns", "state", "category", "root_tid", "interval", "end")
@@ -119,7 +120,9 @@ def attribute_starved(
 
 def severity(share: float, seconds: float, window_s: float, category: str) -> str:
     impact = seconds / window_s if window_s > 0 else 0.0
-    if BY_NAME[category].critical and share >= CRITICAL_SHARE and impact >= CRITICAL_MIN_IMPACT:
+    record = BY_NAME[category]
+    min_impact = CRITICAL_MIN_IMPACT if record.critical_min_impact is None else record.critical_min_impact
+    if record.critical and share >= CRITICAL_SHARE and impact >= min_impact:
         return "critical"
     if share >= WARNING_SHARE and impact >= WARNING_MIN_IMPACT:
         return "warning"

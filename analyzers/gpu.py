@@ -4,24 +4,30 @@ trainer's stalls that idle time is put down to (docs/findings.md, "Starved time"
 A GPU sample reports utilisation u averaged over a period p ending at its timestamp (the
 sample's own `dur_ns` where the source says so: NVML's driver samples; else the time
 since the previous sample of that GPU: nvidia-smi).  The sample holds (1 - u/100)·p of
-idle time, wherever in the period it fell.  Inside that window the trainer's stalls can
-explain at most that much:
+idle time, wherever in the period it fell.  Inside that window the trainer's stalls and
+its own host work can explain at most that much, the named stalls first:
 
-    starved(window) = min(idle, named stalls)
+    stalls(window) = min(idle, named stalls)
+    host(window)   = min(idle - stalls, host work)
+    starved(window) = stalls + host
 
-shared among the window's named stall pieces in proportion to their length.  Named stalls
+each shared among its pieces in proportion to their length.  Host work is the trainer's
+running time in user code outside GPU synchronisations (analyzers/host.py: a spinning
+sync is GPU-bound), split by its samples into data loading and other computation; with
+CUDA rows only its running time inside the exact launch gaps.  Named stalls
 are those with a cause: woken by a traced thread (followed to the producer), runnable,
 fault/reclaim/mmap_lock/throttling/block I/O, a contended lock or the GIL, and running
 time the on-CPU samples put in the kernel's fault or reclaim paths.  Sleeps that no
 traced thread ended (a timer, an interrupt: what a blocking CUDA synchronisation looks
 like from the kernel) are *not* a cause: while the trainer waits for the GPU the GPU is
-busy.  The idle time they could cover is reported as such (`unwoken_ns`), never shared
-into findings.  Only the GPUs the traced processes use count (metadata gpu.processes);
+busy.  The idle time left that they could cover is reported as such
+(`unwoken_idle_ns`), never shared into findings.  Only the GPUs the traced processes use count (metadata gpu.processes);
 with per-process samples (NVML), only the job's own share of a GPU counts.  Several GPUs
 of one job: the model runs per GPU and each GPU weighs 1/G, so starved seconds are
-GPU-averaged seconds and never exceed the trainer's stalled time.  With no GPU samples
-the whole analysed window is one fully idle window without a budget: starved time is the
-trainer's non-running time.
+GPU-averaged seconds and never exceed the trainer's stalled and host-working time.  With
+no GPU samples the whole analysed window is one fully idle window without a budget:
+starved time is the trainer's non-running time (and, with CUDA rows, its host work in
+launch gaps).
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ from trainbpf.analyzers.attribution import RunSplit
 from trainbpf.analyzers.categories import CATEGORY_CODE
 from trainbpf.analyzers.chains import interval_category_codes, is_followed
 from trainbpf.analyzers.cuda import in_gaps_ns
+from trainbpf.analyzers.host import HostSplit
 from trainbpf.analyzers.intervals import Span, as_int64, intersect, merge_intervals
-from trainbpf.analyzers.vocab import RUN_CLASS_DTYPE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes
+from trainbpf.analyzers.vocab import HOST_CLASSES, RUN_CLASS_DTYPE, RUN_CLASSES, STATE_CODE, STATE_DTYPE, codes
 from trainbpf.schema import named_frame
 
 DEFAULT_SAMPLE_PERIOD_NS = 100_000_000  # nvidia-smi -lms 100
@@ -47,9 +54,14 @@ UTIL_COLUMNS = ("gpu", "start_ns", "ts_ns", "util")
 # inside it (named: with a cause; unwoken: sleeps no traced thread ended), the starved
 # ns the named stalls explain, the idle ns unwoken sleeps overlap at most, and the GPU's
 # weight (1/number of GPUs).
-# gpu_bound_ns: the trainer's time inside CUDA waits (only with CUDA rows; never starved).
+# gpu_bound_ns: the trainer's time inside CUDA waits (only with CUDA rows; never starved);
+# host_ns its host work (user running time outside GPU synchronisations; with CUDA rows
+# inside launch gaps only) and host_bound_ns the idle time that explains (part of starved_ns).
 WINDOW_COLUMNS = ("gpu", "start_ns", "end_ns", "idle_ns", "named_ns", "unwoken_ns", "starved_ns", "unwoken_idle_ns",
-                  "gpu_bound_ns", "weight")
+                  "gpu_bound_ns", "host_ns", "host_bound_ns", "weight")
+# What a piece of the trainer's time is to the estimator: a named stall, an unwoken sleep,
+# GPU-bound (inside a CUDA wait), or host work.
+NAMED, UNWOKEN, BOUND, HOST = 0, 1, 2, 3
 PIECE_COLUMNS = ("interval", "start_ns", "end_ns", "ns", "state", "run_class")
 IDLE_COLUMNS = ("start_ns", "end_ns")
 
@@ -187,12 +199,14 @@ def whole_window(window: Span) -> pd.DataFrame:
 
 
 def stall_pieces(trainer_states: pd.DataFrame, start_ns: np.ndarray, end_ns: np.ndarray, run_split: RunSplit,
-                 trainer_tid: int | None) -> tuple[pd.DataFrame, np.ndarray, np.ndarray, np.ndarray]:
-    """The trainer's stalled time inside the windows [start_ns, end_ns) (sorted,
-    disjoint): one piece per (state interval, window) overlap, running overlaps as one
-    piece per non-user RUN_CLASS weighted by the on-CPU samples (`ns` is float ns).
-    Returns the pieces (PIECE_COLUMNS), each piece's window, whether it is named, and
-    whether it is GPU-bound.
+                 trainer_tid: int | None, host_split: HostSplit | None = None
+                 ) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+    """The trainer's stalled and host-working time inside the windows [start_ns, end_ns)
+    (sorted, disjoint): one piece per (state interval, window) overlap, running overlaps
+    as one piece per non-user RUN_CLASS weighted by the on-CPU samples, and with
+    `host_split` their user part as one piece per HOST_CLASS (a spinning GPU
+    synchronisation is neither); `ns` is float ns.  Returns the pieces (PIECE_COLUMNS),
+    each piece's window, and its kind (NAMED, UNWOKEN, BOUND, HOST).
 
     `trainer_states` cut at CUDA waits (cuda.split_at_waits: `interval` the state row,
     `in_wait`) name the GPU waits exactly: a piece inside one is GPU-bound, and every
@@ -211,78 +225,105 @@ def stall_pieces(trainer_states: pd.DataFrame, start_ns: np.ndarray, end_ns: np.
     named = is_followed(state, fclass, waker) | (interval_category_codes(state, fclass) != CATEGORY_CODE["other"])
     if cuda:
         named = ~bound
+    kind = np.where(bound, BOUND, np.where(named, NAMED, UNWOKEN)).astype(np.int8)
     pieces = pd.DataFrame(
         {"interval": interval, "start_ns": ps, "end_ns": pe, "ns": (pe - ps).astype(np.float64),
          "state": pd.Categorical.from_codes(state, dtype=STATE_DTYPE),
          "run_class": pd.Categorical.from_codes(np.zeros(len(ia), np.int8), dtype=RUN_CLASS_DTYPE)}
     )
-    parts, windows, names, bounds = [pieces[~running]], [iw[~running]], [named[~running]], [bound[~running]]
+    parts, windows, kinds = [pieces[~running]], [iw[~running]], [kind[~running]]
     if running.any() and trainer_tid is not None:
         run, run_w = pieces[running], iw[running]
-        frac = run_split.fractions(trainer_tid, run["start_ns"].to_numpy(), run["end_ns"].to_numpy())
-        for k, cls in enumerate(RUN_CLASSES):
-            hit = frac[:, k] > 0
-            if cls == "user" or not hit.any():
+        a, b = run["start_ns"].to_numpy(), run["end_ns"].to_numpy()
+        frac = run_split.fractions(trainer_tid, a, b)
+        # a fault or reclaim path is a cause; the user part is host work, by its samples
+        shares = [(cls, frac[:, k], NAMED) for k, cls in enumerate(RUN_CLASSES) if cls != "user"]
+        if host_split is not None:
+            host = host_split.fractions(trainer_tid, a, b)
+            shares += [(cls, frac[:, 0] * host[:, k], HOST) for k, cls in enumerate(HOST_CLASSES)]
+        for cls, share, what in shares:
+            hit = share > 0
+            if not hit.any():
                 continue
             part = run[hit].copy()
-            part["ns"] = part["ns"].to_numpy() * frac[hit, k]
+            part["ns"] = part["ns"].to_numpy() * share[hit]
             part["run_class"] = pd.Categorical([cls] * int(hit.sum()), dtype=RUN_CLASS_DTYPE)
             parts.append(part)
             windows.append(run_w[hit])
-            names.append(np.ones(int(hit.sum()), bool))  # a fault or reclaim path is a cause
-            bounds.append(np.zeros(int(hit.sum()), bool))
+            kinds.append(np.full(int(hit.sum()), what, np.int8))
     out = pd.concat(parts, ignore_index=True)[list(PIECE_COLUMNS)]
-    return out, np.concatenate(windows), np.concatenate(names), np.concatenate(bounds)
+    return out, np.concatenate(windows), np.concatenate(kinds)
+
+
+def _budget(idle: np.ndarray, named: np.ndarray, host: np.ndarray, unwoken: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per window, the idle time explained in order: named stalls, then host work, then
+    (only said, never counted) unwoken sleeps.  Returns (named, host, unwoken) idle ns."""
+    by_named = np.minimum(idle, named)
+    by_host = np.minimum(idle - by_named, host)
+    return by_named, by_host, np.minimum(idle - by_named - by_host, unwoken)
 
 
 def starved_pieces(
     trainer_states: pd.DataFrame, windows: pd.DataFrame, run_split: RunSplit, trainer_tid: int | None,
-    *, budget: bool = True, gaps: pd.DataFrame | None = None,
+    *, budget: bool = True, gaps: pd.DataFrame | None = None, host_split: HostSplit | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The starved part of the trainer's stalls, and WINDOW_COLUMNS per window.
+    """The starved part of the trainer's stalls and host work, and WINDOW_COLUMNS per window.
 
     `windows` (gpu, start_ns, end_ns, idle_ns, weight; disjoint per GPU).  With `budget`,
-    a window's named stalls explain at most its idle time (min(idle, named), shared in
-    proportion to length) and unwoken sleeps explain none of it; without (no GPU
-    samples), every stall counts whole.  Each piece's `ns` carries its GPU's weight.
+    a window's idle time is explained first by its named stalls, then by the trainer's
+    host work (`host_split`: its user running time outside GPU synchronisations), each
+    shared in proportion to length; unwoken sleeps explain none of it.  Without (no GPU
+    samples), every stall counts whole and host work only where CUDA rows show it exactly.
+    Each piece's `ns` carries its GPU's weight.
 
     `gaps`: the trainer's exact launch gaps (cuda.GAP_COLUMNS), where the GPU had finished
-    its work and nothing new was queued.  A window's idle time is then at least its named
-    stalls inside them, wherever the sample's averaging placed the idle time."""
+    its work and nothing new was queued.  With CUDA rows (`trainer_states` cut at its
+    waits) host work counts only inside them, and a window's idle time is at least its
+    named stalls and host work inside them, wherever the sample's averaging placed it."""
+    cuda = "in_wait" in trainer_states
     pieces, summaries = [], []
     for gpu, rows in windows.groupby("gpu", sort=False):
         rows = rows.sort_values("start_ns", kind="stable")
         w_start, w_end = rows["start_ns"].to_numpy(np.int64), rows["end_ns"].to_numpy(np.int64)
         idle, weight = rows["idle_ns"].to_numpy(np.float64), rows["weight"].to_numpy(np.float64)
-        part, win, named, bound = stall_pieces(trainer_states, w_start, w_end, run_split, trainer_tid)
-        ns = part["ns"].to_numpy(np.float64)
-        named_ns = np.bincount(win[named], weights=ns[named], minlength=len(rows))
-        unwoken = ~named & ~bound
-        unwoken_ns = np.bincount(win[unwoken], weights=ns[unwoken], minlength=len(rows))
-        bound_ns = np.bincount(win[bound], weights=ns[bound], minlength=len(rows))
-        if budget and gaps is not None and len(gaps):
-            in_gap = in_gaps_ns(part, gaps)
-            idle = np.maximum(idle, np.bincount(win[named], weights=in_gap[named], minlength=len(rows)))
+        part, win, kind = stall_pieces(trainer_states, w_start, w_end, run_split, trainer_tid, host_split)
+        ns = part["ns"].to_numpy(np.float64).copy()
+        has_gaps = gaps is not None and len(gaps) > 0
+        if cuda:
+            host = kind == HOST
+            ns[host] = in_gaps_ns(part[host], gaps) if has_gaps else 0.0
+
+        def per_window(k: int, values: np.ndarray = ns) -> np.ndarray:
+            return np.bincount(win[kind == k], weights=values[kind == k], minlength=len(rows))
+
+        named_ns, host_ns, unwoken_ns, bound_ns = (per_window(k) for k in (NAMED, HOST, UNWOKEN, BOUND))
+        if budget and has_gaps:
+            idle = np.maximum(idle, per_window(NAMED, in_gaps_ns(part, gaps)) + (host_ns if cuda else 0.0))
         if budget:
-            starved = np.minimum(idle, named_ns)
-            factor = np.divide(starved, named_ns, out=np.zeros(len(rows)), where=named_ns > 0)
-            unwoken_idle = np.minimum(idle - starved, unwoken_ns)
-            keep = named
+            by_named, by_host, unwoken_idle = _budget(idle, named_ns, host_ns, unwoken_ns)
+            factor = np.zeros((4, len(rows)))
+            factor[NAMED] = np.divide(by_named, named_ns, out=np.zeros(len(rows)), where=named_ns > 0)
+            factor[HOST] = np.divide(by_host, host_ns, out=np.zeros(len(rows)), where=host_ns > 0)
         else:
-            starved = named_ns + unwoken_ns
-            factor = np.ones(len(rows))
+            by_host = host_ns if cuda else np.zeros(len(rows))
+            by_named = named_ns + unwoken_ns
             unwoken_idle = np.zeros(len(rows))
-            keep = ~bound
+            factor = np.zeros((4, len(rows)))
+            factor[[NAMED, UNWOKEN]] = 1.0
+            factor[HOST] = float(cuda)
+        ns = ns * factor[kind, win] * weight[win]
+        keep = ns > 0
         part = part[keep].copy()
-        part["ns"] = ns[keep] * factor[win[keep]] * weight[win[keep]]
-        pieces.append(part[part["ns"].to_numpy() > 0])
+        part["ns"] = ns[keep]
+        pieces.append(part)
         summaries.append(pd.DataFrame({
             "gpu": gpu, "start_ns": w_start, "end_ns": w_end, "idle_ns": idle, "named_ns": named_ns,
-            "unwoken_ns": unwoken_ns, "starved_ns": starved, "unwoken_idle_ns": unwoken_idle,
-            "gpu_bound_ns": bound_ns, "weight": weight,
+            "unwoken_ns": unwoken_ns, "starved_ns": by_named + by_host, "unwoken_idle_ns": unwoken_idle,
+            "gpu_bound_ns": bound_ns, "host_ns": host_ns, "host_bound_ns": by_host, "weight": weight,
         }))
     if not pieces:
-        empty, _, _, _ = stall_pieces(trainer_states.iloc[:0], np.zeros(0, np.int64), np.zeros(0, np.int64), run_split, None)
+        empty, _, _ = stall_pieces(trainer_states.iloc[:0], np.zeros(0, np.int64), np.zeros(0, np.int64), run_split, None)
         summary = pd.DataFrame({c: np.zeros(0) for c in WINDOW_COLUMNS}).astype({"gpu": object, "start_ns": np.int64, "end_ns": np.int64})
         return empty, summary[list(WINDOW_COLUMNS)]
     out = pd.concat(pieces, ignore_index=True)

@@ -22,6 +22,7 @@ from trainbpf.analyzers.findings import attribute_starved, build_findings
 from trainbpf.analyzers.gpu import (
     gpu_utilisation, idle_fraction, idle_stretches, job_gpus, sample_windows, starved_pieces, whole_window,
 )
+from trainbpf.analyzers.host import HostSplit, host_labels
 from trainbpf.analyzers.intervals import Span, as_int64, dense_rank, resolve_window, trace_span
 from trainbpf.analyzers.numa import gpu_node, memory_placement, thread_placement
 from trainbpf.analyzers.roles import assign_roles, observed_threads, pick_trainer
@@ -113,6 +114,13 @@ class Analysis:
         return float((w["gpu_bound_ns"] * w["weight"]).sum())
 
     @property
+    def host_bound_ns(self) -> float:
+        """The part of starved time the trainer's own host work explains (GPU-averaged
+        ns): it was busy on the CPU, outside GPU synchronisations, while the GPU idled."""
+        w = self.gpu_windows
+        return float((w["host_bound_ns"] * w["weight"]).sum())
+
+    @property
     def gpu_source(self) -> str | None:
         source = (self.meta.get("gpu") or {}).get("source")
         return str(source) if source else ("gpu" if len(self.gpu) else None)
@@ -150,7 +158,7 @@ def _wake_counts(trainer_states: pd.DataFrame, followed: np.ndarray, trainer: in
 OFFCPU_COLUMNS = ("ts_ns", "dur_ns", "tid", "pid", "cpu", "state", "runq_ns", "peer_tid", "kstack_id", "ustack_id")
 # The oncpu columns the analyzers read.  Python stack ids (offcpu: states.PYTHON_ID_COLUMNS,
 # oncpu: pystack_id) are read only from a trace that holds Python stacks.
-ONCPU_COLUMNS = ("ts_ns", "tid", "pid", "cpu", "kstack_id")
+ONCPU_COLUMNS = ("ts_ns", "tid", "pid", "cpu", "kstack_id", "ustack_id")
 # The kinds whose rows name a thread: every one of them shows when a thread was seen.
 THREAD_KINDS = tuple(kind for kind, columns in KIND_COLUMNS.items() if "tid" in columns)
 # Threads whose CPU use is the input pipeline's own.
@@ -217,7 +225,10 @@ def analyze(
         trainer_wakers=_wake_counts(trainer_states, followed, trainer),
         writer_tids=np.unique(as_int64(frame("dirty_pause")["tid"])),
     )
-    samples = sample_classes(frame("oncpu", ONCPU_COLUMNS + (("pystack_id",) if len(pystacks) else ())), stacks)
+    oncpu = frame("oncpu", ONCPU_COLUMNS + (("pystack_id",) if len(pystacks) else ()))
+    oncpu["host"], oncpu["host_frame"] = host_labels(oncpu, stacks, pystacks)
+    samples = sample_classes(oncpu, stacks)
+    del oncpu
     run_split = RunSplit(samples, exact={kind: frames[kind] for kind, _ in EXACT_RUN_KINDS})
     totals = state_totals(slots, win)
 
@@ -244,7 +255,7 @@ def analyze(
     stall_states = split_at_waits(trainer_states, cuda_waits) if uses_cuda else trainer_states
     step_rows = steps(cuda_waits, launches, window=win)
     pieces, gpu_windows = starved_pieces(stall_states, windows, run_split, trainer, budget=basis == "gpu_idle",
-                                         gaps=launch_gap_rows)
+                                         gaps=launch_gap_rows, host_split=HostSplit(samples))
     # Only the waits that starved the GPU are followed.
     stalled = pieces.loc[pieces["run_class"] == "", "interval"].unique()
     waits = followed_waits(trainer_states, stalled[followed[stalled]])

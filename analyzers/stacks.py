@@ -31,10 +31,14 @@ KERNEL_PATTERNS: tuple[tuple[str, str], ...] = (
     ("futex", r"futex_wait"),
 )
 
-# User stack classes: the GIL, a lock routine, the allocator (for lock evidence).
+# User stack classes: the GIL, a lock routine, the allocator (for lock evidence), and a
+# GPU synchronisation or blocking copy inside the CUDA driver (what a spinning wait for
+# the GPU shows on the CPU: GPU-bound time, not host work).
 USER_PATTERNS: tuple[tuple[str, str], ...] = (
     ("gil", r"take_gil|PyEval_AcquireThread|PyEval_RestoreThread|PyEval_AcquireLock|PyGILState_Ensure"),
     ("lock", r"pthread_mutex_lock|__lll_lock_wait|pthread_rwlock_|pthread_spin_lock|lll_lock|__pthread_mutex_cond_lock"),
+    ("gpu_sync", r"libcuda\.so|(?:cu|cuda)(?:Ctx|Device|Stream|Event)Synchronize|cuMemcpy(?:DtoH|HtoD)?(?:_v2)?(?:;|$)"
+                 r"|cudaMemcpy(?:;|$)"),
 )
 ALLOCATOR_PATTERN = r"malloc|free|arena|tcache|calloc|realloc|je_|tc_"
 
@@ -112,6 +116,9 @@ PYTHON_SPACE = "python"
 PYTHON_STACK_COLUMNS = ("stack_id", "pid", "frames")
 # A native frame that runs Python code: where a native stack enters the interpreter.
 INTERPRETER_FRAME = re.compile(r"_PyEval_EvalFrame|PyEval_EvalFrame|PyEval_EvalCode")
+# Files of the standard library, of installed packages and of frozen modules: frames
+# there say how a thread waited or worked, not where in the program.
+LIBRARY_FILE = re.compile(r"/lib/python\d[\d.]*/|/site-packages/|/dist-packages/|^<frozen ")
 # One recorded Python frame: "qualname (file:line)" (docs/trace-format.md).
 PYTHON_FRAME = re.compile(r"^(?P<function>.*?) \((?P<file>.*):(?P<line>-?\d+)\)$")
 

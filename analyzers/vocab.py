@@ -43,8 +43,13 @@ FOLLOWED_STATES: frozenset[str] = frozenset({"futex", "sleep", "uninterruptible"
 # What on-CPU samples say a running thread was doing (kernel stack at the sample).
 # "user" is ordinary work; the others are stalls that look like running to the scheduler.
 RUN_CLASSES: tuple[str, ...] = ("user", "page_faults", "memory_reclaim", "allocator_churn", "mmap_lock", "block_io", "dirty_throttling")
-# A starved piece's running class: "" for pieces that were not running.
-RUN_CLASS_DTYPE = pd.CategoricalDtype(("",) + RUN_CLASSES)
+# The trainer's own host work ("user" running time outside GPU synchronisation), by the
+# Python frames of its on-CPU samples (analyzers/host.py): data loading in its own
+# thread, or any other computation.
+HOST_CLASSES: tuple[str, ...] = ("loading", "compute")
+# A starved piece's running class: "" for pieces that were not running; a host class for
+# the trainer's host-bound running time.
+RUN_CLASS_DTYPE = pd.CategoricalDtype(("",) + RUN_CLASSES + HOST_CLASSES)
 
 # Integer codes of the categorical vocabularies: hot paths compare codes, not strings.
 STATE_CODE: dict[str, int] = {name: i for i, name in enumerate(STATES)}

@@ -16,6 +16,9 @@ each step of the trainer (the main thread, named tb_trainer):
 
 The loader starts computing batch i + 1 as the trainer takes batch i, for K_i + D_{i+1}
 ms (sleeping: the GIL stays free), so the trainer's data wait is about D_{i+1}.  With
+--host-ms H the batches are ready at once and the trainer instead spends H ms of CPU
+after each synchronisation in `optimizer_step` (host work in the launch gap: the GPU
+has nothing queued).  With
 $TRAINBPF_SIM_GPU set the stand-in writes each kernel to the simulated GPU that the
 nvidia-smi and NVML stand-ins sample.  The truth, all CLOCK_MONOTONIC ns as the caller
 saw them: each step's span (from entering the data wait to the synchronisation's
@@ -57,17 +60,27 @@ def wait_for_file(path: str) -> None:
         time.sleep(0.01)
 
 
-def train(runtime: str, seconds: float, seed: int) -> dict:
+def optimizer_step(cpu_ns: int) -> None:
+    """Host work on the trainer's own thread: `cpu_ns` of CPU time in Python."""
+    stop = time.thread_time_ns() + cpu_ns
+    x = 0
+    while time.thread_time_ns() < stop:
+        x += 1
+
+
+def train(runtime: str, seconds: float, seed: int, host_ns: int = 0) -> dict:
     rt = ctypes.CDLL(runtime)
     drv = ctypes.CDLL(os.path.join(os.path.dirname(runtime), "../../cuda_driver/lib/libcuda.so.1"))
     wait_for_uprobes(rt, ["cudaLaunchKernel", "cudaStreamSynchronize"], timeout=60)
     wait_for_uprobes(drv, ["cuLaunchKernel", "cuStreamSynchronize"], timeout=60)
     steps = plan(seed, int(seconds / 0.02) + 2)  # more than can run in `seconds`
+    if host_ns:
+        steps = [(0, gpu_ns, kernels) for _, gpu_ns, kernels in steps]
     batches: queue.Queue = queue.Queue(maxsize=1)
     taken = threading.Event()
     stop = threading.Event()
     truth: dict = {"trainer": threading.get_native_id(), "steps": [], "data_waits": [], "syncs": [],
-                   "gpu_busy_ns": 0}
+                   "host": [], "gpu_busy_ns": 0}
 
     def loader() -> None:
         set_thread_name("tb_loader")
@@ -102,6 +115,10 @@ def train(runtime: str, seconds: float, seed: int) -> dict:
         t2 = time.monotonic_ns()
         rt.cudaStreamSynchronize(stream)
         t3 = time.monotonic_ns()
+        if host_ns:
+            optimizer_step(host_ns)
+            truth["host"].append([t3, time.monotonic_ns()])
+            t3 = truth["host"][-1][1]
         truth["steps"].append([t0, t3])
         truth["data_waits"].append([t0, t1])
         truth["syncs"].append([t2, t3])
@@ -111,6 +128,7 @@ def train(runtime: str, seconds: float, seed: int) -> dict:
     truth["step_count"] = len(truth["steps"])
     truth["data_wait_ns"] = sum(b - a for a, b in truth["data_waits"])
     truth["sync_ns"] = sum(b - a for a, b in truth["syncs"])
+    truth["host_ns"] = sum(b - a for a, b in truth["host"])
     return truth
 
 
@@ -121,10 +139,11 @@ def main() -> None:
     parser.add_argument("--hold-until", required=True, metavar="FILE", help="start once FILE exists")
     parser.add_argument("--seconds", type=float, default=5.0, help="how long to train (5)")
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--host-ms", type=float, default=0.0, help="host work after each synchronisation (ms of CPU)")
     args = parser.parse_args()
     print(f"ready pid={os.getpid()}", flush=True)
     wait_for_file(args.hold_until)
-    truth = train(args.runtime, args.seconds, args.seed)
+    truth = train(args.runtime, args.seconds, args.seed, int(args.host_ms * 1e6))
     tmp = args.truth + ".tmp"
     with open(tmp, "w") as fh:
         json.dump(truth, fh)

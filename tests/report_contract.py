@@ -8,11 +8,12 @@ from typing import Any
 from trainbpf.analyzers.categories import CATEGORIES
 from trainbpf.analyzers.vocab import ROLES, STATES
 
-TOP_KEYS = {"schema", "trace", "gpu", "starved_s", "findings", "threads", "cuda"}
+TOP_KEYS = {"schema", "trace", "gpu", "starved_s", "host_bound_s", "ranks", "straggler", "findings", "threads", "cuda"}
 TRACE_KEYS = {"path", "duration_s", "pid", "lost_events"}
 GPU_KEYS = {"source", "samples", "idle_fraction"}
-FINDING_KEYS = {"category", "share", "seconds", "severity", "threads", "chain", "summary", "evidence", "recommendation",
-                "launch_gap_s"}
+FINDING_KEYS = {"category", "share", "seconds", "severity", "threads", "chain", "culprits", "summary", "evidence",
+                "recommendation", "launch_gap_s"}
+CULPRIT_KINDS = {"thread", "process", "file", "device", "peer", "rank", "lock", "cgroup"}
 CUDA_KEYS = {"gpu_bound_s", "launch_gap_s", "steps", "threads"}
 STEPS_KEYS = {"count", "per_s", "p50_ms", "p99_ms", "host_bound_share", "worst"}
 WORST_KEYS = {"tid", "at_s", "step_ms", "host_ms", "gpu_wait_ms", "host_share"}
@@ -36,9 +37,9 @@ def _plain_json(value: Any) -> None:
 
 
 def validate_report(doc: dict[str, Any]) -> None:
-    """Assert that `doc` is exactly a trainbpf.report/2 document."""
+    """Assert that `doc` is exactly a trainbpf.report/3 document."""
     assert set(doc) == TOP_KEYS, set(doc) ^ TOP_KEYS
-    assert doc["schema"] == "trainbpf.report/2"
+    assert doc["schema"] == "trainbpf.report/3"
     _plain_json(doc)
     assert json.loads(json.dumps(doc)) == doc
 
@@ -59,6 +60,8 @@ def validate_report(doc: dict[str, Any]) -> None:
         assert gpu["idle_fraction"] is None
 
     assert type(doc["starved_s"]) is float and doc["starved_s"] >= 0
+    assert type(doc["host_bound_s"]) is float and 0 <= doc["host_bound_s"] <= doc["starved_s"] + 1e-6
+    assert doc["ranks"] is None and doc["straggler"] is None  # a single process
 
     shares = []
     for f in doc["findings"]:
@@ -73,6 +76,9 @@ def validate_report(doc: dict[str, Any]) -> None:
         for c in f["chain"]:
             assert set(c) == {"tid", "role", "state"}
             assert type(c["tid"]) is int and c["role"] in ROLES and isinstance(c["state"], str) and c["state"]
+        for c in f["culprits"]:
+            assert c["kind"] in CULPRIT_KINDS and isinstance(c["name"], str), c
+        assert [c["tid"] for c in f["culprits"]] == [t["tid"] for t in f["threads"]]
         assert isinstance(f["summary"], str) and f["summary"]
         assert isinstance(f["evidence"], dict)
         assert isinstance(f["recommendation"], str) and f["recommendation"]

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "scripts" / "workloads"
 FAKE_SMI = ROOT / "scripts" / "fake-nvidia-smi"
 FAKE_NVML_BUILD = ROOT / "scripts" / "fake-nvml" / "build.py"
-REPORT_SCHEMA = "trainbpf.report/2"
+REPORT_SCHEMA = "trainbpf.report/3"
 
 RECORD_SECONDS = 6
 # The workload outlives any recording; it is stopped once the recorder is done.
@@ -64,6 +64,11 @@ class Scenario:
     requires: str | None = None  # a module the workload imports beyond numpy
     step_ms: float | None = None  # the GPU step (None: the workloads' default, 40 ms)
     min_starved_fraction: float = 0.0  # starved seconds per recorded second, at least
+    # Who the top finding names first: "trainer" (its own host work) or "dataloader".
+    producer: str | None = None
+    function: str | None = None  # the function its evidence names first (host work)
+    # The GPU sampling it runs under (the host-bound ones: one, to keep the suite short).
+    gpu_sources: tuple[str, ...] = ("nvidia-smi", "nvml")
 
     @property
     def healthy(self) -> bool:
@@ -83,7 +88,14 @@ SCENARIOS = (
     # The slow variant: 150 ms steps, stalls longer than a sample.
     Scenario("decode_threads", ("input_pipeline",), step_ms=150),
     Scenario("decode_processes", ("input_pipeline",)),
-    Scenario("decode_torch", ("input_pipeline",), requires="torch"),
+    Scenario("decode_torch", ("input_pipeline",), requires="torch", producer="dataloader"),
+    # Issue 35: the trainer's own work on the CPU, the GPU idle meanwhile.
+    Scenario("inproc_torch", ("input_pipeline",), requires="torch", producer="trainer", function="__getitem__",
+             gpu_sources=("nvidia-smi",)),
+    Scenario("inproc_decode", ("input_pipeline",), producer="trainer", function="decode_batch",
+             gpu_sources=("nvml",)),
+    Scenario("cpu_optimizer", ("host_compute",), producer="trainer", function="adam_step",
+             gpu_sources=("nvidia-smi",)),
     Scenario("cpu_oversubscribed", ("cpu_contention",)),
     # A real pthread mutex, not the GIL: gil_contention would be the wrong answer.
     Scenario("allocator_lock", ("lock_contention",)),

@@ -132,17 +132,17 @@ class Synth:
         self.add("offcpu_short", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), state=state, count=count, runq_ns=d(runq))
 
     def oncpu(self, tid: int, ts: float, *, cpu: int = 0, kstack: Sequence[str] | None = None,
-              pystack: Sequence[str] | None = None) -> None:
+              pystack: Sequence[str] | None = None, ustack: Sequence[str] | None = None) -> None:
         self.add("oncpu", ts_ns=t(ts), tid=tid, pid=self._pid(tid, None), cpu=cpu, kstack_id=self.stack(kstack),
-                 **self._python(pystack_id=pystack))
+                 ustack_id=self.stack(ustack, "user"), **self._python(pystack_id=pystack))
 
     def oncpu_every(self, tid: int, start: float, end: float, hz: float = 99.0, *, cpu: int | Callable[[float], int] = 0,
                     kstack: Sequence[str] | None | Callable[[float], Sequence[str] | None] = None,
-                    pystack: Sequence[str] | None = None) -> None:
+                    pystack: Sequence[str] | None = None, ustack: Sequence[str] | None = None) -> None:
         for ts in np.arange(start, end, 1.0 / hz):
             c = cpu(ts) if callable(cpu) else cpu
             k = kstack(ts) if callable(kstack) else kstack
-            self.oncpu(tid, float(ts), cpu=c, kstack=k, pystack=pystack)
+            self.oncpu(tid, float(ts), cpu=c, kstack=k, pystack=pystack, ustack=ustack)
 
     def futex(self, tid: int, ts: float, dur: float, addr: int, *, op: int = 128 + 9, ustack: Sequence[str] | None = None,
               pystack: Sequence[str] | None = None) -> None:

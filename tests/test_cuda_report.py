@@ -93,7 +93,9 @@ def test_findings_gain_the_launch_gap_they_explain(tmp_path):
     # 100 data waits of 30 ms, starved; all but the first fall inside a launch gap
     assert top["category"] == "input_pipeline" and top["seconds"] == pytest.approx(3.0)
     assert top["launch_gap_s"] == pytest.approx(2.97)
-    assert a.starved_ns == pytest.approx(3.0e9) and a.gpu_bound_ns == pytest.approx(5.0e9)
+    assert a.gpu_bound_ns == pytest.approx(5.0e9)
+    # and in each of 99 gaps, 10 ms the trainer ran after its data wait: host-bound
+    assert a.host_bound_ns == pytest.approx(0.99e9) and a.starved_ns == pytest.approx(3.99e9)
     without = analyze(input_pipeline().read(tmp_path, "plain.parquet"))
     assert without.cuda is None and without.findings["launch_gap_s"].isna().all()
     assert without.findings["launch_gap_s"].dtype == np.float64
@@ -102,7 +104,7 @@ def test_findings_gain_the_launch_gap_they_explain(tmp_path):
 def test_json_cuda_section(tmp_path):
     doc = build_report(analyze(cuda_trainer().read(tmp_path)))
     validate_report(doc)
-    assert doc["schema"] == "trainbpf.report/2"
+    assert doc["schema"] == "trainbpf.report/3"
     assert doc["findings"][0]["launch_gap_s"] == 2.97
     cuda = doc["cuda"]
     assert cuda["gpu_bound_s"] == 5.0 and cuda["launch_gap_s"] == 3.96

@@ -63,14 +63,18 @@ def test_assess_reads_the_trace_once_and_gives_each_target_its_own_analysis(tmp_
         assert graded.gpu_idle_fraction == report["gpu"]["idle_fraction"]
         assert graded.findings == [{k: f[k] for k in ("category", "share", "seconds", "severity", "summary")}
                                    for f in report["findings"]]
-    assert result.targets[0].starved_s != result.targets[1].starved_s, "each target is its own trainer"
+    # each target is its own trainer: 100 waits for 200's data, 200 only ever runs
+    assert [t.top["category"] for t in result.targets] == ["input_pipeline", "host_compute"]
 
 
 def test_assess_of_a_healthy_run_is_ok_and_a_missing_trainer_is_unknown(tmp_path):
     path = healthy(10.0).write(tmp_path / "trace.parquet")
     ok = assess(trace_path=path, targets=[Target(100, "python", "python", "pid")], trees={}, config=HealthConfig(),
                 started=time.time(), host="h")
-    assert ok.status == OK and ok.targets[0].starved_ratio < 0.05
+    # the GPU's 8% idle time: the trainer's brief waits, the rest its own host work
+    graded = ok.targets[0]
+    assert ok.status == OK and graded.starved_ratio <= 0.081
+    assert graded.starved_ratio - graded.host_bound_s / 10.0 < 0.01
     gone = assess(trace_path=path, targets=[Target(4242, "python", "python", "pid")], trees={}, config=HealthConfig(),
                   started=time.time(), host="h")
     assert gone.status == UNKNOWN and gone.targets[0].status == UNKNOWN

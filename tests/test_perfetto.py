@@ -45,7 +45,7 @@ def test_export_tracks_counters_and_flows(tmp_path):
     assert per_thread[WORKER] == pytest.approx(10e6)
     assert {name for _, _, name in slices[TRAINER]} == {"running", "futex", "runnable"}
     starved = [e for e in by_ph["X"] if e["cat"] == "starved"]
-    assert {e["name"] for e in starved} == {"input_pipeline", "cpu_contention"}
+    assert {e["name"] for e in starved} == {"input_pipeline", "cpu_contention", "host_compute"}
     assert all(e["pid"] == GPU_PID for e in starved)
 
     # GPU utilisation counter.

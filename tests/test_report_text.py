@@ -16,10 +16,12 @@ from trainbpf.tracefile import SpoolWriter, make_batch, spool_path_for
 def test_text_report_ranks_findings(tmp_path):
     text = run_analyze(path=input_pipeline().write(tmp_path / "t.parquet"))
     assert "GPU: nvidia-smi, 100 samples; idle 71.5% of the time (1 - mean utilisation)" in text
-    assert "Starved time: 7.00 s" in text
+    assert "Starved time: 7.15 s" in text
+    assert "Host-bound: 0.15 s of it the trainer was busy on the CPU itself" in text
     assert "Not counted" not in text  # every wait was woken by the worker
     first = text.index(" 1. input_pipeline")
-    assert text.index(" 2. cpu_contention") > first
+    assert text.index(" 2. host_compute") > first
+    assert text.index(" 3. cpu_contention") > first
     assert "CRITICAL" in text
     assert "chain: trainer 100 [futex] <- dataloader 200 [running]" in text
     assert "do: The trainer waits for data" in text
@@ -105,7 +107,7 @@ def test_window(tmp_path):
     path = input_pipeline().write(tmp_path / "t.parquet")
     text = run_analyze(path=path, window="2:5")
     assert "duration 3.00 s (window 2-5 s of 10.00 s)" in text
-    assert "Starved time: 2.10 s" in text  # 140 of every 200 ms
+    assert "Starved time: 2.15 s" in text  # 140 of every 200 ms, and 5% of the other 60 (host work)
 
 
 @pytest.mark.parametrize("window", ["5:2", "abc", "1", "20:30", "-1:3", "2:2", "nan:3", "1:x"])

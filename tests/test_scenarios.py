@@ -79,10 +79,18 @@ BUSY_NEIGHBOURS_CORES = 0.5
 BUSY_MIN_SECOND_SHARE = 0.2
 
 
+def _named(top: dict, scenario: Scenario) -> str:
+    """What the top finding blames first: the role of its first thread, and the first
+    function of the trainer's own host work."""
+    evidence = top["evidence"].get("trainer_loading") or top["evidence"]
+    functions = evidence.get("functions") or [{"function": ""}]
+    return f"{top['threads'][0]['role'] if top['threads'] else None} {functions[0]['function']}"
+
+
 @pytest.mark.scenario
-@pytest.mark.parametrize("gpu_source", GPU_SOURCES)
-@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if not s.healthy],
-                         ids=lambda s: s.id)
+@pytest.mark.parametrize(("scenario", "gpu_source"),
+                         [(s, g) for s in SCENARIOS if not s.healthy for g in GPU_SOURCES if g in s.gpu_sources],
+                         ids=lambda v: v.id if isinstance(v, Scenario) else v)
 def test_injected_bottleneck_is_the_top_finding(scenario: Scenario, gpu_source: str, can_record, tmp_path: Path):
     _require(scenario)
     result = run_scenario(scenario, tmp_path, gpu_source)
@@ -117,6 +125,11 @@ def test_injected_bottleneck_is_the_top_finding(scenario: Scenario, gpu_source: 
     assert top["category"] in scenario.expected, result.describe()
     assert scenario.min_share <= top["share"] <= 1.0, result.describe()
     assert top["severity"] == "critical", result.describe()
+    role, function = _named(top, scenario).split(" ", 1)
+    if scenario.producer is not None:
+        assert role == scenario.producer, (top["threads"], result.describe())
+    if scenario.function is not None:
+        assert function.rsplit(".", 1)[-1] == scenario.function, (top["evidence"], result.describe())
 
 
 @pytest.mark.scenario

@@ -58,7 +58,7 @@ def test_every_state_class_and_check_has_one_category():
                            "numa_remote": {"numa_remote_ratio"}}
     assert [c.name for c in REGISTRY if not c.critical] == ["other"]
     for c in REGISTRY:
-        assert c.summary.format(s=1.0, who="trainer python (1)") and c.recommendation and c.colour.startswith("#")
+        assert c.summary.format(s=1.0, who="trainer python (1)", where="x.py:1 f") and c.recommendation and c.colour.startswith("#")
         assert callable(c.evidence)
     assert BY_NAME["numa_remote"].unmeasured
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import numpy as np
 
 from trainbpf.analyzers import Analysis, observed_ns
-from trainbpf.analyzers.categories import REGISTRY
+from trainbpf.analyzers.categories import HOST_CATEGORY, REGISTRY
 from trainbpf.analyzers.intervals import NS_PER_S, ClassTime, intersect
 from trainbpf.analyzers.vocab import STATES
 from trainbpf.python_frames import python_line
@@ -33,6 +33,9 @@ STATE_COLORS = {
     "short_wait": "#c8c8c8", "other": "#4d4d4d",
 }
 CATEGORY_COLORS = {c.name: c.colour for c in REGISTRY}
+# The timeline's row of host-bound time, in the colour of the trainer's own computation.
+HOST_ROW = "host-bound"
+HOST_COLOUR = CATEGORY_COLORS["host_compute"]
 WIDTH = 1200
 LEFT = 150
 RIGHT = 40
@@ -99,9 +102,32 @@ def finding_bins(analysis: Analysis, edges: np.ndarray) -> dict[str, np.ndarray]
     }
 
 
+def host_bins(analysis: Analysis, edges: np.ndarray) -> np.ndarray:
+    """Host-bound ns per bin: the starved pieces of the trainer's own running time that
+    its host work explains (data loading in its thread, other computation)."""
+    st = analysis.starved
+    host = ((st["state"] == "running").to_numpy() & (st["end"].to_numpy() < 0)
+            & st["category"].astype(str).isin(list(HOST_CATEGORY.values())).to_numpy())
+    start, end = st["start_ns"].to_numpy(np.int64)[host], st["end_ns"].to_numpy(np.int64)[host]
+    ia, ib, s, e = intersect(start, end, edges[:-1], edges[1:])
+    weight = st["ns"].to_numpy()[host][ia] * (e - s) / np.maximum(end - start, 1)[ia]
+    return np.bincount(ib, weights=weight, minlength=len(edges) - 1)
+
+
+def _marked(analysis: Analysis, report: dict[str, Any], edges: np.ndarray) -> tuple[list[str], dict[str, np.ndarray]]:
+    """The rows of marks (the findings with starved time; first, with host work, the
+    host-bound part of starved time, whatever finding it went to) and their ns per bin."""
+    cats = [f["category"] for f in report["findings"] if f["seconds"] > 0]
+    per_bin = finding_bins(analysis, edges)
+    if report["host_bound_s"] > 0:
+        cats = [HOST_ROW] + cats
+        per_bin[HOST_ROW] = host_bins(analysis, edges)
+    return cats, per_bin
+
+
 def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
     edges = _bins(analysis)
-    cats = [f["category"] for f in report["findings"] if f["seconds"] > 0]
+    cats, per_bin_all = _marked(analysis, report, edges)
     gpu_h, state_h, mark_h, gap = 110, 54, 14, 18
     top = 10
     height = top + gpu_h + gap + state_h + gap + mark_h * max(1, len(cats)) + 34
@@ -114,7 +140,6 @@ def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
     xs = _x(edges, analysis, WIDTH)
     bw = np.diff(xs)
     width_ns = np.diff(edges).astype(np.float64)
-    per_bin_all = finding_bins(analysis, edges)
     out.append(f'<text x="8" y="{top + 14}">GPU utilisation</text>')
     out.append(f'<rect x="{x0}" y="{top}" width="{x1 - x0}" height="{gpu_h}" fill="#fafafa" stroke="#ccc"/>')
     if analysis.basis == "gpu_idle":
@@ -159,9 +184,10 @@ def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
         yy = y + i * mark_h
         out.append(f'<text x="8" y="{yy + 10}">{_e(cat)}</text>')
         per_bin = per_bin_all.get(cat, np.zeros(len(edges) - 1))
+        colour = CATEGORY_COLORS.get(cat, HOST_COLOUR)
         for b in np.flatnonzero(per_bin > 0):
             alpha = 0.25 + 0.75 * min(1.0, per_bin[b] / max(width_ns[b], 1.0))
-            out.append(f'<rect x="{xs[b]:.1f}" y="{yy + 1}" width="{max(1.0, bw[b] + 0.5):.1f}" height="{mark_h - 3}" fill="{CATEGORY_COLORS[cat]}" fill-opacity="{alpha:.2f}"/>')
+            out.append(f'<rect x="{xs[b]:.1f}" y="{yy + 1}" width="{max(1.0, bw[b] + 0.5):.1f}" height="{mark_h - 3}" fill="{colour}" fill-opacity="{alpha:.2f}"/>')
     if not cats:
         out.append(f'<text x="8" y="{y + 10}" fill="#666">no findings to mark</text>')
     # Time axis.
@@ -350,7 +376,8 @@ def render_html(rendered: Report) -> str:
             '<div class="note">No GPU samples in this trace: starved time is the trainer\'s non-running '
             "time (off-CPU, runnable, or stalled in the kernel's fault/reclaim paths).</div>"
         )
-    parts.append(f'<p class="meta"><b>Starved time:</b> {report["starved_s"]:.2f} s</p>')
+    parts.append(f'<p class="meta"><b>Starved time:</b> {report["starved_s"]:.2f} s; <b>host-bound</b> (the trainer '
+                 f'busy on the CPU itself): {report["host_bound_s"]:.2f} s</p>')
     if tr["lost_events"]:
         per = ", ".join(f"{_e(k)}: {v}" for k, v in sorted(analysis.lost.items()))
         parts.append(

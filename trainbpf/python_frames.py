@@ -12,11 +12,9 @@ leaf frame.  The JSON evidence keeps every frame.
 from __future__ import annotations
 
 import posixpath
-import re
 from typing import Any
 
-# Files of the standard library, of installed packages and of frozen modules.
-LIBRARY_FILE = re.compile(r"/lib/python\d[\d.]*/|/site-packages/|/dist-packages/|^<frozen ")
+from trainbpf.analyzers.stacks import LIBRARY_FILE
 
 
 def frame_label(frame: dict[str, Any]) -> str:

@@ -20,11 +20,12 @@ from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.states import state_seconds
 from trainbpf.analyzers.vocab import ROLES
 from trainbpf.html_report import render_html
+from trainbpf.memory import read_for_analysis
+from trainbpf.python_frames import frame_label
 from trainbpf.safefile import OutputFile, check_output, write_new
 from trainbpf.text_report import render_text
-from trainbpf.memory import read_for_analysis
 
-REPORT_SCHEMA = "trainbpf.report/2"
+REPORT_SCHEMA = "trainbpf.report/3"
 _ROLE_ORDER = {role: i for i, role in enumerate(ROLES)}
 
 
@@ -67,6 +68,7 @@ def build_report(analysis: Analysis) -> dict[str, Any]:
             "severity": str(f.severity),
             "threads": [{"tid": int(t["tid"]), "comm": str(t["comm"]), "role": str(t["role"])} for t in f.threads],
             "chain": [{"tid": int(c["tid"]), "role": str(c["role"]), "state": str(c["state"])} for c in f.chain],
+            "culprits": culprits(analysis, str(f.category), f.threads, f.evidence),
             "summary": finding_summary(str(f.category), f.share, f.seconds, f.threads, f.evidence),
             "evidence": plain(f.evidence),
             "recommendation": BY_NAME[str(f.category)].recommendation,
@@ -96,6 +98,9 @@ def build_report(analysis: Analysis) -> dict[str, Any]:
             "idle_fraction": None if analysis.idle_fraction is None else _seconds(analysis.idle_fraction),
         },
         "starved_s": _seconds(analysis.starved_ns / NS_PER_S),
+        "host_bound_s": _seconds(analysis.host_bound_ns / NS_PER_S),
+        "ranks": None,
+        "straggler": None,
         "findings": findings,
         "threads": rows,
         "cuda": cuda_section(analysis),
@@ -136,15 +141,59 @@ def cuda_section(analysis: Analysis) -> dict[str, Any] | None:
     }
 
 
+def culprits(analysis: Analysis, category: str, threads: list[dict[str, Any]],
+             evidence: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the finding blames (docs/findings.md, "Outputs"): its threads, as producers
+    ({kind: "thread", name, tid, pid}); for host work with the seconds of it and the
+    function that took most of them."""
+    pids = dict(zip(analysis.threads["tid"].tolist(), analysis.threads["pid"].tolist()))
+    own = evidence.get("trainer_loading") if category == "input_pipeline" else evidence
+    producers = {int(p["tid"]): float(p["seconds"]) for p in evidence.get("producers", [])}
+    out = []
+    for t in threads:
+        tid = int(t["tid"])
+        row: dict[str, Any] = {"kind": "thread", "name": str(t["comm"]), "tid": tid, "pid": pids.get(tid)}
+        if tid in producers:
+            row["seconds"] = _seconds(producers[tid])
+        if tid == analysis.trainer_tid and own and own.get("functions"):
+            row["function"] = _function_label(own["functions"][0])
+            row.setdefault("seconds", _seconds(sum(f["seconds"] for f in own["functions"])))
+        out.append(row)
+    return out
+
+
 def finding_summary(category: str, share: float, seconds: float, threads: list[dict[str, Any]],
                     evidence: dict[str, Any]) -> str:
     """A finding in one sentence, from its category's summary template; a finding without
-    starved time (numa_remote placement alone) from the `unmeasured` one."""
+    starved time (numa_remote placement alone) from the `unmeasured` one; one that is
+    mostly the trainer loading its own data from the `own_work` one."""
     record = BY_NAME[category]
     who = _who(threads)
     if seconds == 0 and record.unmeasured:
         return record.unmeasured.format(who=who, gpu_node=evidence.get("gpu_node"))
-    return record.summary.format(s=seconds, who=who) + f" ({share:.0%} of starved time)"
+    own = evidence.get("trainer_loading")
+    if record.own_work and own and own["seconds"] >= 0.5 * seconds:
+        trainer = next((t for t in threads if t["role"] == "trainer"), threads[0] if threads else None)
+        workers = own["dataloader_threads"]
+        text = record.own_work.format(
+            who=_who([trainer] if trainer else []), s=own["seconds"], where=_where(own.get("functions")),
+            workers="the DataLoader has no workers" if not workers else
+            f"{workers} data-loader thread{'s' if workers > 1 else ''} did not take it off the trainer")
+        return text + f" ({share:.0%} of starved time)"
+    return record.summary.format(s=seconds, who=who, where=_where(evidence.get("functions"))) + \
+        f" ({share:.0%} of starved time)"
+
+
+def _where(functions: list[dict[str, Any]] | None) -> str:
+    """The function most host time went to ("data.py:31 decode_batch"), or why none is named."""
+    if not functions:
+        return "no on-CPU sample names the function"
+    return _function_label(functions[0])
+
+
+def _function_label(frame: dict[str, Any]) -> str:
+    """A Python frame as "data.py:31 decode_batch"; a native one by its symbol alone."""
+    return frame_label(frame) if frame.get("file") else str(frame["function"])
 
 
 def _who(threads: list[dict[str, Any]]) -> str:

@@ -77,9 +77,10 @@ def render_text(rendered: Report) -> str:
         lines.append(f"  GPU: {gpu['source']}, {gpu['samples']} samples; idle {_pct(idle)} of the time "
                      "(1 - mean utilisation)")
         lines.append(
-            f"  Starved time: {report['starved_s']:.2f} s (GPU idle time that the trainer's stalls explain: "
-            "in each sample at most its idle time)"
+            f"  Starved time: {report['starved_s']:.2f} s (GPU idle time that the trainer's stalls and own CPU "
+            "work explain: in each sample at most its idle time)"
         )
+        lines.append(_host_line(report))
         if analysis.unwoken_idle_ns >= 0.01 * max(analysis.idle_ns, 1.0):
             lines.append(
                 f"  Not counted: {analysis.unwoken_idle_ns / NS_PER_S:.2f} s of idle time overlapped sleeps no "
@@ -91,6 +92,8 @@ def render_text(rendered: Report) -> str:
             f"  Starved time: {report['starved_s']:.2f} s. Without GPU samples, starved time is the "
             "trainer's non-running time (off-CPU, runnable, or on-CPU in the kernel's fault/reclaim paths)."
         )
+    if analysis.uses_cuda and not gpu["samples"]:
+        lines.append(_host_line(report))
     lines.extend(_cuda_lines(report, analysis))
     lines.append("")
     findings = report["findings"]
@@ -162,3 +165,8 @@ def _cuda_lines(report: dict[str, Any], analysis: Any) -> list[str]:
                      f"({t['wait_s']:.2f} s), launch gaps {t['launch_gap_s']:.2f} s")
     return lines
 
+
+def _host_line(report: dict[str, Any]) -> str:
+    """The part of starved time the trainer's own CPU work explains."""
+    return (f"  Host-bound: {report['host_bound_s']:.2f} s of it the trainer was busy on the CPU itself, outside GPU "
+            "synchronisations (data loading in its own thread, optimizer steps, Python between launches)")

@@ -21,11 +21,16 @@ SAMPLE_ELEMENTS = 1 << 15
 
 
 class SlowDecodeDataset(Dataset):
+    """Samples that take `decode_steps` GPU steps of CPU per batch of BATCH_SIZE to decode."""
+
+    def __init__(self, decode_steps: float = DECODE_STEPS):
+        self.decode_steps = decode_steps
+
     def __len__(self) -> int:
         return 1 << 30  # never exhausted within a run
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        common.burn_cpu(DECODE_STEPS * common.STEP_S / BATCH_SIZE)
+        common.burn_cpu(self.decode_steps * common.STEP_S / BATCH_SIZE)
         return torch.ones(SAMPLE_ELEMENTS)
 
 

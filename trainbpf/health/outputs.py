@@ -34,6 +34,8 @@ METRICS: dict[str, str] = {
     "trainbpf_target_status": "Outcome for one training process: 0 ok, 1 warning, 2 critical, 3 could not check.",
     "trainbpf_target_starved_seconds": "Seconds the trainer thread was stalled while the GPU idled (without GPU samples: while it was not running).",
     "trainbpf_target_starved_ratio": "Starved seconds per recorded second.",
+    "trainbpf_target_host_bound_seconds": "Starved seconds the trainer's own CPU work explains (it was busy on the CPU, outside GPU synchronisations, while the GPU idled).",
+    "trainbpf_target_host_bound_share_ratio": "Share of the target's starved time that is host-bound (the trainer's own CPU work).",
     "trainbpf_finding_share_ratio": "Share of the target's starved time that one cause explains.",
     "trainbpf_finding_seconds": "Starved seconds that one cause explains.",
     "trainbpf_target_cuda_traced": "1 when the trainer's CUDA calls were traced (the step metrics follow), 0 when none was seen (no step metrics).",
@@ -91,6 +93,8 @@ def metric_samples(result: HealthResult) -> list[Sample]:
         add("trainbpf_target_status", t.status, pid=pid)
         add("trainbpf_target_starved_seconds", t.starved_s, pid=pid)
         add("trainbpf_target_starved_ratio", t.starved_ratio, pid=pid)
+        add("trainbpf_target_host_bound_seconds", t.host_bound_s, pid=pid)
+        add("trainbpf_target_host_bound_share_ratio", t.host_bound_share, pid=pid)
         for f in t.findings:
             add("trainbpf_finding_share_ratio", f["share"], pid=pid, category=f["category"])
             add("trainbpf_finding_seconds", f["seconds"], pid=pid, category=f["category"])
@@ -172,6 +176,7 @@ def health_document(result: HealthResult) -> dict[str, Any]:
         "targets": [{
             "pid": t.target.pid, "comm": t.target.comm, "cmdline": t.target.cmdline[:200], "reason": t.target.reason,
             "status": STATUS_NAMES[t.status], "error": t.error, "starved_s": t.starved_s, "starved_ratio": t.starved_ratio,
+            "host_bound_s": t.host_bound_s,
             "gpu_idle_fraction": t.gpu_idle_fraction, "findings": t.findings, "steps": steps_document(t.steps),
             "thread_seconds": [{"role": r, "state": s, "seconds": v} for (r, s), v in sorted(t.role_seconds.items())],
         } for t in result.targets],

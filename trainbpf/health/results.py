@@ -76,6 +76,7 @@ class TargetResult:
     status: int = UNKNOWN
     starved_s: float | None = None
     starved_ratio: float | None = None
+    host_bound_s: float | None = None  # the part of starved_s the trainer's own CPU work explains
     gpu_idle_fraction: float | None = None
     findings: list[dict[str, Any]] = field(default_factory=list)
     role_seconds: dict[tuple[str, str], float] = field(default_factory=dict)  # (role, state) -> s
@@ -85,6 +86,13 @@ class TargetResult:
     @property
     def top(self) -> dict[str, Any] | None:
         return self.findings[0] if self.findings else None
+
+    @property
+    def host_bound_share(self) -> float | None:
+        """Host-bound seconds per starved second (None before grading or when not starved)."""
+        if self.host_bound_s is None or not self.starved_s:
+            return None
+        return self.host_bound_s / self.starved_s
 
 
 def grade_report(target: Target, report: Mapping[str, Any], *, tids: set[int],
@@ -97,6 +105,7 @@ def grade_report(target: Target, report: Mapping[str, Any], *, tids: set[int],
     duration = float(report["trace"]["duration_s"] or 0.0)
     result.starved_s = float(report["starved_s"])
     result.starved_ratio = result.starved_s / duration if duration > 0 else None
+    result.host_bound_s = float(report["host_bound_s"])
     result.gpu_idle_fraction = report["gpu"]["idle_fraction"]
     result.findings = [{k: f[k] for k in ("category", "share", "seconds", "severity", "summary")} for f in report["findings"]]
     for th in report["threads"]:
