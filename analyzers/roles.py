@@ -61,6 +61,12 @@ def pick_trainer(threads: pd.DataFrame, *, target_pid: int | None, trainer_tid: 
     return carried_on_by(threads, int(mains.min())) if len(mains) else int(tids.min())
 
 
+# A process that exits ends all its threads within milliseconds of each other (exit_group:
+# the main thread's exit may come first); only a thread that outlived the main thread by
+# more than that carried the loop on after a pthread_exit.
+CARRIED_ON_MIN_NS = 100_000_000
+
+
 def carried_on_by(threads: pd.DataFrame, main: int) -> int:
     """`main`, or, where that main thread exited while threads of its process were still
     observed after it, the one of them observed longest after its exit (the oldest
@@ -68,7 +74,8 @@ def carried_on_by(threads: pd.DataFrame, main: int) -> int:
     all are: it runs the loop now."""
     tid, pid, first, last = (threads[c].to_numpy(np.int64) for c in ("tid", "pid", "first_ns", "last_ns"))
     ended = last[tid == main]
-    after = (pid == main) & (tid != main) & (last > ended[0]) if len(ended) else np.zeros(len(tid), bool)
+    after = (pid == main) & (tid != main) & (last >= ended[0] + CARRIED_ON_MIN_NS) if len(ended) \
+        else np.zeros(len(tid), bool)
     if not after.any():
         return main
     lowered = threads["comm"].astype(str).str.lower()

@@ -18,7 +18,17 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
 fi
 export TRAINBPF_SIM_GPU="$WORK/sim-gpu"
 
-"$ROOT/.venv/bin/python" "$ROOT/scripts/workloads/demo_trainer.py" --seconds 30 > "$WORK/demo.log" &
+# Under sudo the recorder traces only the invoking user's own processes and writes where
+# that user may (docs/security.md): so the demo trainer runs as that user, in folders of
+# theirs.
+AS_USER=()
+if [ -n "${SUDO_UID:-}" ] && [ "$SUDO_UID" != 0 ]; then
+  AS_USER=(setpriv --reuid="$SUDO_UID" --regid="$SUDO_GID" --clear-groups)
+  chown "$SUDO_UID:$SUDO_GID" "$WORK"
+  [ "$(stat -c %u "$OUT")" = "$SUDO_UID" ] || [ "$OUT" != "$ROOT/out" ] || chown "$SUDO_UID:$SUDO_GID" "$OUT"
+fi
+
+"${AS_USER[@]}" "$ROOT/.venv/bin/python" "$ROOT/scripts/workloads/demo_trainer.py" --seconds 30 > "$WORK/demo.log" &
 DEMO_PID=$!
 sleep 1
 echo "[demo] recording the demo trainer (pid $DEMO_PID) for 10 s" >&2

@@ -5,6 +5,10 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/setup.sh" --test || exit $?
 cd "$ROOT"
+# The suite runs as root; the tests of sudo's rules set SUDO_UID/SUDO_GID themselves.
+# Inherited from `sudo scripts/test.sh`, they would make every recording the invoking
+# user's (only their processes traced, outputs opened with their rights).
+unset SUDO_UID SUDO_GID SUDO_USER SUDO_COMMAND
 "$ROOT/.venv/bin/python" -m pytest -p no:cacheprovider -ra --durations=25 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

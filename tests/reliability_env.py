@@ -34,8 +34,11 @@ while time.time() < end:
 """
 
 
-def start_target(seconds: float = 60) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", BUSY_TARGET, str(seconds)], stdout=subprocess.PIPE, text=True)
+def start_target(seconds: float = 60, *, user: int | None = None) -> subprocess.Popen:
+    """The busy target, as root or as uid `user` (its gid the same number)."""
+    as_user = {} if user is None else {"user": user, "group": user, "extra_groups": []}
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_TARGET, str(seconds)], stdout=subprocess.PIPE, text=True,
+                            **as_user)
     assert proc.stdout.readline().strip() == "ready"
     return proc
 

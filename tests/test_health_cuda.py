@@ -136,7 +136,7 @@ def test_target_not_analysed_has_no_cuda_values():
 def test_host_bound_share_does_not_grade(host_bound):
     """Only the starved ratio grades a target: a host-bound trainer whose GPU did not
     idle is healthy (the findings say why time was lost, not the share)."""
-    report = {"trace": {"duration_s": 10.0}, "starved_s": 0.5, "gpu": {"idle_fraction": 0.05}, "findings": [],
+    report = {"trace": {"duration_s": 10.0}, "starved_s": 0.5, "host_bound_s": 0.0, "gpu": {"idle_fraction": 0.05}, "findings": [],
               "threads": []}
     steps = StepMetrics(True, 100, 10.0, 0.1, 0.2, host_bound)
     graded = grade_report(Target(1, "python", "x", "pid"), report, tids={1}, thresholds=DEFAULT_THRESHOLDS, steps=steps)

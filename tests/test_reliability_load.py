@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from kernel_env import require_root
 from reliability_env import PROJECT, TRAINBPF, cli, start_target, stop, wait_for
@@ -37,20 +40,24 @@ def test_tiny_ring_buffer_under_load_records_and_reports_losses(tmp_path):
 
 # -- 5. privacy -------------------------------------------------------------------------
 
-def test_trace_is_private_and_owned_by_the_sudo_user(tmp_path):
+def test_trace_is_private_and_owned_by_the_sudo_user():
     require_root("chowns to another user")
-    os.chown(tmp_path, 65534, 65534)  # the sudo user must be able to write the folder
-    target = start_target()
-    out = tmp_path / "t.parquet"
+    # The sudo user's own folder, outside pytest's root-only tree: under sudo the output
+    # is opened with that user's rights (docs/security.md), so they must reach it.
+    folder = Path(tempfile.mkdtemp(prefix="trainbpf-private-"))
+    os.chown(folder, 65534, 65534)
+    target = start_target(user=65534)  # under sudo only that user's own processes are traced
+    out = folder / "t.parquet"
     try:
         res = cli("record", "--pid", str(target.pid), "-o", str(out), "--duration", "1",
                   env={"SUDO_UID": "65534", "SUDO_GID": "65534"})
+        assert res.returncode == 0, res.stderr
+        st = out.stat()
+        assert st.st_mode & 0o777 == 0o600
+        assert (st.st_uid, st.st_gid) == (65534, 65534)
     finally:
         stop(target)
-    assert res.returncode == 0, res.stderr
-    st = out.stat()
-    assert st.st_mode & 0o777 == 0o600
-    assert (st.st_uid, st.st_gid) == (65534, 65534)
+        shutil.rmtree(folder)
 
 
 def test_no_argument_ever_reaches_a_shell():

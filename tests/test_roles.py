@@ -26,3 +26,11 @@ def test_a_main_thread_that_exited_hands_the_trainer_role_to_the_thread_that_car
     assert pick_trainer(alive, target_pid=100, trainer_tid=None) == 100  # never exited
     alone = threads[threads.tid.isin([100, 101])]
     assert pick_trainer(alone, target_pid=100, trainer_tid=None) == 101  # only a named one carries on
+
+
+def test_threads_ending_with_their_process_leave_the_main_thread_the_trainer():
+    """A process that exits (exit_group) ends every thread within milliseconds, the main
+    thread's exit sometimes first: that is no pthread_exit, and the main thread stays the
+    trainer (the loader ended 2 ms after it)."""
+    threads = _threads((100, 100, "python", 0, 5 * S), (101, 100, "python", 0, 5 * S + 2_000_000))
+    assert pick_trainer(threads, target_pid=100, trainer_tid=None) == 100
