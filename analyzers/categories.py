@@ -124,6 +124,16 @@ REGISTRY: tuple[Category, ...] = (
         "and overlap it with GPU work.",
         "#bcbd22", host_class="compute", critical_min_impact=0.1),
     Category(
+        "collective", ev.collective,
+        "{who} waited {s:.2f} s inside collectives for no traced rank's lateness (the collective's own "
+        "communication, or ranks this trace does not hold)",
+        "The collectives themselves take this time (or ranks this trace does not hold were late): record the "
+        "launcher's pid to trace every rank; overlap communication with computation (DDP gradient bucketing, "
+        "no_sync with gradient accumulation), make fewer and larger collectives, and check the interconnect "
+        "(NCCL_DEBUG=INFO, nccl-tests) before changing the training code.",
+        # Data-parallel training spends some time in its all-reduces by design.
+        "#7f7f7f", critical_min_impact=0.1),
+    Category(
         "other", ev.unexplained, "{s:.2f} s of starved time has no cause the trace can name",
         "Time the trace cannot attribute (timer sleeps, short waits, untraced wakers): record with more probes "
         "(futex, faults, mm, writeback, block) or a lower --min-block-us to see more.",

@@ -302,6 +302,13 @@ def numa_remote(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) ->
     return numa_placement(ctx, roots)
 
 
+def collective(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
+    """The collective backend's threads that ended the trainer's waits."""
+    waits = pieces["interval"].unique()
+    wakers = pd.Series(ctx.trainer_states["waker_tid"].to_numpy(np.int64)[waits]).value_counts()
+    return {"backend_threads": [{**ctx.thread(int(t)), "waits": int(n)} for t, n in wakers.iloc[:MAX_THREADS].items() if t >= 0]}
+
+
 def unexplained(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
     return {"states_s": {str(k): float(v) / NS_PER_S
                          for k, v in pieces.groupby("state", observed=True)["ns"].sum().items()}}

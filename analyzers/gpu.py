@@ -267,6 +267,7 @@ def _budget(idle: np.ndarray, named: np.ndarray, host: np.ndarray, unwoken: np.n
 def starved_pieces(
     trainer_states: pd.DataFrame, windows: pd.DataFrame, run_split: RunSplit, trainer_tid: int | None,
     *, budget: bool = True, gaps: pd.DataFrame | None = None, host_split: HostSplit | None = None,
+    count_host: bool = False,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The starved part of the trainer's stalls and host work, and WINDOW_COLUMNS per window.
 
@@ -306,12 +307,12 @@ def starved_pieces(
             factor[NAMED] = np.divide(by_named, named_ns, out=np.zeros(len(rows)), where=named_ns > 0)
             factor[HOST] = np.divide(by_host, host_ns, out=np.zeros(len(rows)), where=host_ns > 0)
         else:
-            by_host = host_ns if cuda else np.zeros(len(rows))
+            by_host = host_ns if cuda or count_host else np.zeros(len(rows))
             by_named = named_ns + unwoken_ns
             unwoken_idle = np.zeros(len(rows))
             factor = np.zeros((4, len(rows)))
             factor[[NAMED, UNWOKEN]] = 1.0
-            factor[HOST] = float(cuda)
+            factor[HOST] = float(cuda or count_host)
         ns = ns * factor[kind, win] * weight[win]
         keep = ns > 0
         part = part[keep].copy()

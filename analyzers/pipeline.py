@@ -1,6 +1,7 @@
 """The analysis pipeline: `analyze` runs the analyzers over a loaded trace in order,
 threads and roles -> state intervals -> causes -> GPU-starved pieces of the trainer's time
--> wake-up chains -> findings, and returns an `Analysis` for the report layer."""
+-> wake-up chains -> findings (analyzers/trainer.py), for one trainer or for every rank
+of a job (analyzers/job.py), and returns an `Analysis` for the report layer."""
 
 from __future__ import annotations
 
@@ -10,28 +11,16 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
-import pyarrow.compute as pc
 
-from trainbpf.analyzers.attribution import EXACT_RUN_KINDS, RunSplit, attribute_states, churn_threads, sample_classes
-from trainbpf.analyzers.chains import followed_waits, is_followed, wait_chains
-from trainbpf.analyzers.cuda import (CudaTimeline, gpu_waits, launch_bursts, split_at_waits, step_summary, steps,
-                                     timeline)
-from trainbpf.analyzers.evidence import EvidenceContext
-from trainbpf.analyzers.findings import attribute_starved, build_findings
-from trainbpf.analyzers.gpu import (
-    gpu_utilisation, idle_fraction, idle_stretches, job_gpus, sample_windows, starved_pieces, whole_window,
-)
-from trainbpf.analyzers.host import HostSplit, host_labels
-from trainbpf.analyzers.intervals import Span, as_int64, dense_rank, resolve_window, trace_span
-from trainbpf.analyzers.numa import gpu_node, memory_placement, thread_placement
-from trainbpf.analyzers.roles import assign_roles, observed_threads, pick_trainer
-from trainbpf.analyzers.stacks import classify_stacks, python_stacks
-from trainbpf.analyzers.states import PYTHON_ID_COLUMNS, expand_slots, state_slots, state_totals
-from trainbpf.analyzers.vocab import codes
+from trainbpf.analyzers.cuda import CudaTimeline, step_summary
+from trainbpf.analyzers.findings import build_findings
+from trainbpf.analyzers.intervals import Span, as_int64
+from trainbpf.analyzers.job import JobResult, analyze_job, backend_tids, collective_pids, in_collectives
+from trainbpf.analyzers.ranks import empty_ranks, job_ranks
+from trainbpf.analyzers.roles import pick_trainer
+from trainbpf.analyzers.states import expand_slots, state_totals
+from trainbpf.analyzers.trainer import Shared, TrainerPart, roles, share, trainer_part
 from trainbpf.analyze_options import GPU_IDLE_THRESHOLD, Window
-from trainbpf.schema import KIND_COLUMNS
-from trainbpf.tracefile import release_unused_memory
 
 
 @dataclass
@@ -69,6 +58,7 @@ class Analysis:
     cuda_steps: dict[str, Any] | None = None  # cuda.step_summary of the trainer's steps
     cuda: CudaTimeline | None = None  # every thread's CUDA waits, bursts and gaps; None: CUDA not traced
     pystacks: pd.DataFrame | None = None  # stacks.python_stacks: the trace's Python stacks (states' pystack ids)
+    job: JobResult | None = None  # a job of several ranks (analyzers/job.py); None: one trainer
     _states: pd.DataFrame | None = field(default=None, repr=False)
 
     @property
@@ -126,49 +116,9 @@ class Analysis:
         return str(source) if source else ("gpu" if len(self.gpu) else None)
 
 
-def _seen(frames: list[pd.DataFrame]) -> pd.DataFrame:
-    """(tid, pid, first_ns) of every tid with rows; `frames`: the rows (tid, pid, ts_ns)
-    of every kind that has a tid."""
-    parts = []
-    for rows in frames:
-        table = pa.table({name: pa.array(rows[name]) for name in ("tid", "pid", "ts_ns")})
-        if table["tid"].null_count:
-            table = table.filter(pc.is_valid(table["tid"]))
-        if table.num_rows:
-            parts.append(table.group_by("tid", use_threads=False).aggregate([("pid", "max"), ("ts_ns", "min")]))
-    if not parts:
-        return pd.DataFrame({"tid": np.zeros(0, np.int64), "pid": np.zeros(0, np.int64), "first_ns": np.zeros(0, np.int64)})
-    agg = pa.concat_tables(parts, promote_options="permissive").group_by("tid", use_threads=False).aggregate(
-        [("pid_max", "max"), ("ts_ns_min", "min")]).to_pandas()
-    return pd.DataFrame({"tid": as_int64(agg["tid"]), "pid": as_int64(agg["pid_max_max"]), "first_ns": as_int64(agg["ts_ns_min_min"], 0)})
-
-
 def display_path(path: Any) -> str:
     """A path as text any report can carry: bytes of a non-UTF-8 name as \\xNN escapes."""
     return os.fsencode(str(path)).decode("utf-8", "backslashreplace")
-
-
-def _wake_counts(trainer_states: pd.DataFrame, followed: np.ndarray, trainer: int | None) -> pd.Series:
-    """Per waker tid, how many of the trainer's followed waits (not lock handoffs) it ended."""
-    wakers = trainer_states["waker_tid"].to_numpy(np.int64)[followed]
-    return pd.Series(wakers[wakers != trainer]).value_counts()
-
-
-# The offcpu columns the analyzers read.
-OFFCPU_COLUMNS = ("ts_ns", "dur_ns", "tid", "pid", "cpu", "state", "runq_ns", "peer_tid", "kstack_id", "ustack_id")
-# The oncpu columns the analyzers read.  Python stack ids (offcpu: states.PYTHON_ID_COLUMNS,
-# oncpu: pystack_id) are read only from a trace that holds Python stacks.
-ONCPU_COLUMNS = ("ts_ns", "tid", "pid", "cpu", "kstack_id", "ustack_id")
-# The kinds whose rows name a thread: every one of them shows when a thread was seen.
-THREAD_KINDS = tuple(kind for kind, columns in KIND_COLUMNS.items() if "tid" in columns)
-# Threads whose CPU use is the input pipeline's own.
-PIPELINE_ROLES = ("trainer", "dataloader", "pin_memory")
-
-
-def cpus_used(*, offcpu_cpu: np.ndarray, samples: pd.DataFrame) -> int:
-    """How many CPUs the traced threads ran on (switch-in CPUs and sample CPUs)."""
-    cpus = np.concatenate([as_int64(offcpu_cpu), samples["cpu"].to_numpy(np.int64)])
-    return max(1, len(dense_rank(cpus[cpus >= 0])[0]))
 
 
 def lost_counts(meta: dict[str, Any], lost_rows: pd.DataFrame) -> dict[str, int]:
@@ -188,103 +138,49 @@ def analyze(
     window: Window | tuple[float | None, float | None] | str | None = None,
 ) -> Analysis:
     """Run every analyzer over a loaded trace (trainbpf.tracefile.Trace).  `window`: a
-    Window (a (start_s, end_s) pair or "START:END" text is taken too)."""
-    meta = dict(trace.meta or {})
-    span = trace_span(meta, trace.chunks(["ts_ns", "dur_ns"]))
-    win = resolve_window(span, Window.of(window))
-    frame, view = trace.frame, trace.view
-
-    # Off-CPU intervals are most of a trace: their columns the analysis uses, read once
-    # and let go (the frame is a view of Arrow's memory) once they are slots.
-    stack_rows = view("stack")
-    pystacks = python_stacks(stack_rows)
-    offcpu = frame("offcpu", OFFCPU_COLUMNS + (PYTHON_ID_COLUMNS if len(pystacks) else ()))
-    offcpu_cpu = as_int64(offcpu["cpu"]).astype(np.int32)  # a copy: the frame goes
-    seen = _seen([offcpu] + [frame(kind) for kind in THREAD_KINDS if kind != "offcpu"])
-    base = observed_threads(view("thread"), frame("exit"), seen, span=span)
-    recorded = meta.get("trainer_tid")  # the recorder was told which thread trains
-    if trainer_tid is None and recorded is not None and int(recorded) in set(base["tid"].tolist()):
+    Window (a (start_s, end_s) pair or "START:END" text is taken too).  A trace of several
+    ranks of one job (analyzers/ranks.py) is analysed rank by rank and as one job
+    (analyzers/job.py), unless `trainer_tid` names one trainer."""
+    sh = share(trace, window)
+    threshold = float(gpu_idle_threshold)
+    ranks = empty_ranks() if trainer_tid is not None else job_ranks(
+        sh.base, trace.view("thread"), trace.view("process_env"), collective_pids(trace.view("collective")))
+    if len(ranks):
+        threads, job, view = analyze_job(sh, ranks, threshold)
+        # The report's trainer: the straggler's, else the first rank's.
+        part = job.parts[job.straggler["rank"] if job.straggler else int(job.ranks["rank"].iloc[0])]
+        return _analysis(sh, threads, part, view["starved"], view["findings"], basis=view["basis"], util=view["util"],
+                         idle=view["idle"], gpu_idle=view["gpu_idle"], threshold=threshold, job=job)
+    recorded = sh.meta.get("trainer_tid")  # the recorder was told which thread trains
+    if trainer_tid is None and recorded is not None and int(recorded) in set(sh.base["tid"].tolist()):
         trainer = int(recorded)
     else:
-        trainer = pick_trainer(base, target_pid=meta.get("target_pid"), trainer_tid=trainer_tid)
-    slots = state_slots(offcpu, frame("offcpu_short"), base)
-    del offcpu
-    release_unused_memory()
-    stacks = classify_stacks(stack_rows)
-    evidence_kinds = ("futex", "futex_addr", "mmap_lock", "reclaim", "compaction", "dirty_pause", "block_rq")
-    frames = {kind: view(kind) for kind in evidence_kinds}
-    slots, futex_waits = attribute_states(slots, frames, stacks)
-    # The trainer's intervals (its slots are a slice: slots are sorted by tid), positions
-    # of which identify its waits from here on.
-    at = np.searchsorted(slots["tid"].to_numpy(), [trainer, trainer + 1]) if trainer is not None else (0, 0)
-    trainer_states = expand_slots(slots.iloc[at[0]:at[1]])
-    followed = is_followed(codes(trainer_states["state"]), codes(trainer_states["futex_class"]),
-                           trainer_states["waker_tid"].to_numpy(np.int64))
-    threads = assign_roles(
-        base, trainer=trainer, named_by_user=trainer_tid is not None,
-        trainer_wakers=_wake_counts(trainer_states, followed, trainer),
-        writer_tids=np.unique(as_int64(frame("dirty_pause")["tid"])),
-    )
-    oncpu = frame("oncpu", ONCPU_COLUMNS + (("pystack_id",) if len(pystacks) else ()))
-    oncpu["host"], oncpu["host_frame"] = host_labels(oncpu, stacks, pystacks)
-    samples = sample_classes(oncpu, stacks)
-    del oncpu
-    run_split = RunSplit(samples, exact={kind: frames[kind] for kind, _ in EXACT_RUN_KINDS})
-    totals = state_totals(slots, win)
+        trainer = pick_trainer(sh.base, target_pid=sh.meta.get("target_pid"), trainer_tid=trainer_tid)
+    states, followed = sh.trainer_states(trainer)
+    threads = roles(sh, {trainer: (states, followed)} if trainer is not None else {}, named_by_user=trainer_tid is not None)
+    pids = frozenset(int(p) for p in sh.base["pid"].unique())
+    basis, util, windows, idle, gpu_idle = sh.gpu(pids, threshold)
+    part = trainer_part(sh, threads, trainer, states, followed, basis=basis, windows=windows)
+    # Waits inside collectives of ranks this trace does not hold: nobody here to blame.
+    starved = in_collectives(part, backend_tids(threads, trainer))
+    findings = build_findings(starved, part.chains, part.chain_ends, part.ctx, trainer_tid=trainer, gaps=part.gaps)
+    return _analysis(sh, threads, part, starved, findings, basis=basis, util=util, idle=idle, gpu_idle=gpu_idle,
+                     threshold=threshold)
 
-    util = gpu_utilisation(view("gpu"), span, uuids=job_gpus(meta), pids=frozenset(int(p) for p in base["pid"].unique()))
-    windows = sample_windows(util, win)
-    if len(windows):
-        basis = "gpu_idle"
-        idle = idle_stretches(util, threshold=float(gpu_idle_threshold), window=win)
-        gpu_idle = idle_fraction(util, win)
-    else:
-        basis = "trainer_not_running"
-        windows = whole_window(win)
-        idle = windows[["start_ns", "end_ns"]].copy()
-        gpu_idle = None
 
-    # With the CUDA probe's rows, the trainer's GPU waits are known exactly: cut its states
-    # at them (time inside one is GPU-bound, not starved; docs/findings.md).
-    cuda = timeline(view("cuda_call"), view("cuda_launch"), window=win)
-    if cuda is None:  # no CUDA rows: the estimator's frames are empty
-        cuda_waits, launches, launch_gap_rows = gpu_waits(view("cuda_call")), launch_bursts(view("cuda_launch")), None
-    else:
-        cuda_waits, launches, launch_gap_rows = cuda.of(trainer)
-    uses_cuda = bool(len(cuda_waits) or len(launches))
-    stall_states = split_at_waits(trainer_states, cuda_waits) if uses_cuda else trainer_states
-    step_rows = steps(cuda_waits, launches, window=win)
-    pieces, gpu_windows = starved_pieces(stall_states, windows, run_split, trainer, budget=basis == "gpu_idle",
-                                         gaps=launch_gap_rows, host_split=HostSplit(samples))
-    # Only the waits that starved the GPU are followed.
-    stalled = pieces.loc[pieces["run_class"] == "", "interval"].unique()
-    waits = followed_waits(trainer_states, stalled[followed[stalled]])
-    pipeline = threads.loc[threads["role"].isin(PIPELINE_ROLES), "tid"].to_numpy(np.int64)
-    chains, chain_ends = wait_chains(
-        waits, slots, run_split, pipeline_tids=tuple(int(t) for t in pipeline),
-        n_cpus=cpus_used(offcpu_cpu=offcpu_cpu, samples=samples),
-    )
-
-    churn = churn_threads(view("mm_syscall"), view("faults"), win)
-    topology = meta.get("topology") or {}
-    placement = thread_placement(samples[(samples["ts_ns"] >= win.start_ns) & (samples["ts_ns"] < win.end_ns)],
-                                 view("numa_move"), topology)
-    starved = attribute_starved(pieces, trainer_states, chain_ends, trainer_tid=trainer, churn=churn, placement=placement)
-    ctx = EvidenceContext(
-        window=win, threads=threads, slots=slots, trainer_states=trainer_states,
-        futex_waits=futex_waits, stacks=stacks, frames={**frames, "faults": view("faults"), "mm_syscall": view("mm_syscall")},
-        churn=churn, placement=placement, memory_nodes=memory_placement(view("numa_maps"), topology),
-        gpu_node=gpu_node(topology), pystacks=pystacks, samples=samples,
-    )
-    findings = build_findings(starved, chains, chain_ends, ctx, trainer_tid=trainer,
-                              gaps=launch_gap_rows)
+def _analysis(sh: Shared, threads: pd.DataFrame, part: TrainerPart, starved: pd.DataFrame, findings: pd.DataFrame, *,
+              basis: str, util: pd.DataFrame, idle: pd.DataFrame, gpu_idle: float | None, threshold: float,
+              job: JobResult | None = None) -> Analysis:
+    trace = sh.trace
     return Analysis(
-        path=display_path(getattr(trace, "path", "")), meta=meta, span=span, window=win, trainer_tid=trainer,
-        gpu_idle_threshold=float(gpu_idle_threshold), basis=basis, threads=threads, slots=slots, totals=totals,
-        futex_waits=futex_waits, samples=samples, gpu=util, idle=idle, gpu_windows=gpu_windows, starved=starved, chains=chains, chain_ends=chain_ends,
-        churn=churn, placement=placement, findings=findings, lost=lost_counts(meta, view("lost")),
-        idle_fraction=gpu_idle, uses_cuda=uses_cuda, cuda_steps=step_summary(step_rows) if len(step_rows) else None,
-        cuda=cuda, pystacks=pystacks,
+        path=display_path(getattr(trace, "path", "")), meta=sh.meta, span=sh.span, window=sh.win,
+        trainer_tid=part.trainer, gpu_idle_threshold=threshold, basis=basis, threads=threads, slots=sh.slots,
+        totals=state_totals(sh.slots, sh.win), futex_waits=sh.futex_waits, samples=sh.samples, gpu=util, idle=idle,
+        gpu_windows=part.gpu_windows, starved=starved, chains=part.chains,
+        chain_ends=part.chain_ends, churn=sh.churn, placement=sh.placement, findings=findings,
+        lost=lost_counts(sh.meta, trace.view("lost")), idle_fraction=gpu_idle, uses_cuda=part.uses_cuda,
+        cuda_steps=step_summary(part.step_rows) if len(part.step_rows) else None, cuda=sh.cuda,
+        pystacks=sh.pystacks, job=job,
     )
 
 

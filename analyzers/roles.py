@@ -11,7 +11,10 @@ from trainbpf.errors import UsageError
 
 # Roles from thread names, first match wins (comm is at most 15 characters, lower-cased).
 # PyTorch names its pin-memory thread "pt_data_pin" and workers "pt_data_worker".
+# gloo names its threads "gloo_tcp_loop" and "pt_gloo_runloop" (before "loader": never a
+# data loader, though they end the trainer's waits in every collective).
 NAME_ROLES: tuple[tuple[str, str], ...] = (
+    ("collective", r"gloo|nccl"),
     ("pin_memory", r"pin_memory|pt_data_pin|pin_mem"),
     ("dataloader", r"pt_data_worker|dataloader|data_worker|worker|loader"),
     ("checkpoint", r"checkpoint|ckpt|writer|saver"),
@@ -150,14 +153,14 @@ def observed_threads(thread_rows: pd.DataFrame, exit_rows: pd.DataFrame, seen: p
 def assign_roles(
     threads: pd.DataFrame,
     *,
-    trainer: int | None,
+    trainer: int | list[int] | None,
     named_by_user: bool = False,
     trainer_wakers: pd.Series | None = None,
     writer_tids: np.ndarray | None = None,
 ) -> pd.DataFrame:
     """Roles from names, then behaviour: `trainer_wakers` counts, per waker tid, the
     trainer waits it ended (a frequent waker is a producer); `writer_tids` were throttled
-    writing dirty pages (a checkpoint writer)."""
+    writing dirty pages (a checkpoint writer).  `trainer`: one tid, or a job's ranks' trainers."""
     tids = threads["tid"].to_numpy()
     role = pd.Series("other", index=threads.index, dtype=object)
     source = pd.Series("", index=threads.index, dtype=object)
@@ -177,7 +180,7 @@ def assign_roles(
         role[writer] = "checkpoint"
         source[writer] = "behaviour"
     if trainer is not None:
-        is_trainer = tids == trainer
+        is_trainer = np.isin(tids, np.atleast_1d(np.asarray(trainer, dtype=np.int64)))
         role[is_trainer] = "trainer"
         source[is_trainer] = "option" if named_by_user else "target"
     out = threads.copy()

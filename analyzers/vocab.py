@@ -31,7 +31,8 @@ STATES: tuple[str, ...] = (
 # does (followed to the waker), a contended "lock", or the "gil"; "none" off futexes.
 FUTEX_CLASSES: tuple[str, ...] = ("none", "wait", "lock", "gil")
 
-ROLES: tuple[str, ...] = ("trainer", "dataloader", "pin_memory", "checkpoint", "autograd", "other")
+# "collective": a collective backend's threads (gloo, NCCL), which carry a rank's collectives.
+ROLES: tuple[str, ...] = ("trainer", "dataloader", "pin_memory", "checkpoint", "autograd", "collective", "other")
 
 STATE_DTYPE = pd.CategoricalDtype(STATES)
 FUTEX_CLASS_DTYPE = pd.CategoricalDtype(FUTEX_CLASSES)

@@ -23,6 +23,19 @@ def require_root(what: str = "loads BPF programs") -> None:
     pytest.skip(reason)
 
 
+def require_module(name: str, what: str) -> None:
+    """Skip where module `name` is not installed, except in CI, where the test set-up
+    (scripts/setup.sh --test) installs it: a skip there would hide a broken set-up."""
+    import importlib.util
+
+    if importlib.util.find_spec(name) is not None:
+        return
+    reason = f"{what} needs {name}, which is not installed (scripts/setup.sh --test installs it)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
 # The CPython versions the Python-frame walk supports, as installed under pyenv here.
 PYENV = Path("/root/.pyenv/versions")
 PYTHON_VERSIONS = {"3.10": "3.10.13", "3.11": "3.11.7", "3.12": "3.12.1", "3.13": "3.13.0"}

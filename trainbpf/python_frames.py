@@ -36,7 +36,9 @@ def python_line(finding: dict[str, Any]) -> str | None:
     when its evidence names none."""
     frames = (finding.get("evidence") or {}).get("python_frames") or {}
     waiter, producer = shown_frame(frames.get("waiter") or []), shown_frame(frames.get("producer") or [])
-    chain = finding.get("chain") or []
+    # A job's chain starts at the rank that waited in a collective: the frames are the
+    # late rank's.
+    chain = [link for link in finding.get("chain") or [] if link.get("state") != "collective"]
     if (waiter is None and producer is None) or not chain:
         return None
     ends = [(chain[0], waiter)]

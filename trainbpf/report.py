@@ -20,6 +20,7 @@ from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.states import state_seconds
 from trainbpf.analyzers.vocab import ROLES
 from trainbpf.html_report import render_html
+from trainbpf.job_report import job_summary, rank_culprits, ranks_section, straggler_section
 from trainbpf.memory import read_for_analysis
 from trainbpf.python_frames import frame_label
 from trainbpf.safefile import OutputFile, check_output, write_new
@@ -67,9 +68,11 @@ def build_report(analysis: Analysis) -> dict[str, Any]:
             "seconds": _seconds(f.seconds),
             "severity": str(f.severity),
             "threads": [{"tid": int(t["tid"]), "comm": str(t["comm"]), "role": str(t["role"])} for t in f.threads],
-            "chain": [{"tid": int(c["tid"]), "role": str(c["role"]), "state": str(c["state"])} for c in f.chain],
+            "chain": [{"tid": int(c["tid"]), "role": str(c["role"]), "state": str(c["state"]),
+                       **({"rank": int(c["rank"])} if "rank" in c else {})} for c in f.chain],
             "culprits": culprits(analysis, str(f.category), f.threads, f.evidence),
-            "summary": finding_summary(str(f.category), f.share, f.seconds, f.threads, f.evidence),
+            "summary": job_summary(f.evidence, f.share, f.seconds, finding_summary(
+                str(f.category), f.share, f.seconds, f.threads, f.evidence, own_seconds=_own_seconds(f.evidence))),
             "evidence": plain(f.evidence),
             "recommendation": BY_NAME[str(f.category)].recommendation,
             "launch_gap_s": None if math.isnan(f.launch_gap_s) else _seconds(f.launch_gap_s),
@@ -99,8 +102,8 @@ def build_report(analysis: Analysis) -> dict[str, Any]:
         },
         "starved_s": _seconds(analysis.starved_ns / NS_PER_S),
         "host_bound_s": _seconds(analysis.host_bound_ns / NS_PER_S),
-        "ranks": None,
-        "straggler": None,
+        "ranks": ranks_section(analysis),
+        "straggler": straggler_section(analysis),
         "findings": findings,
         "threads": rows,
         "cuda": cuda_section(analysis),
@@ -145,7 +148,7 @@ def culprits(analysis: Analysis, category: str, threads: list[dict[str, Any]],
              evidence: dict[str, Any]) -> list[dict[str, Any]]:
     """What the finding blames (docs/findings.md, "Outputs"): its threads, as producers
     ({kind: "thread", name, tid, pid}); for host work with the seconds of it and the
-    function that took most of them."""
+    function that took most of them; in a job, the ranks its time was spent on."""
     pids = dict(zip(analysis.threads["tid"].tolist(), analysis.threads["pid"].tolist()))
     own = evidence.get("trainer_loading") if category == "input_pipeline" else evidence
     producers = {int(p["tid"]): float(p["seconds"]) for p in evidence.get("producers", [])}
@@ -159,15 +162,22 @@ def culprits(analysis: Analysis, category: str, threads: list[dict[str, Any]],
             row["function"] = _function_label(own["functions"][0])
             row.setdefault("seconds", _seconds(sum(f["seconds"] for f in own["functions"])))
         out.append(row)
-    return out
+    return out + rank_culprits(evidence)
+
+
+def _own_seconds(evidence: dict[str, Any]) -> float | None:
+    """In a job, the seconds the finding's rank itself spent (its evidence's), else None."""
+    return float(evidence["starved_s"]) if "starved_ranks" in evidence and "starved_s" in evidence else None
 
 
 def finding_summary(category: str, share: float, seconds: float, threads: list[dict[str, Any]],
-                    evidence: dict[str, Any]) -> str:
+                    evidence: dict[str, Any], *, own_seconds: float | None = None) -> str:
     """A finding in one sentence, from its category's summary template; a finding without
     starved time (numa_remote placement alone) from the `unmeasured` one; one that is
-    mostly the trainer loading its own data from the `own_work` one."""
+    mostly the trainer loading its own data from the `own_work` one.  `own_seconds`: in a
+    job, the time the finding's rank spent (the sentence says that, not the job's sum)."""
     record = BY_NAME[category]
+    seconds = seconds if own_seconds is None else own_seconds
     who = _who(threads)
     if seconds == 0 and record.unmeasured:
         return record.unmeasured.format(who=who, gpu_node=evidence.get("gpu_node"))

@@ -178,6 +178,10 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     "taskstats": ("ts_ns", "tid", "pid", "state", "name", "count"),
     # The target's numa_maps summed per node: state = "start"/"end", count = pages.
     "numa_maps": ("ts_ns", "pid", "state", "node", "count"),
+    # A rank variable of a traced process's environment (RANK, WORLD_SIZE, ...).
+    "process_env": ("ts_ns", "pid", "name", "state"),
+    # An NCCL call returned: ts_ns = entry, dur_ns = entry -> return.
+    "collective": ("ts_ns", "dur_ns", "tid", "pid", "name", "op", "addr", "size", "count"),
     # Cumulative lost events for probe `name` (ring buffer full).
     "lost": ("ts_ns", "name", "count"),
     # A symbolised stack: kstack_id = the stack id (kernel and user ids share one map;
@@ -214,6 +218,8 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "numa_maps": {"count": "pages"},
     "lost": {"name": "probe", "count": "lost"},
     "stack": {"kstack_id": "stack_id", "state": "space", "name": "frames"},
+    "process_env": {"name": "variable", "state": "value"},
+    "collective": {"op": "seq", "addr": "comm", "size": "elements", "count": "ret"},
 }
 
 

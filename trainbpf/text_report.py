@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from trainbpf.analyzers import observed_ns
 from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.vocab import STATES
+from trainbpf.job_report import rank_lines
 from trainbpf.printable import printable
 from trainbpf.python_frames import python_line, refused_note
 
@@ -39,8 +40,11 @@ def render_text(rendered: Report) -> str:
         lo = (analysis.window.start_ns - analysis.span.start_ns) / NS_PER_S
         hi = (analysis.window.end_ns - analysis.span.start_ns) / NS_PER_S
         where = f" (window {lo:g}-{hi:g} s of {analysis.span.seconds:.2f} s)"
-    trainer = next((t for t in report["threads"] if t["role"] == "trainer"), None)
+    trainer = next((t for t in report["threads"] if t["role"] == "trainer" and t["tid"] == analysis.trainer_tid),
+                   next((t for t in report["threads"] if t["role"] == "trainer"), None))
     who = f"trainer {_thread_label(trainer)}" if trainer else "no trainer thread found"
+    if report["ranks"]:
+        who = f"a job of {len(report['ranks'])} ranks, one trainer each"
     lines.append(f"  duration {tr['duration_s']:.2f} s{where}; pid {tr['pid'] if tr['pid'] is not None else '?'}; {who}")
     if tr["lost_events"]:
         per = ""
@@ -94,6 +98,7 @@ def render_text(rendered: Report) -> str:
         )
     if analysis.uses_cuda and not gpu["samples"]:
         lines.append(_host_line(report))
+    lines.extend(rank_lines(report))
     lines.extend(_cuda_lines(report, analysis))
     lines.append("")
     findings = report["findings"]

@@ -1,0 +1,101 @@
+"""Multi-process jobs for the tests: a real torchrun job of `scripts/workloads/ddp_job.py`
+(gloo on the CPU), recorded through its launcher's pid and analysed, text and JSON."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import selectors
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from scenario_harness import WORKLOADS, ScenarioError, fake_gpu_env, stop_process, trainbpf_cli, wait_for_quiet
+
+from trainbpf.tracefile import spool_path_for
+
+JOB_RECORD_SECONDS = 4
+JOB_READY_TIMEOUT_S = 90
+JOB_STEP_MS = 40
+
+
+@dataclass
+class JobRun:
+    report: dict  # analyze --format json
+    text: str  # analyze (the text report)
+    trace: Path
+    launcher_pid: int
+    rank_pids: list[int]
+    log: str  # the workload's stderr (torchrun's and the ranks')
+
+
+def torchrun() -> str:
+    return str(Path(sys.executable).parent / "torchrun")
+
+
+@contextlib.contextmanager
+def running_job(workdir: Path, ranks: int, args: tuple[str, ...], env: dict | None = None):
+    """torchrun with `ranks` ranks of ddp_job.py, held until the recorder's spool exists
+    (--hold-until); yields (launcher process, rank pids) once every rank is ready."""
+    log = open(workdir / "job.log", "wb")
+    proc = subprocess.Popen(
+        [torchrun(), "--standalone", f"--nproc_per_node={ranks}", str(WORKLOADS / "ddp_job.py"), *args],
+        env={**(env or os.environ), "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=log,
+        cwd=workdir, start_new_session=True)
+    try:
+        yield proc, _ready_pids(proc, ranks, workdir)
+    finally:
+        stop_process(proc)
+        log.close()
+
+
+def _ready_pids(proc: subprocess.Popen, ranks: int, workdir: Path) -> list[int]:
+    """The ranks' pids from their `ready pid=N` lines (written at once by several
+    processes: read as a stream, not line by line)."""
+    out = b""
+    deadline = time.monotonic() + JOB_READY_TIMEOUT_S
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while len(pids := [int(p) for p in re.findall(rb"ready pid=(\d+)(?=\D)", out)]) < ranks:
+            if time.monotonic() > deadline or not sel.select(max(0.1, deadline - time.monotonic())):
+                raise ScenarioError(f"the torchrun job did not start ({out!r}); log: "
+                                    f"{(workdir / 'job.log').read_text(errors='replace')[-2000:]}")
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                raise ScenarioError(f"the torchrun job exited: {(workdir / 'job.log').read_text(errors='replace')[-2000:]}")
+            out += chunk
+    return pids
+
+
+def record_job(workdir: Path, *, ranks: int = 3, slow: str = "input", slow_rank: int = 1,
+               seconds: float = JOB_RECORD_SECONDS) -> JobRun:
+    """Record a torchrun job through its launcher's pid for `seconds` and analyse it."""
+    cli = trainbpf_cli()
+    trace = workdir / f"job-{slow}.parquet"
+    go = spool_path_for(trace)  # the probes are compiled once the spool exists
+    args = ("--seconds", "300", "--step-ms", str(JOB_STEP_MS), "--slow", slow, "--slow-rank", str(slow_rank),
+            "--hold-until", str(go))
+    # One simulated GPU per rank, sampled by the stand-in nvidia-smi.
+    env = {**fake_gpu_env(workdir), "TRAINBPF_SIM_GPU_COUNT": str(ranks)}
+    wait_for_quiet()
+    with running_job(workdir, ranks, args, env) as (launcher, pids):
+        rec = subprocess.run([str(cli), "record", "--pid", str(launcher.pid), "-o", str(trace), "--gpu", "nvidia-smi",
+                              "--duration", str(seconds)], env=env, capture_output=True, text=True,
+                             timeout=seconds + 120)
+        if rec.returncode != 0:
+            raise ScenarioError(f"trainbpf record exited {rec.returncode}: {rec.stderr[-2000:]}")
+        if launcher.poll() is not None:
+            raise ScenarioError(f"the job exited during the recording: "
+                                f"{(workdir / 'job.log').read_text(errors='replace')[-2000:]}")
+        launcher_pid = launcher.pid
+    text = subprocess.run([str(cli), "analyze", str(trace)], capture_output=True, text=True, timeout=120)
+    js = subprocess.run([str(cli), "analyze", str(trace), "--format", "json"], capture_output=True, text=True,
+                        timeout=120)
+    if text.returncode or js.returncode:
+        raise ScenarioError(f"trainbpf analyze failed: {text.stderr[-1000:]} {js.stderr[-1000:]}")
+    return JobRun(report=json.loads(js.stdout), text=text.stdout, trace=trace, launcher_pid=launcher_pid,
+                  rank_pids=pids, log=(workdir / "job.log").read_text(errors="replace"))
