@@ -26,6 +26,8 @@ def jobs(tmp_path_factory) -> dict[str, JobRun]:
     runs = {}
     for name, ranks, slow in (("input", 3, "input"), ("faults", 2, "faults"), ("healthy", 2, "none")):
         runs[name] = record_job(tmp_path_factory.mktemp(f"job-{name}"), ranks=ranks, slow=slow, slow_rank=1)
+    runs["rank0"] = record_job(tmp_path_factory.mktemp("job-rank0"), ranks=2, slow="input", slow_rank=1,
+                               seconds=3, target_rank=0)
     return runs
 
 
@@ -76,3 +78,14 @@ def test_a_healthy_job_has_no_straggler_and_no_critical_finding(jobs):
     assert report["straggler"] is None, report["ranks"]
     assert not [f for f in report["findings"] if f["severity"] == "critical"], report["findings"]
     assert "Straggler: none" in jobs["healthy"].text
+
+
+def test_one_rank_recorded_alone_waits_in_collectives_for_ranks_not_traced(jobs):
+    run = jobs["rank0"]
+    report = run.report
+    assert report["ranks"] is None and report["straggler"] is None
+    top = report["findings"][0]
+    assert top["category"] == "collective", [(f["category"], f["share"]) for f in report["findings"]]
+    assert top["threads"][0]["tid"] == sorted(run.rank_pids)[0]
+    backend = {t["comm"] for t in top["evidence"]["backend_threads"]}
+    assert backend and all("gloo" in comm for comm in backend), backend

@@ -124,3 +124,16 @@ def test_waits_are_charged_to_what_the_late_rank_did_beyond_the_others():
     rest = job[(job["rank"] == 0) & (job["culprit_rank"] == 0)]
     assert set(rest["category"].astype(str)) == {"collective"} and abs(rest["ns"].sum() - 2 * MS) < 1e3
     assert set(held["category"].astype(str)) == {"input_pipeline"} and (held["rank"] == 1).all()
+
+
+def test_ranks_that_never_waited_in_a_collective_have_no_straggler():
+    calls = _calls([(0, 1, 2)]).iloc[:0]
+    arrivals, last = match_collectives(calls, [0, 1])
+    assert arrivals.empty and last.empty
+    waits = waits_for(pd.DataFrame({"rank": np.zeros(0, np.int64), "interval": np.zeros(0, np.int64),
+                                    "exit_ns": np.zeros(0, np.int64)}), last)
+    own = _pieces([(0, 10, "input_pipeline", 0)])
+    job, held = charge({0: (100, own, own), 1: (101, own.iloc[:0], own)}, waits, arrivals, last)
+    assert job["ns"].sum() == own["ns"].sum() and held.empty
+    summary = rank_summary(arrivals, last, [0, 1])
+    assert summary["last_share"].tolist() == [0.0, 0.0]
