@@ -224,7 +224,6 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "process_env": {"name": "variable", "state": "value"},
     "lost": {"name": "probe", "count": "lost"},
     "stack": {"kstack_id": "stack_id", "state": "space", "name": "frames"},
-    "process_env": {"name": "variable", "state": "value"},
     "collective": {"op": "seq", "addr": "comm", "size": "elements", "count": "ret"},
 }
 
