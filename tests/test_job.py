@@ -40,6 +40,8 @@ def test_a_late_input_pipeline_is_the_straggler_and_explains_every_rank(jobs):
     report = run.report
     assert [r["pid"] for r in report["ranks"]] == sorted(run.rank_pids), report["ranks"]
     assert all(RANK_KEYS <= set(r) for r in report["ranks"])
+    assert [(r["rank"], r["local_rank"], r["world_size"], r["source"]) for r in report["ranks"]] == \
+        [(0, 0, 3, "environment"), (1, 1, 3, "environment"), (2, 2, 3, "environment")]
     straggler = report["straggler"]
     assert straggler is not None and set(straggler) == STRAGGLER_KEYS, report["ranks"]
     assert straggler["rank"] == 1 and straggler["category"] == "input_pipeline", straggler
@@ -89,3 +91,5 @@ def test_one_rank_recorded_alone_waits_in_collectives_for_ranks_not_traced(jobs)
     assert top["threads"][0]["tid"] == sorted(run.rank_pids)[0]
     backend = {t["comm"] for t in top["evidence"]["backend_threads"]}
     assert backend and all("gloo" in comm for comm in backend), backend
+    assert "Rank 0 of 2: the other ranks are not traced" in run.text, run.text[:1500]
+    assert "is rank 0 of 2; the other rank is not traced" in run.record_log, run.record_log

@@ -114,7 +114,8 @@ def lone_rank_note(pid: int, env: dict[str, str] | None, others: list[dict[str, 
     rank, world = rank_of(env or {})
     if rank is None or world is None or world < 2 or any(rank_of(e)[0] not in (None, rank) for e in others):
         return None
-    return (f"note: pid {pid} is rank {rank} of {world}; the other {world - 1} ranks are not traced "
+    others_text = "the other rank is" if world == 2 else f"the other {world - 1} ranks are"
+    return (f"note: pid {pid} is rank {rank} of {world}; {others_text} not traced "
             f"(record the launcher's pid to trace every rank)")
 
 

@@ -52,9 +52,15 @@ def rank_culprits(evidence: dict[str, Any]) -> list[dict[str, Any]]:
              "seconds": _round(c["seconds"])} for c in evidence.get("culprit_ranks", [])]
 
 
-def rank_lines(report: dict[str, Any]) -> list[str]:
-    """The text report's per-rank table and straggler line; nothing for one process."""
+def rank_lines(report: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    """The text report's per-rank table and straggler line; for one rank of a job traced
+    alone (metadata `job`), that the others are not traced."""
     ranks = report.get("ranks")
+    lone = meta.get("job") or {}
+    if not ranks and (lone.get("world_size") or 0) > 1 and lone.get("target_rank") is not None:
+        return [f"  Rank {lone['target_rank']} of {lone['world_size']}: the other ranks are not traced, so the "
+                "report cannot say which rank its collectives waited for (record the launcher's pid to trace "
+                "every rank)"]
     if not ranks:
         return []
     head = ["rank", "pid", "node", "steps", "step p50", "starved", "collective wait", "arrived last", "top cause"]

@@ -98,7 +98,7 @@ def render_text(rendered: Report) -> str:
         )
     if analysis.uses_cuda and not gpu["samples"]:
         lines.append(_host_line(report))
-    lines.extend(rank_lines(report))
+    lines.extend(rank_lines(report, analysis.meta))
     lines.extend(_cuda_lines(report, analysis))
     lines.append("")
     findings = report["findings"]
