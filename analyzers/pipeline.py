@@ -45,7 +45,7 @@ class Analysis:
     samples: pd.DataFrame  # on-CPU samples with their class
     gpu: pd.DataFrame  # gpu.UTIL_COLUMNS: each GPU's sample windows
     idle: pd.DataFrame  # stretches below gpu_idle_threshold inside the window (drawing only)
-    gpu_windows: pd.DataFrame  # gpu.WINDOW_COLUMNS: idle, stalls and starved ns per sample window
+    gpu_windows: pd.DataFrame  # gpu.WINDOW_COLUMNS: idle, stalls and starved ns per sample window (a job: every rank's)
     starved: pd.DataFrame  # findings.ATTRIBUTED_COLUMNS
     chains: pd.DataFrame  # chains.LINK_COLUMNS: the path each followed wait took
     chain_ends: pd.DataFrame  # chains.END_COLUMNS: where its shares ended
@@ -176,7 +176,11 @@ def _analysis(sh: Shared, threads: pd.DataFrame, part: TrainerPart, starved: pd.
         path=display_path(getattr(trace, "path", "")), meta=sh.meta, span=sh.span, window=sh.win,
         trainer_tid=part.trainer, gpu_idle_threshold=threshold, basis=basis, threads=threads, slots=sh.slots,
         totals=state_totals(sh.slots, sh.win), futex_waits=sh.futex_waits, samples=sh.samples, gpu=util, idle=idle,
-        gpu_windows=part.gpu_windows, starved=starved, chains=part.chains,
+        # A job: every rank's sample windows of its own GPU, so GPU-bound, host-bound and
+        # unwoken time add up over the ranks as starved time does.
+        gpu_windows=part.gpu_windows if job is None else pd.concat([p.gpu_windows for p in job.parts.values()],
+                                                                   ignore_index=True),
+        starved=starved, chains=part.chains,
         chain_ends=part.chain_ends, churn=sh.churn, placement=sh.placement, findings=findings,
         lost=lost_counts(sh.meta, trace.view("lost")), idle_fraction=gpu_idle, uses_cuda=part.uses_cuda,
         cuda_steps=step_summary(part.step_rows) if len(part.step_rows) else None, cuda=sh.cuda,

@@ -80,8 +80,9 @@ def render_text(rendered: Report) -> str:
         idle = gpu["idle_fraction"] or 0.0
         lines.append(f"  GPU: {gpu['source']}, {gpu['samples']} samples; idle {_pct(idle)} of the time "
                      "(1 - mean utilisation)")
+        whose = "each rank's trainer's, against its own GPU, summed" if report["ranks"] else "the trainer's"
         lines.append(
-            f"  Starved time: {report['starved_s']:.2f} s (GPU idle time that the trainer's stalls and own CPU "
+            f"  Starved time: {report['starved_s']:.2f} s (GPU idle time that {whose} stalls and own CPU "
             "work explain: in each sample at most its idle time)"
         )
         lines.append(_host_line(report))
