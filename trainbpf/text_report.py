@@ -80,10 +80,10 @@ def render_text(rendered: Report) -> str:
         idle = gpu["idle_fraction"] or 0.0
         lines.append(f"  GPU: {gpu['source']}, {gpu['samples']} samples; idle {_pct(idle)} of the time "
                      "(1 - mean utilisation)")
-        whose = "each rank's trainer's, against its own GPU, summed" if report["ranks"] else "the trainer's"
+        summed = ", summed over the ranks (each rank's GPU against its own trainer)" if report["ranks"] else ""
         lines.append(
-            f"  Starved time: {report['starved_s']:.2f} s (GPU idle time that {whose} stalls and own CPU "
-            "work explain: in each sample at most its idle time)"
+            f"  Starved time: {report['starved_s']:.2f} s{summed} (GPU idle time that the trainer's stalls and own "
+            "CPU work explain: in each sample at most its idle time)"
         )
         lines.append(_host_line(report))
         if analysis.unwoken_idle_ns >= 0.01 * max(analysis.idle_ns, 1.0):
