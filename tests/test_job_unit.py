@@ -52,6 +52,16 @@ def test_ranks_come_from_environments_and_workers_belong_to_their_rank():
     assert rank_of_threads(threads, rows, ranks).tolist() == [-1, 1, 0, 0, 1]
 
 
+def test_a_shell_that_passed_its_rank_on_is_a_launcher():
+    # srun starts `bash -c "python train.py"` per task: both have SLURM_PROCID; python trains.
+    threads = _threads([(20, 20, "bash"), (21, 21, "python"), (30, 30, "bash"), (31, 31, "python")])
+    rows = _thread_rows({20: 1, 21: 20, 30: 1, 31: 30})
+    env = _env([(20, "SLURM_PROCID", "0"), (21, "SLURM_PROCID", "0"), (30, "SLURM_PROCID", "1"),
+                (31, "SLURM_PROCID", "1"), (21, "SLURM_NTASKS", "2"), (31, "SLURM_NTASKS", "2")])
+    ranks = job_ranks(threads, rows, env)
+    assert ranks["pid"].tolist() == [21, 31] and ranks["world_size"].tolist() == [2, 2]
+
+
 def test_without_environments_ranks_are_the_processes_with_collective_threads():
     threads = _threads([(10, 10, "torchrun"), (11, 11, "python"), (15, 11, "gloo_tcp_loop"), (12, 12, "python"),
                         (16, 12, "pt_gloo_runloop"), (13, 13, "python")])
