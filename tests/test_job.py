@@ -149,7 +149,8 @@ def test_perfetto_gives_each_rank_a_process_with_its_collectives(jobs, rendered)
     # rank 1 arrived last in most of them, by ms; the others spent them waiting for it
     mine = [e for e in collectives if e["pid"] == ranks[1]["pid"]]
     late = [e for e in mine if e["args"]["last_rank"] == 1]
-    assert len(late) >= 0.8 * len(mine) and min(e["args"]["lead_ms"] for e in late) >= 1.0
+    # by about the injected 30 ms (a step's first collective after the barrier may be close)
+    assert len(late) >= 0.8 * len(mine) and sorted(e["args"]["lead_ms"] for e in late)[len(late) // 2] >= 10.0
     waiting = [e["dur"] for e in collectives if e["pid"] != ranks[1]["pid"] and e["args"]["last_rank"] == 1]
     assert sorted(waiting)[len(waiting) // 2] > 3 * sorted(e["dur"] for e in late)[len(late) // 2]
     # each rank's trainer states on its own process, its starved time beside them
