@@ -218,7 +218,28 @@ def cpu_contention(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int])
         "runnable_s": {str(int(t)): float(ns) / NS_PER_S for t, ns in by_thread.iloc[:MAX_THREADS].items()},
         "all_threads_runnable_s": float(every) / NS_PER_S,
         "threads_traced": int(len(ctx.threads)),
+        **preempted_by(ctx, roots),
     }
+
+
+def preempted_by(ctx: EvidenceContext, roots: Any) -> dict[str, Any]:
+    """The tasks that took the CPU from threads `roots` in the window (the sched probe's
+    preemption counts), most preemptions first, each marked whether the traced tree holds
+    it; and the preemptions in all."""
+    rows = ctx.rows("preempted_by", roots)
+    if not len(rows):
+        return {"preemptions": 0, "preempted_by": []}
+    count = as_int64(rows["preemptions"], 0)
+    by_peer = pd.DataFrame({"ts_ns": as_int64(rows["ts_ns"]), "peer_tid": as_int64(rows["peer_tid"]), "count": count,
+                            "peer_pid": as_int64(rows["peer_pid"], -1), "comm": rows["comm"].astype(str).to_numpy()})
+    # The newest row names a task: its comm at its last flush, its pid where still known.
+    top = by_peer.sort_values("ts_ns", kind="stable").groupby("peer_tid", as_index=False).agg(
+        preemptions=("count", "sum"), peer_pid=("peer_pid", "max"), comm=("comm", "last"))
+    top = top.sort_values("preemptions", ascending=False, kind="stable").iloc[:MAX_THREADS]
+    traced = set(ctx.threads["tid"].tolist())
+    return {"preemptions": int(count.sum()), "preempted_by": [
+        {"tid": int(r.peer_tid), "pid": int(r.peer_pid) if r.peer_pid >= 0 else None, "comm": str(r.comm),
+         "preemptions": int(r.preemptions), "traced": int(r.peer_tid) in traced} for r in top.itertuples()]}
 
 
 def allocator_churn(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:

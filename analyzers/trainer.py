@@ -206,7 +206,7 @@ def trainer_part(sh: Shared, threads: pd.DataFrame, trainer: int | None, states:
     topology = sh.meta.get("topology") or {}
     ctx = EvidenceContext(
         window=win, threads=threads, slots=sh.slots, trainer_states=states, futex_waits=sh.futex_waits,
-        stacks=sh.stacks, frames={**sh.frames, "faults": sh.trace.view("faults"), "mm_syscall": sh.trace.view("mm_syscall")},
+        stacks=sh.stacks, frames={**sh.frames, **{k: sh.trace.view(k) for k in ("faults", "mm_syscall", "preempted_by")}},
         churn=sh.churn, placement=sh.placement, memory_nodes=memory_placement(sh.trace.view("numa_maps"), topology),
         gpu_node=gpu_node(topology), pystacks=sh.pystacks, samples=sh.samples,
     )

@@ -4,6 +4,8 @@
  *
  * Intervals >= MIN_BLOCK_NS stream out with stacks; shorter ones are summed in the kernel
  * per (tid, state) so every nanosecond stays accounted for without flooding user space.
+ * Preemptions of traced threads are counted per (traced tid, the task that ran instead),
+ * with that task's comm from the tracepoint: what took the CPU, in the tree or not.
  *
  * Stacks cost most (docs/performance.md) and only streamed intervals keep them.
  * Where the kernel has the bare sched_exit_tp tracepoint (6.16+; the loader then defines
@@ -49,6 +51,10 @@
 /* 1 under sudo (Settings.exec_leaves): an exec takes the process out of the traced set. */
 #ifndef EXEC_LEAVES
 #error "EXEC_LEAVES must be defined by the loader"
+#endif
+/* (traced tid, next tid) pairs one flush can count (tracer/sched.py PREEMPTION_ENTRIES). */
+#ifndef PREEMPTION_ENTRIES
+#error "PREEMPTION_ENTRIES must be defined by the loader"
 #endif
 #define CLONE_THREAD_FLAG 0x00010000
 
@@ -120,6 +126,18 @@ struct short_sum {
     u32 pad;
 };
 
+struct preempt_key {
+    u32 tid;      /* the traced thread switched out while runnable */
+    u32 next_tid; /* the task that ran instead (the tracepoint's next_pid) */
+};
+
+struct preemption {
+    u64 count;
+    u32 pid; /* the traced thread's tgid */
+    u32 pad;
+    char comm[16]; /* next_comm at the first preemption since the last drain */
+};
+
 BPF_RINGBUF_OUTPUT(sched_events, RINGBUF_PAGES);
 BPF_RINGBUF_OUTPUT(task_events, TASK_RINGBUF_PAGES);
 BPF_HASH(sched_threads, u32, struct sched_thread, MAX_THREADS);
@@ -129,6 +147,8 @@ BPF_HASH(sched_threads, u32, struct sched_thread, MAX_THREADS);
 #define SHORT_WAIT_ENTRIES MAX_THREADS
 #endif
 BPF_HASH(short_waits, struct short_key, struct short_sum, SHORT_WAIT_ENTRIES);
+/* Drained whole at every flush, like short_waits. */
+BPF_HASH(preemptions, struct preempt_key, struct preemption, PREEMPTION_ENTRIES);
 /* Where a tracepoint program's arguments lie on this CPU in task context: sched_switch
  * (always task context) notes it.  The kernel fills tracepoint arguments into one
  * per-CPU buffer per context (task, softirq, hardirq, NMI: perf_trace_buf_alloc), so a
@@ -139,6 +159,21 @@ BPF_PERCPU_ARRAY(task_context_args, u64, 1);
 /* The interval of the task being switched in on this CPU, until sched_exit_tp; tid 0: empty. */
 BPF_PERCPU_ARRAY(switching_in, struct offcpu_event, 1);
 #endif
+
+/* A traced thread `prev` (of tgid `pid`) preempted by `next`: one hash lookup, on
+ * preemptions only; the value is made whole before it is inserted, comm included. */
+static __always_inline void count_preemption(u32 prev, u32 pid, u32 next, const char *next_comm)
+{
+    struct preempt_key key = {.tid = prev, .next_tid = next};
+    struct preemption fresh = {.pid = pid};
+    __builtin_memcpy(fresh.comm, next_comm, sizeof(fresh.comm));
+    struct preemption *p = preemptions.lookup_or_try_init(&key, &fresh);
+    if (!p) { /* full: more pairs this second than it holds */
+        count_lost(PROBE_SCHED);
+        return;
+    }
+    p->count += 1;
+}
 
 static __always_inline void emit_offcpu(struct offcpu_event *ev, s32 kstack, s32 ustack, s32 pystack)
 {
@@ -175,6 +210,9 @@ TRACEPOINT_PROBE(sched, sched_switch)
             struct switched_out *out = &t->out;
             out->tgid = current_tgid();
             out->state = args->prev_state;
+            /* Runnable at switch-out: something else took the CPU (never the idle task). */
+            if ((out->state == 0 || out->state == STATE_PREEMPTED) && next != 0)
+                count_preemption(prev, out->tgid, next, args->next_comm);
 #ifdef HAVE_RAW_TP_SCHED_EXIT_TP
             out->kstack_id = -1;
             out->ustack_id = -1;

@@ -127,6 +127,17 @@ def basic() -> dict:
     return out
 
 
+def bursts(cpu: int, seconds: str) -> dict:
+    """A trainer's rhythm on one CPU: 5 ms of work, a 1 ms sleep, for `seconds`; whatever
+    else runs on that CPU preempts it."""
+    os.sched_setaffinity(0, {cpu})
+    end = time.monotonic() + float(seconds)
+    while time.monotonic() < end:
+        spin(0.005)
+        time.sleep(0.001)
+    return {"main": threading.get_native_id()}
+
+
 def dirty(path: str, total_mb: int) -> dict:
     """Buffered writes of `total_mb` MB (no fsync): the writer meets dirty throttling."""
     set_thread_name("tb_writer")
@@ -280,7 +291,8 @@ def cuda_real(runtime: str) -> dict:
 
 
 WORKLOADS = {"basic": basic, "dirty": dirty, "reclaim": reclaim, "sleeper": sleeper, "cuda_fake": cuda_fake,
-             "cuda_real": cuda_real, "forked_worker": forked_worker, "short_threads": short_threads}
+             "cuda_real": cuda_real, "forked_worker": forked_worker, "short_threads": short_threads,
+             "bursts": bursts}
 
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]

@@ -78,7 +78,12 @@ def validate_report(doc: dict[str, Any]) -> None:
             assert type(c["tid"]) is int and c["role"] in ROLES and isinstance(c["state"], str) and c["state"]
         for c in f["culprits"]:
             assert c["kind"] in CULPRIT_KINDS and isinstance(c["name"], str), c
-        assert [c["tid"] for c in f["culprits"]] == [t["tid"] for t in f["threads"]]
+            if c["kind"] == "process":  # a task that took the CPU from the finding's threads
+                assert set(c) == {"kind", "name", "pid", "tid", "count"}, c
+                assert type(c["tid"]) is int and type(c["count"]) is int and c["count"] > 0, c
+                assert c["pid"] is None or type(c["pid"]) is int, c
+        own = [c["tid"] for c in f["culprits"] if c["kind"] == "thread" and not c.get("holder")]
+        assert own == [t["tid"] for t in f["threads"]]
         assert isinstance(f["summary"], str) and f["summary"]
         assert isinstance(f["evidence"], dict)
         assert isinstance(f["recommendation"], str) and f["recommendation"]

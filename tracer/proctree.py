@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROC = Path("/proc")
+# Enough of /proc/TID/status for its Tgid line: Name (up to 64 bytes escaped), Umask, State.
+STATUS_HEAD_BYTES = 512
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,22 @@ def process_state(pid: int, tid: int | None = None) -> str | None:
         return None
     end = text.rfind(b")")
     return chr(text[end + 2]) if 0 <= end < len(text) - 2 else None
+
+
+def tgid_of(tid: int) -> int:
+    """The process (tgid) thread `tid` belongs to, any process's, from the head of
+    /proc/TID/status (Tgid is its fourth line); -1 when the thread is gone."""
+    try:
+        with open(f"/proc/{tid}/status", "rb") as fh:
+            head = fh.read(STATUS_HEAD_BYTES)
+    except OSError:
+        return -1
+    at = head.find(b"\nTgid:")
+    end = head.find(b"\n", at + 1)
+    try:
+        return int(head[at + 6:end]) if at >= 0 and end > at else -1
+    except ValueError:
+        return -1
 
 
 def is_alive(pid: int) -> bool:

@@ -1,4 +1,5 @@
-"""Collector for probes/sched.bpf.c: off-CPU intervals, short-wait sums, thread table."""
+"""Collector for probes/sched.bpf.c: off-CPU intervals, short-wait sums, preemption
+counts, thread table."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pyarrow as pa
 from trainbpf.tracefile import make_batch
 from trainbpf.tracer.collector import (Collector, ThreadTable, cstrings, delete_keys, drain_hash, lookup_keys,
                                       py_stack_ids, read_hash, stack_ids)
+from trainbpf.tracer.proctree import tgid_of
 
 # The constants sched.bpf.c shares, passed to it as -D defines (defines() below).
 # The state the probe reports for a task switched out while runnable (TASK_REPORT_MAX).
@@ -29,6 +31,10 @@ PROC_STATE_BITS = {"S": 1, "D": 2, "T": 4, "t": 8, "I": 128}
 # 65536), and a tree rarely has thousands of threads.  Past it, short waits count as lost.
 SHORT_WAIT_ENTRIES = 16384
 SHORT_WAIT_ENTRIES_NODE = 65536
+# (traced thread, task that preempted it) pairs one flush can count (sched.bpf.c
+# preemptions), likewise drained whole at each flush; past it, preemptions count as lost.
+PREEMPTION_ENTRIES = 4096
+PREEMPTION_ENTRIES_NODE = 16384
 
 # Live threads up to which open_intervals looks each one up rather than reading the maps
 # whole (a read walks all MAX_THREADS buckets; a lookup costs a few µs).
@@ -73,10 +79,14 @@ class SchedCollector(Collector):
     def __init__(self, settings):
         super().__init__(settings)
         self.renamed: dict[int, int] = {}  # tid -> its last rename's ts_ns: where an exec began
+        # tid -> tgid of the tasks the last drain saw preempting (-1: gone): a task that
+        # keeps preempting is looked up in /proc once, not at every flush.
+        self.peer_tgids: dict[int, int] = {}
 
     def defines(self) -> dict[str, int]:
         return {"MIN_BLOCK_NS": self.settings.min_block_ns, "STATE_PREEMPTED": STATE_PREEMPTED,
                 "SHORT_WAIT_ENTRIES": SHORT_WAIT_ENTRIES_NODE if self.settings.trace_all else SHORT_WAIT_ENTRIES,
+                "PREEMPTION_ENTRIES": PREEMPTION_ENTRIES_NODE if self.settings.trace_all else PREEMPTION_ENTRIES,
                 "EXEC_LEAVES": int(self.settings.exec_leaves),
                 **{f"TASK_{what.upper()}": code for code, what in TASK_WHAT.items()}}
 
@@ -238,6 +248,10 @@ class SchedCollector(Collector):
         })]
 
     def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
+        return self.short_waits(bpf, now_ns) + self.preempted_by(bpf, now_ns)
+
+    @staticmethod
+    def short_waits(bpf, now_ns: int) -> list[pa.RecordBatch]:
         keys, sums = drain_hash(bpf["short_waits"])
         if not len(keys):
             return []
@@ -255,3 +269,30 @@ class SchedCollector(Collector):
                 },
             )
         ]
+
+    def preempted_by(self, bpf, now_ns: int) -> list[pa.RecordBatch]:
+        """The preemptions counted since the last flush, as `preempted_by` rows."""
+        keys, counts = drain_hash(bpf["preemptions"])
+        known, self.peer_tgids = self.peer_tgids, {}
+        for tid in np.unique(keys["next_tid"]).tolist():
+            self.peer_tgids[tid] = known[tid] if tid in known else tgid_of(tid)
+        return preempted_by_batches(keys, counts, now_ns, self.peer_tgids)
+
+
+def preempted_by_batches(keys: np.ndarray, counts: np.ndarray, now_ns: int,
+                         peer_tgids: dict[int, int]) -> list[pa.RecordBatch]:
+    """`preempted_by` rows of sched.bpf.c's preemptions (`keys`: tid, next_tid; `counts`:
+    count, pid, comm), each peer's tgid from `peer_tgids` (-1 or absent: gone, null)."""
+    if not len(keys):
+        return []
+    peer = keys["next_tid"].astype(np.int64)
+    peer_pid = np.array([peer_tgids.get(t, -1) for t in peer.tolist()], dtype=np.int32)
+    return [make_batch("preempted_by", {
+        "ts_ns": np.full(len(keys), now_ns, dtype=np.int64),
+        "tid": keys["tid"].astype(np.int32),
+        "pid": counts["pid"].astype(np.int32),
+        "peer_tid": peer.astype(np.int32),
+        "peer_pid": pa.array(peer_pid, mask=peer_pid < 0),
+        "comm": np.array(cstrings(counts["comm"]), dtype=object),
+        "count": counts["count"].astype(np.int64),
+    })]

@@ -148,7 +148,8 @@ def culprits(analysis: Analysis, category: str, threads: list[dict[str, Any]],
              evidence: dict[str, Any]) -> list[dict[str, Any]]:
     """What the finding blames (docs/findings.md, "Outputs"): its threads, as producers
     ({kind: "thread", name, tid, pid}); for host work with the seconds of it and the
-    function that took most of them; in a job, the ranks its time was spent on."""
+    function that took most of them; the tasks that preempted them ({kind: "process"});
+    in a job, the ranks its time was spent on."""
     pids = dict(zip(analysis.threads["tid"].tolist(), analysis.threads["pid"].tolist()))
     own = evidence.get("trainer_loading") if category == "input_pipeline" else evidence
     producers = {int(p["tid"]): float(p["seconds"]) for p in evidence.get("producers", [])}
@@ -162,7 +163,14 @@ def culprits(analysis: Analysis, category: str, threads: list[dict[str, Any]],
             row["function"] = _function_label(own["functions"][0])
             row.setdefault("seconds", _seconds(sum(f["seconds"] for f in own["functions"])))
         out.append(row)
-    return out + _lock_culprits(evidence, pids) + rank_culprits(evidence)
+    return out + _preempting(evidence) + _lock_culprits(evidence, pids) + rank_culprits(evidence)
+
+
+def _preempting(evidence: dict[str, Any]) -> list[dict[str, Any]]:
+    """A CPU-contention finding's tasks that took the CPU from its threads (its
+    evidence's `preempted_by`), with the preemptions of each."""
+    return [{"kind": "process", "name": str(p["comm"]), "pid": p["pid"], "tid": int(p["tid"]),
+             "count": int(p["preemptions"])} for p in evidence.get("preempted_by", [])]
 
 
 def _lock_culprits(evidence: dict[str, Any], pids: dict[int, int]) -> list[dict[str, Any]]:

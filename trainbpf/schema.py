@@ -107,6 +107,12 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # flushed as deltas: count intervals, dur_ns total off-CPU, runq_ns total runnable.
     # ts_ns is the flush time.
     "offcpu_short": ("ts_ns", "dur_ns", "tid", "pid", "state", "count", "runq_ns"),
+    # Preemptions of a traced thread (switched out while runnable), counted in the kernel
+    # per (tid, peer_tid) and flushed as deltas: peer_tid = the task that ran instead, in
+    # the traced tree or not; peer_pid = its process, read from /proc at the flush (null
+    # when it was gone by then); comm = its name at the switch; count = preemptions.
+    # ts_ns is the flush time.  Recorders before 2026-12-07 wrote none.
+    "preempted_by": ("ts_ns", "tid", "pid", "peer_tid", "peer_pid", "comm", "count"),
     # A CPU-clock sample of a traced thread (rate in metadata thresholds.oncpu_hz).
     "oncpu": ("ts_ns", "tid", "pid", "cpu", "kstack_id", "ustack_id", "pystack_id"),
     # A futex wait >= min_futex_ns: addr = uaddr, op = futex command (op & 0x7f; 256+ for
@@ -204,6 +210,7 @@ KINDS = tuple(KIND_COLUMNS)
 KIND_NAMES: dict[str, dict[str, str]] = {
     "thread": {"name": "event"},
     "offcpu_short": {"count": "intervals"},
+    "preempted_by": {"count": "preemptions"},
     "futex": {"op": "futex_op"},
     "faults": {"count": "faults"},
     "mmap_lock": {"count": "acquired"},

@@ -28,6 +28,12 @@ def _thread_label(t: dict[str, Any]) -> str:
     return f"{t.get('comm') or '?'} ({t['tid']}, {t['role']})"
 
 
+def _process_label(c: dict[str, Any]) -> str:
+    """A task that preempted the finding's threads: its name, process and preemptions."""
+    where = c["pid"] if c["pid"] is not None else f"tid {c['tid']}"
+    return f"{c['name'] or '?'} ({where}) {c['count']} time{'s' if c['count'] != 1 else ''}"
+
+
 def render_text(rendered: Report) -> str:
     """The terminal report: the JSON document's content, and from the analysis what the
     JSON does not carry (window, lost events per probe, stack losses, unwoken idle time)."""
@@ -108,27 +114,35 @@ def render_text(rendered: Report) -> str:
     else:
         lines.append("Findings, ranked by share of starved time:")
         for i, f in enumerate(findings, 1):
-            lines.append(
-                f"{i:2d}. {f['category']:<17} {_pct(f['share']):>6}  {f['seconds']:8.2f} s  {f['severity'].upper()}"
-            )
-            lines.append(f"    {f['summary']}")
-            if f["threads"]:
-                lines.append("    threads: " + ", ".join(_thread_label(t) for t in f["threads"]))
-            if len(f["chain"]) > 1:
-                lines.append("    chain: " + " <- ".join(f"{c['role']} {c['tid']} [{c['state']}]" for c in f["chain"]))
-            python = python_line(f)
-            if python:
-                lines.append(f"    python: {python}")
-            if f["launch_gap_s"] is not None:
-                lines.append(f"    launch gaps: {f['launch_gap_s']:.2f} s of it fell in launch gaps (the GPU had "
-                             "finished its work and the trainer had not yet launched more)")
-            lines.append(f"    do: {f['recommendation']}")
+            lines.extend(_finding_lines(i, f))
     if not any(f["severity"] == "critical" for f in findings):
         lines.append("")
         lines.append("No critical finding.")
     lines.append("")
     lines.extend(_thread_table(report, analysis))
     return _text(lines)
+
+
+def _finding_lines(i: int, f: dict[str, Any]) -> list[str]:
+    """Finding `i` of the report: its rank line, summary, threads, chain, the tasks that
+    took the CPU, Python frames, launch gaps and recommendation."""
+    lines = [f"{i:2d}. {f['category']:<17} {_pct(f['share']):>6}  {f['seconds']:8.2f} s  {f['severity'].upper()}",
+             f"    {f['summary']}"]
+    if f["threads"]:
+        lines.append("    threads: " + ", ".join(_thread_label(t) for t in f["threads"]))
+    if len(f["chain"]) > 1:
+        lines.append("    chain: " + " <- ".join(f"{c['role']} {c['tid']} [{c['state']}]" for c in f["chain"]))
+    took = [c for c in f["culprits"] if c["kind"] == "process"]
+    if took:
+        lines.append("    took the CPU: " + ", ".join(_process_label(c) for c in took))
+    python = python_line(f)
+    if python:
+        lines.append(f"    python: {python}")
+    if f["launch_gap_s"] is not None:
+        lines.append(f"    launch gaps: {f['launch_gap_s']:.2f} s of it fell in launch gaps (the GPU had "
+                     "finished its work and the trainer had not yet launched more)")
+    lines.append(f"    do: {f['recommendation']}")
+    return lines
 
 
 def _text(lines: list[str]) -> str:
