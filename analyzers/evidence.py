@@ -238,8 +238,14 @@ def preempted_by(ctx: EvidenceContext, roots: Any) -> dict[str, Any]:
     top = top.sort_values("preemptions", ascending=False, kind="stable").iloc[:MAX_THREADS]
     traced = set(ctx.threads["tid"].tolist())
     return {"preemptions": int(count.sum()), "preempted_by": [
-        {"tid": int(r.peer_tid), "pid": int(r.peer_pid) if r.peer_pid >= 0 else None, "comm": str(r.comm),
+        {"tid": int(r.peer_tid), "pid": int(r.peer_pid) if r.peer_pid >= 0 else None,
+         # tid 0: tasks the sudo user could not see (hidepid), left unnamed by the recorder
+         "comm": str(r.comm) if r.peer_tid else UNSEEN_TASKS,
          "preemptions": int(r.preemptions), "traced": int(r.peer_tid) in traced} for r in top.itertuples()]}
+
+
+# What a preempting task the recording user could not see is called.
+UNSEEN_TASKS = "(other users' processes)"
 
 
 def allocator_churn(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:

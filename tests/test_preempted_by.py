@@ -19,7 +19,8 @@ from recording import record_workload
 from synth import TRAINER, WORKER, Synth, periodic, t
 from trainbpf.analyzers import analyze
 from trainbpf.report import build_report, run_analyze
-from trainbpf.tracer import sched
+from trainbpf.asuser import Invoker
+from trainbpf.tracer import access, sched
 from trainbpf.tracer.collector import Settings
 from trainbpf.tracefile import read_trace
 
@@ -63,6 +64,35 @@ def test_a_task_that_keeps_preempting_is_looked_up_in_proc_once(monkeypatch):
     peers = [collector.preempted_by({"preemptions": None}, 1)[0].to_pandas()["peer_pid"].tolist() for _ in range(4)]
     assert peers == [[4240], [4240, 5], [5], [4240]]
     assert looked_up == [4242, 7, 4242]
+
+
+def test_under_sudo_a_task_the_user_cannot_see_is_left_unnamed(monkeypatch, tmp_path):
+    """With /proc mounted hidepid, the sudo user sees only their own processes: a
+    preempting task of another user is counted but neither named nor numbered."""
+    monkeypatch.setattr(sched, "drain_hash", lambda table: counts((100, 4242, 3, 100, HOG_COMM), (100, 555, 2, 100, "mine")))
+    monkeypatch.setattr(sched, "tgid_of", lambda tid: tid)
+    collector = sched.SchedCollector(Settings())
+    collector.peer_visible = lambda pid: pid == 555
+    rows = collector.preempted_by({"preemptions": None}, 1)[0].to_pandas()
+    assert rows[["peer_tid", "comm", "count"]].values.tolist() == [[0, "", 3], [555, "mine", 2]]
+    assert rows["peer_pid"].isna().tolist() == [True, False]
+
+
+@pytest.mark.parametrize(("options", "hides"), [("rw,hidepid=2,gid=4", True), ("rw,hidepid=invisible", True),
+                                                ("rw,hidepid=0", False), ("rw,nosuid", False)])
+def test_hidepid_is_read_from_the_proc_mount(tmp_path, options, hides):
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text("22 1 0:5 / /sys rw - sysfs sysfs rw\n"
+                         f"23 1 0:21 / /proc rw,nosuid shared:12 - proc proc {options}\n")
+    assert access.proc_hides_processes(str(mountinfo)) is hides
+    assert access.proc_hides_processes(str(tmp_path / "missing")) is True
+
+
+def test_the_sudo_user_sees_their_own_processes_only_behind_hidepid():
+    gate = access.Gate(Invoker(uid=os.getuid() + 12345, gid=0, groups=frozenset()), hidden_proc=True)
+    assert not gate.sees(os.getpid())
+    assert access.Gate(Invoker(uid=os.getuid(), gid=0, groups=frozenset()), hidden_proc=True).sees(os.getpid())
+    assert access.Gate(Invoker(uid=os.getuid() + 12345, gid=0, groups=frozenset()), hidden_proc=False).sees(1)
 
 
 def test_the_process_of_a_thread_is_read_from_proc():

@@ -86,6 +86,30 @@ def _sentence(pid: int, why: str, who: Invoker) -> str:
     return f"process {pid}: {why}; under sudo only processes uid {who.uid} could ptrace are traced"
 
 
+def proc_hides_processes(mountinfo: str = "/proc/self/mountinfo") -> bool:
+    """Whether /proc is mounted with hidepid (a user sees only their own processes)."""
+    try:
+        with open(mountinfo, "rb") as fh:
+            lines = fh.read(1 << 20).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return True  # unknown: assume the stricter
+    for line in lines:
+        fields = line.split(" - ", 1)
+        head = fields[0].split()
+        if len(fields) == 2 and len(head) > 4 and head[4] == "/proc" and fields[1].startswith("proc "):
+            options = fields[1].split()[-1].split(",")
+            return any(o.startswith("hidepid=") and o[8:] not in ("0", "off") for o in options)
+    return False
+
+
+def owner_of(pid: int) -> int:
+    """The uid owning /proc/PID (-1 when gone)."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return -1
+
+
 @dataclass
 class Gate:
     """The sudo user's processes in, everyone else's out, for one recording."""
@@ -95,6 +119,7 @@ class Gate:
     left: dict[int, int] = field(default_factory=dict)  # pid -> ts_ns from which its rows are dropped
     notes: list[dict] = field(default_factory=list)  # the trace's `untraced` metadata
     execs_read: int = 0  # ThreadTable.exec_log entries already seen
+    hidden_proc: bool | None = None  # /proc mounted with hidepid (proc_hides_processes), once known
 
     def check_target(self, pid: int | None) -> None:
         if pid is None:
@@ -102,6 +127,14 @@ class Gate:
         why = refusal(pid, self.who)
         if why is not None:
             raise TargetError(_sentence(pid, why, self.who))
+
+    def sees(self, pid: int) -> bool:
+        """Whether the sudo user could see process `pid` in /proc themselves: any process,
+        unless /proc hides other users' (hidepid); then only their own.  What they could
+        not see is kept out of the trace (a task that preempted a traced thread)."""
+        if self.hidden_proc is None:
+            self.hidden_proc = proc_hides_processes()
+        return not self.hidden_proc or owner_of(pid) == self.who.uid
 
     def admits(self, pid: int) -> bool:
         """Whether process `pid` may be traced now: it has not left, and passes again."""

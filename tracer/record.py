@@ -159,6 +159,8 @@ class Recorder(DrainLoop):
         self.collectors = loader.select(self.probe_names, self.settings)
         for c in self.collectors:
             c.notice = self.notice
+            if c.name == "sched" and self.gate is not None:
+                c.peer_visible = self.gate.sees
         self.wall_minus_mono = wall_minus_mono_ns()
         self.gpu = GpuSampler(mode=self.gpu_mode)
         self.gpu.check()

@@ -3,6 +3,8 @@ counts, thread table."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import pyarrow as pa
 
@@ -79,6 +81,9 @@ class SchedCollector(Collector):
     def __init__(self, settings):
         super().__init__(settings)
         self.renamed: dict[int, int] = {}  # tid -> its last rename's ts_ns: where an exec began
+        # Under sudo, whether the invoking user could see a process (access.Gate.sees):
+        # a preempting task they could not is left unnamed.
+        self.peer_visible: Callable[[int], bool] | None = None
         # tid -> tgid of the tasks the last drain saw preempting (-1: gone): a task that
         # keeps preempting is looked up in /proc once, not at every flush.
         self.peer_tgids: dict[int, int] = {}
@@ -271,28 +276,36 @@ class SchedCollector(Collector):
         ]
 
     def preempted_by(self, bpf, now_ns: int) -> list[pa.RecordBatch]:
-        """The preemptions counted since the last flush, as `preempted_by` rows."""
+        """The preemptions counted since the last flush, as `preempted_by` rows; a task
+        that `peer_visible` says the invoking user could not see is left unnamed."""
         keys, counts = drain_hash(bpf["preemptions"])
         known, self.peer_tgids = self.peer_tgids, {}
         for tid in np.unique(keys["next_tid"]).tolist():
             self.peer_tgids[tid] = known[tid] if tid in known else tgid_of(tid)
-        return preempted_by_batches(keys, counts, now_ns, self.peer_tgids)
+        hidden = {tid for tid, tgid in self.peer_tgids.items()
+                  if self.peer_visible is not None and not self.peer_visible(tgid if tgid > 0 else tid)}
+        return preempted_by_batches(keys, counts, now_ns, self.peer_tgids, hidden=hidden)
 
 
 def preempted_by_batches(keys: np.ndarray, counts: np.ndarray, now_ns: int,
-                         peer_tgids: dict[int, int]) -> list[pa.RecordBatch]:
+                         peer_tgids: dict[int, int], *, hidden: set[int] = frozenset()) -> list[pa.RecordBatch]:
     """`preempted_by` rows of sched.bpf.c's preemptions (`keys`: tid, next_tid; `counts`:
-    count, pid, comm), each peer's tgid from `peer_tgids` (-1 or absent: gone, null)."""
+    count, pid, comm), each peer's tgid from `peer_tgids` (-1 or absent: gone, null); a
+    peer in `hidden` becomes tid 0, no pid, comm "" (another user's task, unnamed)."""
     if not len(keys):
         return []
     peer = keys["next_tid"].astype(np.int64)
     peer_pid = np.array([peer_tgids.get(t, -1) for t in peer.tolist()], dtype=np.int32)
+    unnamed = np.isin(peer, list(hidden))
+    peer, peer_pid = np.where(unnamed, 0, peer), np.where(unnamed, -1, peer_pid).astype(np.int32)
+    comm = np.array(cstrings(counts["comm"]), dtype=object)
+    comm[unnamed] = ""
     return [make_batch("preempted_by", {
         "ts_ns": np.full(len(keys), now_ns, dtype=np.int64),
         "tid": keys["tid"].astype(np.int32),
         "pid": counts["pid"].astype(np.int32),
         "peer_tid": peer.astype(np.int32),
         "peer_pid": pa.array(peer_pid, mask=peer_pid < 0),
-        "comm": np.array(cstrings(counts["comm"]), dtype=object),
+        "comm": comm,
         "count": counts["count"].astype(np.int64),
     })]
