@@ -50,6 +50,7 @@ def record_workload(out: Path, name: str, *args, cgroup_procs: Path | None = Non
                                        on_attached=go)
             except BaseException as exc:  # re-raised in the test thread
                 box["error"] = exc
+                proc.kill()  # never told to go: its report would never come
 
         t = threading.Thread(target=run)
         t.start()
