@@ -82,6 +82,26 @@ static __always_inline void count_lost(u32 probe)
         (*n)++;
 }
 
+/* Argument n (from 1; 0: none, read as 0) of the function a uprobe sits at the start of,
+ * by the x86-64 calling convention: six in registers, the 7th on the stack just above
+ * the return address, which the stack pointer points at on the first instruction. */
+static __always_inline u64 uprobe_arg(struct pt_regs *ctx, int n)
+{
+    u64 value = 0;
+    switch (n) {
+    case 1: return PT_REGS_PARM1(ctx);
+    case 2: return PT_REGS_PARM2(ctx);
+    case 3: return PT_REGS_PARM3(ctx);
+    case 4: return PT_REGS_PARM4(ctx);
+    case 5: return PT_REGS_PARM5(ctx);
+    case 6: return PT_REGS_PARM6(ctx);
+    case 7:
+        bpf_probe_read_user(&value, sizeof(value), (void *)(PT_REGS_SP(ctx) + 8));
+        return value;
+    }
+    return 0;
+}
+
 #define STACK_EEXIST 17 /* bpf_get_stackid: the bucket holds another stack */
 
 /* A stack's id, or a negative errno; collisions are counted, not silently lost. */

@@ -197,22 +197,9 @@ static __always_inline int cuda_launch(u32 layer)
     return 0;
 }
 
-/* Register arguments by the x86-64 calling convention; none of the calls read here has
- * what we need beyond the sixth (cuLaunchKernel's stream, the 9th, is on the stack, but
- * launches are only counted). */
-static __always_inline u64 cuda_arg(struct pt_regs *ctx, int n)
-{
-    switch (n) {
-    case 1: return PT_REGS_PARM1(ctx);
-    case 2: return PT_REGS_PARM2(ctx);
-    case 3: return PT_REGS_PARM3(ctx);
-    case 4: return PT_REGS_PARM4(ctx);
-    case 5: return PT_REGS_PARM5(ctx);
-    case 6: return PT_REGS_PARM6(ctx);
-    }
-    return 0;
-}
-
+/* Arguments are read with common.h uprobe_arg; none of the calls read here has what we
+ * need beyond the sixth (cuLaunchKernel's stream, the 9th, is on the stack, but launches
+ * are only counted). */
 static __always_inline int cuda_enter(struct pt_regs *ctx, u32 call, u32 layer, u32 kind, u64 arg, u64 bytes)
 {
     if (kind == CUDA_LAUNCH)
@@ -304,7 +291,7 @@ static __always_inline int cuda_return(struct pt_regs *ctx, u32 layer)
 #define CALL_PAIR(sym, call, layer, kind, arg_n, bytes_n)                                     \
     int enter_##sym(struct pt_regs *ctx)                                                       \
     {                                                                                          \
-        return cuda_enter(ctx, call, layer, kind, cuda_arg(ctx, arg_n), cuda_arg(ctx, bytes_n)); \
+        return cuda_enter(ctx, call, layer, kind, uprobe_arg(ctx, arg_n), uprobe_arg(ctx, bytes_n)); \
     }                                                                                          \
     int return_##sym(struct pt_regs *ctx) { return cuda_return(ctx, layer); }
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from typing import Callable
 
 
 class BuildError(RuntimeError):
@@ -27,3 +29,13 @@ def compile_library(out: Path, sources: list[Path], *extra: str, what: str) -> P
     if done.returncode != 0:
         raise BuildError(f"gcc failed on {', '.join(Path(s).name for s in sources)}: {done.stderr.strip()}")
     return out
+
+
+def main(build: Callable[[Path], Path], script: str) -> None:
+    """A build script's command line: `script DIR` prints what `build(DIR)` made."""
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: {script} DIR")
+    try:
+        print(build(Path(sys.argv[1])))
+    except BuildError as exc:
+        sys.exit(str(exc))

@@ -50,6 +50,7 @@ def record_workload(out: Path, name: str, *args, cgroup_procs: Path | None = Non
                                        on_attached=go)
             except BaseException as exc:  # re-raised in the test thread
                 box["error"] = exc
+                proc.kill()  # never told to go: its report would never come
 
         t = threading.Thread(target=run)
         t.start()
@@ -64,3 +65,13 @@ def record_workload(out: Path, name: str, *args, cgroup_procs: Path | None = Non
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def record_cli(folder: Path, probes: str, pid: int) -> str:
+    """`trainbpf record` of process `pid` for a second with `probes`: what it says on stderr."""
+    trainbpf = Path(sys.executable).with_name("trainbpf")
+    res = subprocess.run([str(trainbpf), "record", "--pid", str(pid), "--duration", "1", "--gpu", "off",
+                          "--probes", probes, "-o", str(folder / f"{pid}.parquet")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stderr

@@ -189,7 +189,7 @@ def test_doctor_pid_lists_cuda_libraries_per_process(tmp_path):
 
 def test_doctor_without_pid_says_cuda_is_found_at_record_time_and_bad_pid_fails():
     res = subprocess.run([TRAINBPF, "doctor", "--no-load"], capture_output=True, text=True, timeout=120)
-    assert "CUDA probing available" in res.stdout and "doctor --pid PID" in res.stdout, res.stdout
+    assert "CUDA and NCCL probing available" in res.stdout and "doctor --pid PID" in res.stdout, res.stdout
     assert "CUDA libraries of process" not in res.stdout
     res = subprocess.run([TRAINBPF, "doctor", "--no-load", "--pid", "999999999"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 11 and res.stderr.count("\n") == 1 and "no such process: 999999999" in res.stderr, res.stderr

@@ -5,7 +5,6 @@ started, and the real libcudart where the machine has one."""
 from __future__ import annotations
 
 import glob
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,7 +14,8 @@ import pytest
 
 from kernel_env import require_root
 from kernel_workloads import CUDA_LAUNCHES, CUDA_WAIT_MS
-from recording import record_workload
+from recording import record_cli, record_workload
+from standins import build_standin
 from trainbpf.tracer.collector import Settings
 
 pytestmark = pytest.mark.kernel
@@ -23,18 +23,11 @@ pytestmark = pytest.mark.kernel
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _fake_cuda_build():
-    spec = importlib.util.spec_from_file_location("fake_cuda_build", ROOT / "scripts" / "fake-cuda" / "build.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def fake(tmp_path_factory):
     require_root()
     tmp = tmp_path_factory.mktemp("cuda")
-    runtime = _fake_cuda_build().build(tmp / "wheel")
+    runtime = build_standin("fake-cuda", tmp / "wheel")
     rec = record_workload(tmp / "trace.parquet", "cuda_fake", runtime)
     rec.runtime = runtime
     return rec
@@ -81,7 +74,7 @@ def test_launch_counts_exact_when_threads_share_one_record(tmp_path):
     """Threads whose tids meet at the same record (here all of them: one record) take it
     over in turn, each moving the owner's bucket out first: the counts stay exact."""
     require_root()
-    runtime = _fake_cuda_build().build(tmp_path / "wheel")
+    runtime = build_standin("fake-cuda", tmp_path / "wheel")
     rec = record_workload(tmp_path / "trace.parquet", "cuda_fake", runtime, settings=Settings(cuda_thread_records=1))
     launches = rec.trace.frame("cuda_launch")
     issued = launches[launches.op == 0].groupby("tid")["count"].sum().to_dict()
@@ -164,15 +157,6 @@ def test_real_libcudart(tmp_path):
     assert int(mine.loc["cudaMalloc", "size"]) == 1 << 20
 
 
-def _record_cli(tmp_path: Path, pid: int) -> str:
-    trainbpf = Path(sys.executable).with_name("trainbpf")
-    res = subprocess.run([str(trainbpf), "record", "--pid", str(pid), "--duration", "1", "--gpu", "off",
-                          "--probes", "cuda", "-o", str(tmp_path / f"{pid}.parquet")],
-                         capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
-    return res.stderr
-
-
 def test_record_says_which_libraries_it_probed(fake, tmp_path):
     """One line per CUDA library attached, or one saying none is mapped."""
     with_cuda = subprocess.Popen([sys.executable, "-c",
@@ -181,10 +165,10 @@ def test_record_says_which_libraries_it_probed(fake, tmp_path):
     without = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         with_cuda.stdout.readline()  # loaded
-        lines = [ln for ln in _record_cli(tmp_path, with_cuda.pid).splitlines() if ln.startswith("cuda:")]
+        lines = [ln for ln in record_cli(tmp_path, "cuda", with_cuda.pid).splitlines() if ln.startswith("cuda:")]
         assert len(lines) == 2 and any("libcudart.so.12" in ln for ln in lines) \
             and any("libcuda.so.1" in ln for ln in lines), lines
-        assert "cuda: no CUDA library" in _record_cli(tmp_path, without.pid)
+        assert "cuda: no CUDA library" in record_cli(tmp_path, "cuda", without.pid)
     finally:
         for p in (with_cuda, without):
             p.kill()

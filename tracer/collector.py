@@ -32,6 +32,7 @@ PROBE_IDS = {
     "writeback": 6,
     "block": 7,
     "cuda": 8,
+    "nccl": 9,
 }
 
 

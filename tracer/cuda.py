@@ -1,25 +1,18 @@
 """Collector for probes/cuda.bpf.c: CUDA runtime/driver launches (counted), waits,
-copies and allocations (streamed), from uprobes on the libraries the traced processes map.
-
-Libraries are found in /proc/PID/maps (pip wheels put them under
-site-packages/nvidia/*/lib), rescanned at every flush: torch loads CUDA lazily.  Each is
-probed through the file mapped itself (addrs.open_mapped: /proc/PID/map_files), never
-by the name the process saw, which its owner may have pointed at another file since
-(docs/security.md); a container's copy is so the one probed too.  A uprobe on a file
-fires in every process mapping it, forked workers included, so each library file
-(device, inode) is attached once."""
+copies and allocations (streamed), from uprobes on the libcudart/libcuda files the
+traced processes map (found and attached as tracer/libprobe.py finds them)."""
 
 from __future__ import annotations
 
-import os
 import re
 
 import numpy as np
 import pyarrow as pa
 
 from trainbpf.tracefile import make_batch
-from trainbpf.tracer.addrs import FUNCTION_KINDS, ElfSymbols, Mapping, open_mapped, parse_maps
-from trainbpf.tracer.collector import Collector, ThreadTable, array_values, bucket_batches, drain_hash, stack_ids
+from trainbpf.tracer.addrs import Mapping
+from trainbpf.tracer.collector import array_values, bucket_batches, drain_hash, stack_ids
+from trainbpf.tracer.libprobe import LibraryCalls, LibraryCollector
 
 LAYERS = ("runtime", "driver")
 KINDS = ("launch", "wait", "copy", "alloc", "free")
@@ -43,6 +36,7 @@ CALL_INDEX = {name: i for i, (name, _, _) in enumerate(CALLS)}
 # A base name and any exported versioned aliases of it.
 SYMBOL_RE = r"^(" + "|".join(n for n, _, _ in CALLS) + r")((_v2|_v3)?(_ptsz|_ptds)?)$"
 LIBRARY_RE = re.compile(r"/lib(cudart|cuda)\.so(\.\d+)*$")
+CUDA_LIBRARIES = LibraryCalls(LIBRARY_RE, "/libcud", SYMBOL_RE)
 
 
 def call_list() -> str:
@@ -51,17 +45,12 @@ def call_list() -> str:
 
 
 def base_name(symbol: str) -> str | None:
-    m = re.match(SYMBOL_RE, symbol)
-    return m.group(1) if m else None
+    return CUDA_LIBRARIES.base_name(symbol)
 
 
 def cuda_mappings(maps_text: str) -> list[Mapping]:
     """The first mapping of each libcudart/libcuda file (device, inode) mapped."""
-    seen: dict[tuple[str, int], Mapping] = {}
-    for m in parse_maps(maps_text):
-        if LIBRARY_RE.search(m.path):
-            seen.setdefault(m.file, m)
-    return list(seen.values())
+    return CUDA_LIBRARIES.mappings(maps_text)
 
 
 def cuda_libraries(maps_text: str) -> list[tuple[str, tuple[str, int]]]:
@@ -85,39 +74,16 @@ def thread_buckets(records: np.ndarray, width: int) -> list[tuple]:
     return rows
 
 
-def _mapped_size(pid: int) -> bytes:
-    """The total size of a process's mappings (/proc/PID/statm's first field)."""
-    fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
-    try:
-        return os.read(fd, 128).split(b" ", 1)[0]
-    finally:
-        os.close(fd)
-
-
 def exported_calls(path: str) -> list[tuple[str, str]]:
-    """(symbol, base name) of the probed calls a library exports, one per address: an
-    alias at the address of another symbol would count every call twice.  The symbols
-    are read as bcc reads them (both tables); a malformed file raises ValueError."""
-    by_addr: dict[int, str] = {}
-    for sym, addr in ElfSymbols(path, FUNCTION_KINDS, every_table=True).named(SYMBOL_RE):
-        if addr not in by_addr or len(sym) < len(by_addr[addr]):  # the base name wins
-            by_addr[addr] = sym
-    return sorted((sym, base_name(sym)) for sym in by_addr.values())
+    """(symbol, base name) of the probed calls a CUDA library exports, one per address."""
+    return CUDA_LIBRARIES.exported(path)
 
 
-class CudaCollector(Collector):
+class CudaCollector(LibraryCollector):
     name = "cuda"
     source = "cuda.bpf.c"
     ringbufs = ("cuda_events",)
-    uprobes = True
-
-    def __init__(self, settings):
-        super().__init__(settings)
-        self.libraries: dict[tuple[str, int], dict] = {}  # (device, inode) -> metadata
-        self._size_seen: dict[int, bytes] = {}  # pid -> its mappings' total size when last scanned
-        self._pids: set[int] = set()
-        self._held: list[int] = []  # descriptors of the files probed, whose /proc/self/fd names the probes hold
-        self.threads = ThreadTable()  # the recorder's, from seeded()
+    calls = CUDA_LIBRARIES
 
     def defines(self) -> dict[str, int | str]:
         return {"MIN_CUDA_NS": self.settings.min_cuda_ns, "CUDA_BUCKET_NS": self.settings.cuda_bucket_ns,
@@ -130,76 +96,10 @@ class CudaCollector(Collector):
                 "CUDA_CALLS": call_list(), "CUDA_SLOTS": len(LAUNCH_SLOTS),
                 **{f"CUDA_SLOT_{name.upper()}": i for i, (name, _, _) in enumerate(LAUNCH_SLOTS)}}
 
-    def seeded(self, bpf, walked, threads, now_ns: int) -> None:
-        self.threads = threads
-        self.scan(bpf)
-
-    def scan(self, bpf) -> None:
-        """Attach to CUDA libraries newly mapped by traced processes."""
-        # The recorder's table, which learns of new processes at each flush.
-        self._pids.update(self.threads.live().values())
-        for pid in sorted(self._pids):
-            try:
-                # A library mapped since changes the total size, and reading it costs
-                # ~20 us where the maps cost ~0.5 ms a process (docs/performance.md).
-                # Unless something else unmapped exactly as much meanwhile: then the
-                # library is found at the next change of size.
-                size = _mapped_size(pid)
-                if self._size_seen.get(pid) == size:
-                    continue
-                with open(f"/proc/{pid}/maps") as fh:
-                    text = fh.read()
-            except OSError:
-                self._pids.discard(pid)
-                self._size_seen.pop(pid, None)
-                continue
-            self._size_seen[pid] = size
-            if "/libcud" not in text:  # most processes: no need to parse
-                continue
-            for m in cuda_mappings(text):
-                if m.file not in self.libraries:
-                    self._attach(bpf, pid, m)
-                lib = self.libraries[m.file]
-                if pid not in lib["pids"]:
-                    lib["pids"].append(pid)
-
-    def _attach(self, bpf, pid: int, m: Mapping) -> None:
-        """Probe the file `m` maps, through a descriptor of it: the kernel resolves
-        /proc/self/fd/N to that very inode, and no one can repoint the name."""
-        probed, failed, why = [], [], ""
-        try:
-            fd = open_mapped(pid, m)
-        except OSError as exc:
-            calls, why = [], f"not opened: {exc.strerror or exc}"
-        else:
-            self._held.append(fd)
-            opened = f"/proc/self/fd/{fd}"
-            try:
-                calls = exported_calls(opened)
-            except (OSError, ValueError) as exc:  # unreadable, or a malformed ELF file
-                calls, why = [], f"not read: {exc}"
-        for sym, base in calls:
-            kind = CALLS[CALL_INDEX[base]][2]
-            try:
-                bpf.attach_uprobe(name=opened, sym=sym, fn_name=f"enter_{base}")
-                if KINDS[kind] != "launch":  # launches are only counted, at entry
-                    bpf.attach_uretprobe(name=opened, sym=sym, fn_name=f"return_{base}")
-                probed.append(sym)
-            except Exception:  # bcc raises bare Exception
-                failed.append(sym)
-        self.libraries[m.file] = {"path": m.path, "device": m.file[0], "inode": m.file[1], "symbols": probed,
-                                  "failed": failed, "pids": [], **({"error": why} if why else {})}
-        if self.notice:
-            self.notice(f"cuda: probing {len(probed)} symbols in {m.path} (process {pid})"
-                        + (f", {len(failed)} failed" if failed else "") + (f"; {why}" if why else ""))
-
-    def close(self) -> None:
-        for fd in self._held:
-            os.close(fd)
-        self._held.clear()
-
-    def meta(self) -> dict:
-        return {"cuda": {"libraries": list(self.libraries.values())}}
+    def attach_call(self, bpf, opened: str, sym: str, base: str) -> None:
+        bpf.attach_uprobe(name=opened, sym=sym, fn_name=f"enter_{base}")
+        if KINDS[CALLS[CALL_INDEX[base]][2]] != "launch":  # launches are only counted, at entry
+            bpf.attach_uretprobe(name=opened, sym=sym, fn_name=f"return_{base}")
 
     def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
         names = [CALLS[c][0] for c in r["call"].tolist()]
@@ -224,8 +124,7 @@ class CudaCollector(Collector):
         ]
 
     def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
-        if not final:
-            self.scan(bpf)
+        super().drain(bpf, now_ns, final=final)  # libraries mapped since
         keys, launches = drain_hash(bpf["cuda_launches"])
         counts = list(zip(*(a.tolist() for a in (keys["bucket"], keys["tid"], keys["pid"], launches["launches"],
                                                   launches["first_ns"], keys["layer"], keys["nested"]))))

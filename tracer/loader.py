@@ -25,13 +25,14 @@ from trainbpf.tracer.faults import FaultsCollector
 from trainbpf.tracer.futex import FutexCollector
 from trainbpf.tracer.kheaders import use_headers
 from trainbpf.tracer.mm import MmCollector
+from trainbpf.tracer.nccl import NcclCollector
 from trainbpf.tracer.oncpu import OnCpuCollector
 from trainbpf.tracer.sched import SchedCollector
 from trainbpf.tracer.writeback import WritebackCollector
 
 ALL_COLLECTORS: tuple[type[Collector], ...] = (
     SchedCollector, FutexCollector, FaultsCollector, OnCpuCollector, MmCollector,
-    WritebackCollector, BlockCollector, CudaCollector,
+    WritebackCollector, BlockCollector, CudaCollector, NcclCollector,
 )
 PROBE_NAMES = tuple(c.name for c in ALL_COLLECTORS)
 TRACEFS = Path(os.environ.get("TRAINBPF_TRACEFS", "/sys/kernel/tracing"))  # where tracefs lives or is mounted

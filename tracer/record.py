@@ -262,10 +262,11 @@ class Recorder(DrainLoop):
             raise OutputError(f"{exc}; what was recorded is kept in {writer.spool}") from exc
         finally:
             writer.release()
+        libraries = {probe: len(final.get(probe, {}).get("libraries", ())) for probe in ("cuda", "nccl")}
         return RecordResult(written, self.duration_s, self.rows, self.lost, self.stop_reason,
                             len(self.threads.tgid), gpu.source, self.out.size(),
                             tuple(c.name for c in self.collectors),
-                            len(final.get("cuda", {}).get("libraries", ())))
+                            cuda_libraries=libraries["cuda"], nccl_libraries=libraries["nccl"])
 
     # -- parts -----------------------------------------------------------------------
     def _meta(self) -> dict:

@@ -23,6 +23,7 @@ class RecordResult:
     bytes: int
     probes: tuple[str, ...] = ()
     cuda_libraries: int = 0  # CUDA library files probed
+    nccl_libraries: int = 0  # NCCL library files probed
 
 
 def check_output(output: Path, *, force: bool = False, notice: Callable[[str], None] | None = None) -> OutputFile:

@@ -86,7 +86,7 @@ def record(
     min_lock_us: float = typer.Option(_RECORDING.min_lock_ns / 1000, help="mmap_lock waits at least this long are recorded."),
     min_cuda_us: float = typer.Option(_RECORDING.min_cuda_ns / 1000, help="CUDA waits, copies and allocations at least this long are recorded (launches are all counted)."),
     oncpu_hz: int = typer.Option(_RECORDING.oncpu_hz, help="On-CPU sampling frequency per CPU."),
-    probes: Optional[str] = typer.Option(None, help="Comma-separated subset of probes: sched,futex,faults,oncpu,mm,writeback,block,cuda (default all)."),
+    probes: Optional[str] = typer.Option(None, help="Comma-separated subset of probes: sched,futex,faults,oncpu,mm,writeback,block,cuda,nccl (default all)."),
     gpu: GpuMode = typer.Option(GpuMode.auto.value, help="GPU sampling: auto (NVML, else nvidia-smi), nvml, nvidia-smi, off."),
     topology: Optional[Path] = typer.Option(None, help='Declared topology JSON {"nodes": {"0": [cpus]}, "gpus": [{"index": 0, "node": 0}]} overriding /sys.'),
     trainer_tid: Optional[int] = typer.Option(None, help="The thread that feeds the GPU (default: the target's main thread)."),
@@ -133,6 +133,8 @@ def record(
     )
     if result.cuda_libraries == 0 and "cuda" in result.probes:
         typer.echo("cuda: no CUDA library (libcudart/libcuda) was mapped by the traced processes", err=True)
+    if result.nccl_libraries == 0 and "nccl" in result.probes:
+        typer.echo("nccl: no NCCL library (libnccl) was mapped by the traced processes", err=True)
     if lost:
         typer.echo(f"trainbpf: warning: {lost} events lost ({result.lost}); "
                    "try a larger --ringbuf-pages or higher thresholds", err=True)

@@ -91,10 +91,11 @@ def check_uprobes() -> Check:
     from trainbpf.tracer.loader import TRACEFS
 
     if Path("/sys/bus/event_source/devices/uprobe").is_dir() or (TRACEFS / "uprobe_events").exists():
-        return Check("uprobes", OK, "supported: CUDA probing available; `record` finds libcudart/libcuda in "
-                                    "each traced process's maps as it runs (`doctor --pid PID` lists them now)")
+        return Check("uprobes", OK, "supported: CUDA and NCCL probing available; `record` finds libcudart/libcuda "
+                                    "and libnccl in each traced process's maps as it runs (`doctor --pid PID` "
+                                    "lists the CUDA ones now)")
     return Check("uprobes", WARN, "no uprobe PMU and no uprobe_events",
-                 "a kernel with CONFIG_UPROBE_EVENTS; without it CUDA calls are not traced, the rest works")
+                 "a kernel with CONFIG_UPROBE_EVENTS; without it CUDA and NCCL calls are not traced, the rest works")
 
 
 def check_uprobe_attach(bpf) -> Check:

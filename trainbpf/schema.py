@@ -165,6 +165,14 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # size = bytes for copies and allocations, count = return value (cudaError_t /
     # CUresult, 0 = success), ustack_id = caller's user stack.
     "cuda_call": ("ts_ns", "dur_ns", "tid", "pid", "name", "state", "op", "addr", "size", "count", "ustack_id"),
+    # An NCCL call that returned (ncclAllReduce, ncclBroadcast, ncclReduce, ncclAllGather,
+    # ncclReduceScatter, ncclSend, ncclRecv, ncclGroupEnd; pnccl* aliases map to them),
+    # every one, no threshold: ts_ns = entry, dur_ns = entry -> return, name = the call,
+    # op = the thread's own count of these calls before it (0, 1, 2, ... from the first
+    # the probe saw; a gap means a lost row), addr = the ncclComm_t argument (0 for
+    # ncclGroupEnd), size = the count argument in elements (0 where none), count = the
+    # return value (ncclResult_t, 0 = success).
+    "collective": ("ts_ns", "dur_ns", "tid", "pid", "name", "op", "addr", "size", "count"),
     # GPU utilisation sample: ts_ns = the END of the period it describes; op = GPU
     # index, name = uuid, value = utilisation percent, size = memory utilisation percent,
     # count = memory used MiB (null in process rows).  pid null: the whole device
@@ -223,6 +231,7 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "block_rq": {"size": "bytes", "name": "rwbs", "op": "dev", "addr": "sector"},
     "cuda_launch": {"name": "layer", "op": "nested", "count": "launches"},
     "cuda_call": {"op": "nested", "size": "bytes", "count": "ret"},
+    "collective": {"op": "seq", "addr": "comm", "size": "elements", "count": "ret"},
     "gpu": {"op": "index", "name": "uuid", "value": "util_pct", "size": "mem_util_pct", "count": "mem_used_mib"},
     "vmstat": {"name": "key", "count": "delta"},
     "psi": {"name": "resource", "count": "stalled_us"},

@@ -12,7 +12,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from standin_build import BuildError, compile_library  # noqa: E402
+from standin_build import compile_library, main  # noqa: E402
 
 RUNTIME = Path("site-packages/nvidia/cuda_runtime/lib/libcudart.so.12")
 DRIVER = Path("site-packages/nvidia/cuda_driver/lib/libcuda.so.1")
@@ -33,9 +33,4 @@ def build(out_dir: Path) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: scripts/fake-cuda/build.py DIR")
-    try:
-        print(build(Path(sys.argv[1])))
-    except BuildError as exc:
-        sys.exit(str(exc))
+    main(build, "scripts/fake-cuda/build.py")

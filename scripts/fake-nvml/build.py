@@ -9,7 +9,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from standin_build import BuildError, compile_library  # noqa: E402
+from standin_build import compile_library, main  # noqa: E402
 
 SONAME = "libnvidia-ml.so.1"
 
@@ -20,9 +20,4 @@ def build(out_dir: Path) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: scripts/fake-nvml/build.py DIR")
-    try:
-        print(build(Path(sys.argv[1])))
-    except BuildError as exc:
-        sys.exit(str(exc))
+    main(build, "scripts/fake-nvml/build.py")
