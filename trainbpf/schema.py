@@ -199,8 +199,6 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # forked and again after an exec; the rows of one read share its ts_ns, and a
     # process has new rows only when its variables changed: its newest ts_ns holds them.
     "process_env": ("ts_ns", "pid", "name", "state"),
-    # An NCCL call returned: ts_ns = entry, dur_ns = entry -> return.
-    "collective": ("ts_ns", "dur_ns", "tid", "pid", "name", "op", "addr", "size", "count"),
     # Cumulative lost events for probe `name` (ring buffer full).
     "lost": ("ts_ns", "name", "count"),
     # A symbolised stack: kstack_id = the stack id (kernel and user ids share one map;
@@ -240,7 +238,6 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "process_env": {"name": "variable", "state": "value"},
     "lost": {"name": "probe", "count": "lost"},
     "stack": {"kstack_id": "stack_id", "state": "space", "name": "frames"},
-    "collective": {"op": "seq", "addr": "comm", "size": "elements", "count": "ret"},
 }
 
 
