@@ -139,6 +139,13 @@ def _calls(sh: Shared, threads: pd.DataFrame, parts: dict[int, TrainerPart]) -> 
             at = np.searchsorted(arrive, start, side="right") - 1
             inside = (at >= 0) & (start < leave[np.maximum(at, 0)]) & (st["state"] != "running").to_numpy()
             rows, exit_ns = np.flatnonzero(inside), leave[at[inside]]
+            # A call's exit is its last wake-up inside it where it blocked: its return
+            # comes later by however long it then queued for a CPU.
+            blocked = inside & (st["state"] != "runnable").to_numpy()
+            woke = pd.Series(st["end_ns"].to_numpy(np.int64)[blocked]).groupby(at[blocked]).max()
+            leave = leave.copy()
+            leave[woke.index.to_numpy()] = np.minimum(leave[woke.index.to_numpy()], woke.to_numpy())
+            exit_ns = leave[at[inside]]
         else:
             rows = collective_waits(st, backend_tids(threads, part.trainer))
             arrive = st["start_ns"].to_numpy(np.int64)[rows]

@@ -106,8 +106,10 @@ def launch(mode: str, library: str, nranks: str, *args: str) -> dict:
     where = tempfile.mkdtemp(prefix="fakenccl-")
     try:
         rendezvous = os.path.join(where, "id")
+        # Each rank's variables, as launchers set them (torchrun, mpirun, srun).
         procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), mode, library, nranks, args[0],
-                                   rendezvous, *args[1:]], stdout=subprocess.PIPE, text=True)
+                                   rendezvous, *args[1:]], stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": nranks})
                  for r in range(int(nranks))]
         return {"ranks": [json.loads(p.communicate(timeout=RANK_TIMEOUT_S)[0]) for p in procs]}
     finally:

@@ -15,6 +15,8 @@ from kernel_env import require_root
 from recording import record_cli, record_workload
 from standins import build_standin
 
+from trainbpf.analyzers import analyze
+
 pytestmark = pytest.mark.kernel
 
 WORKLOAD = Path(__file__).with_name("nccl_workloads.py")
@@ -117,3 +119,19 @@ def test_record_says_which_library_it_probed(library, tmp_path):
         for p in (with_nccl, without):
             p.kill()
             p.wait()
+
+
+def test_the_analysis_matches_every_call_and_names_the_late_rank(allreduce):
+    """The job's analysis from the NCCL calls: every rank took part in each of the CALLS
+    collectives, and rank 1, which slept before each, arrived last in nearly all."""
+    analysis = analyze(allreduce.trace)
+    job = analysis.job
+    assert job is not None
+    ranks = job.ranks.set_index("rank")
+    assert ranks["pid"].to_dict() == {r["rank"]: r["pid"] for r in allreduce.tids["ranks"]}
+    assert (ranks["collectives"] == CALLS).all(), ranks["collectives"]
+    assert job.straggler is not None and job.straggler["rank"] == SLOW_RANK, job.ranks
+    assert ranks.loc[SLOW_RANK, "last_share"] >= 0.9, ranks["last_share"]
+    # each waiting rank waited about SLOW_MS for it in every call
+    held = job.straggler["others_waited_s"] / ((RANKS - 1) * CALLS)
+    assert 0.5 * SLOW_MS / 1e3 <= held <= 2 * SLOW_MS / 1e3, held
