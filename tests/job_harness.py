@@ -18,6 +18,8 @@ from scenario_harness import WORKLOADS, ScenarioError, fake_gpu_env, stop_proces
 
 from trainbpf.tracefile import spool_path_for
 
+# Workloads that run as a job under torchrun (tests/test_job.py), not on their own.
+JOB_WORKLOADS = ("ddp_job",)
 JOB_RECORD_SECONDS = 4
 JOB_READY_TIMEOUT_S = 90
 JOB_STEP_MS = 40

@@ -89,7 +89,9 @@ def _process(env: dict[str, str]) -> subprocess.Popen:
     """`sleep` with `env`, once its exec has laid out its arguments and environment (the
     kernel does that after Popen's exec pipe closes; until then environ reads empty)."""
     proc = subprocess.Popen(["sleep", "30"], env=env)
-    _wait("the exec", lambda: cmdline(proc.pid))
+    # Until the exec the child is a fork of this test (its own arguments and environment):
+    # wait for sleep's own arguments.
+    _wait("the exec", lambda: cmdline(proc.pid)[:1] == ["sleep"])
     return proc
 
 
