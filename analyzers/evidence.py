@@ -128,9 +128,20 @@ def futex_class_waits(cls: str) -> Builder:
     """Lock and GIL findings: the waits of futex class `cls` on the top addresses."""
 
     def build(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
-        return _futex_evidence(ctx, cls, roots)
+        return {**_futex_evidence(ctx, cls, roots), "holders": holders(ctx, pieces)}
 
     return build
+
+
+def holders(ctx: EvidenceContext, pieces: pd.DataFrame) -> list[dict[str, Any]]:
+    """The threads that ended the trainer's waits behind these pieces (a lock's or the
+    GIL's holders: the release wakes the next waiter), most waiting time first, with the
+    seconds of it each ended."""
+    waits = pieces.loc[(pieces["state"] != "running").to_numpy()]
+    waker = ctx.trainer_states["waker_tid"].to_numpy(np.int64)[waits["interval"].to_numpy(np.int64)]
+    ns = pd.Series(waits["ns"].to_numpy(np.float64)).groupby(waker).sum()
+    ns = ns[ns.index >= 0].sort_values(ascending=False)
+    return [{**ctx.thread(int(t)), "seconds": float(v) / NS_PER_S} for t, v in ns.iloc[:MAX_THREADS].items()]
 
 
 def _futex_evidence(ctx: EvidenceContext, cls: str, roots: list[int]) -> dict[str, Any]:

@@ -82,6 +82,7 @@ def rank_tables(sh: Shared, ranks: pd.DataFrame, threshold: float
     threads = roles(sh, trainers)
     thread_rank = rank_of_threads(threads, sh.trace.view("thread"), ranks)
     parts: dict[int, TrainerPart] = {}
+    bases: dict[int, str] = {}
     view: dict[str, Any] = {}
     for r in ranks.itertuples(index=False):
         pids = frozenset(int(p) for p in threads.loc[thread_rank == r.rank, "pid"].unique())
@@ -89,17 +90,19 @@ def rank_tables(sh: Shared, ranks: pd.DataFrame, threshold: float
         states, followed = trainers[int(r.trainer_tid)]
         parts[int(r.rank)] = trainer_part(sh, threads, int(r.trainer_tid), states, followed, basis=basis,
                                           windows=_rank_gpu(windows, int(r.local_rank)), with_timeline=True)
+        bases[int(r.rank)] = basis
         view = view or {"basis": basis, "util": util, "idle": idle, "gpu_idle": gpu_idle}
     calls, waits = _calls(sh, threads, parts)
     pid_of = dict(zip(threads["tid"].tolist(), threads["pid"].tolist()))
     node = str(sh.meta.get("host") or "")
-    tables = [_tables(r, parts[int(r.rank)], calls, waits, node, pid_of) for r in ranks.itertuples(index=False)]
+    tables = [_tables(r, parts[int(r.rank)], calls, waits, node, pid_of, bases[int(r.rank)])
+              for r in ranks.itertuples(index=False)]
     return threads, thread_rank, parts, tables, view
 
 
 def _tables(r: Any, part: TrainerPart, calls: pd.DataFrame, waits: pd.DataFrame, node: str,
-            pid_of: dict[int, int]) -> RankTables:
-    """One rank's RankTables (`r`: its ranks.RANK_COLUMNS row)."""
+            pid_of: dict[int, int], basis: str) -> RankTables:
+    """One rank's RankTables (`r`: its ranks.RANK_COLUMNS row, `basis`: its GPU's)."""
     rank = int(r.rank)
     mine = waits[waits["rank"] == rank].reset_index(drop=True)
     inside = mine["interval"].to_numpy(np.int64)
@@ -118,7 +121,7 @@ def _tables(r: Any, part: TrainerPart, calls: pd.DataFrame, waits: pd.DataFrame,
         trainer_tid=int(r.trainer_tid), job=str(r.job), source=str(r.source), node=node,
         calls=calls[calls["rank"] == rank].reset_index(drop=True), waits=mine, starved=part.starved,
         timeline=timeline, own=found(as_collective(part.starved, inside, part.trainer)), spent=found(spent),
-        host_bound_ns=float((w["host_bound_ns"] * w["weight"]).sum()))
+        gpu_samples=len(w) if basis == "gpu_idle" else 0, host_bound_ns=float((w["host_bound_ns"] * w["weight"]).sum()))
 
 
 def _rank_gpu(windows: pd.DataFrame, local_rank: int) -> pd.DataFrame:

@@ -56,7 +56,8 @@ class RankTables:
     timeline: pd.DataFrame
     own: pd.DataFrame
     spent: pd.DataFrame
-    host_bound_ns: float = 0.0
+    gpu_samples: int = 0  # its GPU's samples in its window (0: starved time without GPU samples)
+    host_bound_ns: float = 0.0  # its starved time its trainer's own CPU work explains
 
     def shifted(self, ns: int) -> RankTables:
         """The same tables with every time moved by `ns` (onto another trace's clock)."""

@@ -15,7 +15,6 @@ import pandas as pd
 from trainbpf.analyzers.cuda import CudaTimeline, step_summary
 from trainbpf.analyzers.findings import build_findings
 from trainbpf.analyzers.intervals import Span, as_int64
-from trainbpf.analyzers.gpu import sample_windows
 from trainbpf.analyzers.job import analyze_job, backend_tids, collective_pids, in_collectives, rank_tables
 from trainbpf.analyzers.join import JobResult, RankTables
 from trainbpf.analyzers.ranks import empty_ranks, job_ranks
@@ -47,7 +46,7 @@ class Analysis:
     samples: pd.DataFrame  # on-CPU samples with their class
     gpu: pd.DataFrame  # gpu.UTIL_COLUMNS: each GPU's sample windows
     idle: pd.DataFrame  # stretches below gpu_idle_threshold inside the window (drawing only)
-    gpu_windows: pd.DataFrame  # gpu.WINDOW_COLUMNS: idle, stalls and starved ns per sample window
+    gpu_windows: pd.DataFrame  # gpu.WINDOW_COLUMNS: idle, stalls and starved ns per sample window (a job: every rank's)
     starved: pd.DataFrame  # findings.ATTRIBUTED_COLUMNS
     chains: pd.DataFrame  # chains.LINK_COLUMNS: the path each followed wait took
     chain_ends: pd.DataFrame  # chains.END_COLUMNS: where its shares ended
@@ -151,8 +150,11 @@ def analyze(
         threads, parts, job, view = analyze_job(sh, ranks, threshold)
         # The report's trainer: the straggler's, else the first rank's.
         part = parts[job.straggler["rank"] if job.straggler else int(job.ranks["rank"].iloc[0])]
+        # Every rank's sample windows of its own GPU, so GPU-bound, host-bound and unwoken
+        # time add up over the ranks as starved time does.
+        windows = pd.concat([p.gpu_windows for p in parts.values()], ignore_index=True)
         return _analysis(sh, threads, part, job.starved, job.findings, basis=view["basis"], util=view["util"],
-                         idle=view["idle"], gpu_idle=view["gpu_idle"], threshold=threshold, job=job)
+                         idle=view["idle"], gpu_idle=view["gpu_idle"], threshold=threshold, job=job, windows=windows)
     recorded = sh.meta.get("trainer_tid")  # the recorder was told which thread trains
     if trainer_tid is None and recorded is not None and int(recorded) in set(sh.base["tid"].tolist()):
         trainer = int(recorded)
@@ -178,7 +180,6 @@ class TraceRanks:
     meta: dict[str, Any]
     window: Span
     tables: list[RankTables]
-    gpu_samples: int
     idle_fraction: float | None
     lost: dict[str, int]
 
@@ -190,24 +191,24 @@ def trace_ranks(trace: Any, *, gpu_idle_threshold: float = GPU_IDLE_THRESHOLD) -
     sh = share(trace, None)
     ranks = job_ranks(sh.base, trace.view("thread"), trace.view("process_env"),
                       collective_pids(trace.view("collective")), min_ranks=1)
-    tables, samples, idle = [], 0, None
+    tables, idle = [], None
     if len(ranks):
         _, _, _, tables, view = rank_tables(sh, ranks, float(gpu_idle_threshold))
-        samples = len(sample_windows(view["util"], sh.win)) if view["basis"] == "gpu_idle" else 0
         idle = view["gpu_idle"]
-    return TraceRanks(meta=sh.meta, window=sh.win, tables=tables, gpu_samples=samples, idle_fraction=idle,
+    return TraceRanks(meta=sh.meta, window=sh.win, tables=tables, idle_fraction=idle,
                       lost=lost_counts(sh.meta, trace.view("lost")))
 
 
 def _analysis(sh: Shared, threads: pd.DataFrame, part: TrainerPart, starved: pd.DataFrame, findings: pd.DataFrame, *,
               basis: str, util: pd.DataFrame, idle: pd.DataFrame, gpu_idle: float | None, threshold: float,
-              job: JobResult | None = None) -> Analysis:
+              job: JobResult | None = None, windows: pd.DataFrame | None = None) -> Analysis:
     trace = sh.trace
     return Analysis(
         path=display_path(getattr(trace, "path", "")), meta=sh.meta, span=sh.span, window=sh.win,
         trainer_tid=part.trainer, gpu_idle_threshold=threshold, basis=basis, threads=threads, slots=sh.slots,
         totals=state_totals(sh.slots, sh.win), futex_waits=sh.futex_waits, samples=sh.samples, gpu=util, idle=idle,
-        gpu_windows=part.gpu_windows, starved=starved, chains=part.chains,
+        gpu_windows=part.gpu_windows if windows is None else windows,
+        starved=starved, chains=part.chains,
         chain_ends=part.chain_ends, churn=sh.churn, placement=sh.placement, findings=findings,
         lost=lost_counts(sh.meta, trace.view("lost")), idle_fraction=gpu_idle, uses_cuda=part.uses_cuda,
         cuda_steps=step_summary(part.step_rows) if len(part.step_rows) else None, cuda=sh.cuda,

@@ -96,8 +96,9 @@ def job_ranks(threads: pd.DataFrame, thread_rows: pd.DataFrame, env: pd.DataFram
               collective_pids: np.ndarray | None = None, *, min_ranks: int = 2) -> pd.DataFrame:
     """RANK_COLUMNS: one row per rank process of the traced tree, sorted by rank; empty
     for a trace of fewer than `min_ranks` (one process, or no job: one trace of a job
-    recorded node by node may hold one rank).  A process is a rank when its environment names
-    one that its parent's does not (by the same variable), and no process below it is a
+    recorded node by node may hold one rank).  A process is a rank when its environment
+    names one that its parent's does not (by the same variable) or its parent is a
+    launcher (a shell or srun step that passed its own on), and no process below it is a
     rank; without environments, a process with collective-backend threads (or
     `collective_pids`: processes with NCCL calls) is one, numbered in pid order."""
     parent = parents(threads, thread_rows)
@@ -105,11 +106,14 @@ def job_ranks(threads: pd.DataFrame, thread_rows: pd.DataFrame, env: pd.DataFram
     traced = set(int(p) for p in threads["pid"].unique())
     fields = fields[fields["pid"].isin(traced) & (fields["rank"] >= 0)]
     by_pid = {int(r.pid): r for r in fields.itertuples(index=False)}
+    mains = threads[threads["tid"] == threads["pid"]]
+    launcher = set(mains.loc[mains["comm"].astype(str).str.lower().str.match(LAUNCHER_COMMS).to_numpy(), "pid"].tolist())
     candidates = []
     for pid, row in by_pid.items():
         up = by_pid.get(parent.get(pid, -1))
-        if up is not None and up.rank_variable == row.rank_variable and up.rank == row.rank:
-            continue  # it inherited its parent's rank: a worker of that rank
+        if up is not None and up.rank_variable == row.rank_variable and up.rank == row.rank \
+                and int(up.pid) not in launcher:
+            continue  # it inherited its parent's rank: a worker of that rank (a launcher's child is the rank)
         candidates.append(pid)
     below = {p: _ancestors(p, parent) for p in candidates}
     ranks = [p for p in candidates if not any(p in below[q] for q in candidates if q != p)]

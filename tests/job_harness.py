@@ -31,6 +31,7 @@ class JobRun:
     launcher_pid: int
     rank_pids: list[int]
     log: str  # the workload's stderr (torchrun's and the ranks')
+    record_log: str  # trainbpf record's stderr
 
 
 def torchrun() -> str:
@@ -72,8 +73,9 @@ def _ready_pids(proc: subprocess.Popen, ranks: int, workdir: Path) -> list[int]:
 
 
 def record_job(workdir: Path, *, ranks: int = 3, slow: str = "input", slow_rank: int = 1,
-               seconds: float = JOB_RECORD_SECONDS) -> JobRun:
-    """Record a torchrun job through its launcher's pid for `seconds` and analyse it."""
+               seconds: float = JOB_RECORD_SECONDS, target_rank: int | None = None) -> JobRun:
+    """Record a torchrun job through its launcher's pid (or, with `target_rank`, that
+    rank's alone) for `seconds` and analyse it."""
     cli = trainbpf_cli()
     trace = workdir / f"job-{slow}.parquet"
     go = spool_path_for(trace)  # the probes are compiled once the spool exists
@@ -83,7 +85,8 @@ def record_job(workdir: Path, *, ranks: int = 3, slow: str = "input", slow_rank:
     env = {**fake_gpu_env(workdir), "TRAINBPF_SIM_GPU_COUNT": str(ranks)}
     wait_for_quiet()
     with running_job(workdir, ranks, args, env) as (launcher, pids):
-        rec = subprocess.run([str(cli), "record", "--pid", str(launcher.pid), "-o", str(trace), "--gpu", "nvidia-smi",
+        target = launcher.pid if target_rank is None else _rank_pid(pids, target_rank)
+        rec = subprocess.run([str(cli), "record", "--pid", str(target), "-o", str(trace), "--gpu", "nvidia-smi",
                               "--duration", str(seconds)], env=env, capture_output=True, text=True,
                              timeout=seconds + 120)
         if rec.returncode != 0:
@@ -98,4 +101,14 @@ def record_job(workdir: Path, *, ranks: int = 3, slow: str = "input", slow_rank:
     if text.returncode or js.returncode:
         raise ScenarioError(f"trainbpf analyze failed: {text.stderr[-1000:]} {js.stderr[-1000:]}")
     return JobRun(report=json.loads(js.stdout), text=text.stdout, trace=trace, launcher_pid=launcher_pid,
-                  rank_pids=pids, log=(workdir / "job.log").read_text(errors="replace"))
+                  rank_pids=pids, log=(workdir / "job.log").read_text(errors="replace"), record_log=rec.stderr)
+
+
+def _rank_pid(pids: list[int], rank: int) -> int:
+    """The pid of rank `rank`: torchrun starts local ranks in order, so the ascending
+    pids are ranks 0, 1, ... (checked against the rank's own environment)."""
+    pid = sorted(pids)[rank]
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    if f"RANK={rank}".encode() not in env:
+        raise ScenarioError(f"pid {pid} is not rank {rank}")
+    return pid

@@ -75,6 +75,27 @@ def test_text_and_csv(folder):
     assert rows[0]["starved_ratio"] == "0.8" and rows[3]["starved_ratio"] == ""
 
 
+def test_the_straggler_of_each_nodes_job(folder):
+    """A node whose check saw a job names the rank its other ranks waited for (-1: none);
+    the text table shows the column only where some node saw a job."""
+    assert "straggler" not in run_fleet(source=str(folder), fmt="text")[0]
+    for sub, straggler in (("a", {"rank": 3, "pid": 4242, "last_arrival_share": 0.9, "others_waited_s": 2.0,
+                                  "category": "input_pipeline"}), ("f", None)):
+        doc = json.loads((folder / sub / "health.json").read_text())
+        (folder / sub / "health.json").write_text(json.dumps({**doc, "job": {"ranks": [], "straggler": straggler}}))
+    nodes = {n["host"]: n for n in json.loads(run_fleet(source=str(folder), fmt="json")[0])["nodes"]}
+    assert (nodes["node-a"]["straggler_rank"], nodes["node-f"]["straggler_rank"], nodes["node-b"]["straggler_rank"]) \
+        == (3, -1, None)
+    lines = run_fleet(source=str(folder), fmt="text")[0].splitlines()
+    column = lines[0].index("straggler")
+    cells = {line.split()[1]: line[column:].split()[0:2] for line in lines[1:7]}
+    assert (cells["node-a"], cells["node-f"][0], cells["node-b"][0]) == (["rank", "3"], "none", "-")
+    assert lines[-1] == "stragglers (the rank its job's other ranks waited for): rank 3 on node-a"
+    rows = {r["host"]: r for r in csv.DictReader(io.StringIO(run_fleet(source=str(folder), fmt="csv")[0]))}
+    assert (rows["node-a"]["straggler_rank"], rows["node-f"]["straggler_rank"], rows["node-b"]["straggler_rank"]) \
+        == ("3", "-1", "")
+
+
 def test_bad_input(tmp_path):
     with pytest.raises(UsageError, match="no health JSON files"):
         run_fleet(source=str(tmp_path / "nothing-*.json"))
@@ -101,7 +122,8 @@ def test_cli(folder, tmp_path):
                                  {"exit_code": "2"}, {"finished_timestamp": "yesterday"},
                                  {"targets": [{"starved_ratio": "x"}]},
                                  {"targets": [{"starved_ratio": 0.5, "findings": [{"share": "most"}]}]},
-                                 {"top_category": ["x"]}, {"host": {"name": "x"}}, {"error": 3}])
+                                 {"top_category": ["x"]}, {"host": {"name": "x"}}, {"error": 3},
+                                 {"job": "x"}, {"job": {"straggler": 1}}, {"job": {"straggler": {"rank": "1"}}}])
 def test_one_bad_document_is_skipped_and_the_rest_ranked(folder, bad):
     """issue 15 M2: a malformed document costs its own row, not the table."""
     (folder / "bad.json").write_text(json.dumps({**document("node-x", "critical", 0.9, "other", share=0.5), **bad}))

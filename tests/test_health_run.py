@@ -14,7 +14,9 @@ import time
 import pytest
 
 from synth import healthy, input_pipeline
-from trainbpf.health import CRITICAL, OK, UNKNOWN, HealthBusy, HealthConfig, Target, assess, exclusive_lock
+from trainbpf.health import (
+    CRITICAL, OK, UNKNOWN, HealthBusy, HealthConfig, Target, assess, exclusive_lock, health_document, metric_samples,
+)
 from trainbpf.report import run_analyze
 
 
@@ -41,6 +43,9 @@ def test_assess_grades_each_target_from_the_analysis(tmp_path):
     assert sum(v for (r, _), v in t.role_seconds.items() if r == "dataloader") == pytest.approx(10.0 + 8.0, abs=0.2)
     assert result.node["system_wide"] is False and result.mode == "targets"
     assert [c.name for c in result.checks if c.pid == 100] == ["starved_ratio"]
+    # one process: no job, so no rank series and no straggler rank (not even -1)
+    assert result.job is None and health_document(result)["job"] is None
+    assert not [n for n, _, _ in metric_samples(result) if n.startswith("trainbpf_rank_") or n == "trainbpf_straggler_rank"]
 
 
 def test_assess_reads_the_trace_once_and_gives_each_target_its_own_analysis(tmp_path, monkeypatch):

@@ -52,6 +52,16 @@ def test_ranks_come_from_environments_and_workers_belong_to_their_rank():
     assert rank_of_threads(threads, rows, ranks).tolist() == [-1, 1, 0, 0, 1]
 
 
+def test_a_shell_that_passed_its_rank_on_is_a_launcher():
+    # srun starts `bash -c "python train.py"` per task: both have SLURM_PROCID; python trains.
+    threads = _threads([(20, 20, "bash"), (21, 21, "python"), (30, 30, "bash"), (31, 31, "python")])
+    rows = _thread_rows({20: 1, 21: 20, 30: 1, 31: 30})
+    env = _env([(20, "SLURM_PROCID", "0"), (21, "SLURM_PROCID", "0"), (30, "SLURM_PROCID", "1"),
+                (31, "SLURM_PROCID", "1"), (21, "SLURM_NTASKS", "2"), (31, "SLURM_NTASKS", "2")])
+    ranks = job_ranks(threads, rows, env)
+    assert ranks["pid"].tolist() == [21, 31] and ranks["world_size"].tolist() == [2, 2]
+
+
 def test_without_environments_ranks_are_the_processes_with_collective_threads():
     threads = _threads([(10, 10, "torchrun"), (11, 11, "python"), (15, 11, "gloo_tcp_loop"), (12, 12, "python"),
                         (16, 12, "pt_gloo_runloop"), (13, 13, "python")])
@@ -117,9 +127,22 @@ def test_waits_are_charged_to_what_the_late_rank_did_beyond_the_others():
     waits = waits_for(pd.DataFrame({"rank": [0, 1], "interval": [1, 2], "exit_ns": [72 * MS, 72 * MS]}), last)
     assert last["last_rank"].tolist() == [1] and waits["straggler"].tolist() == [1, -1]
     job = charge({0: (100, rank0[rank0["interval"] == 1], rank0), 1: (101, rank1[rank1["interval"] == 2], rank1)},
-                       waits, arrivals, last)
+                 waits, arrivals, last)
     charged = job[(job["rank"] == 0) & (job["culprit_rank"] == 1)]
     assert set(charged["category"].astype(str)) == {"input_pipeline"}
     assert abs(charged["ns"].sum() - 30 * MS) < 1e3
     rest = job[(job["rank"] == 0) & (job["culprit_rank"] == 0)]
     assert set(rest["category"].astype(str)) == {"collective"} and abs(rest["ns"].sum() - 2 * MS) < 1e3
+
+
+def test_ranks_that_never_waited_in_a_collective_have_no_straggler():
+    calls = _calls([(0, 1, 2)]).iloc[:0]
+    arrivals, last = match_collectives(calls, [0, 1])
+    assert arrivals.empty and last.empty
+    waits = waits_for(pd.DataFrame({"rank": np.zeros(0, np.int64), "interval": np.zeros(0, np.int64),
+                                    "exit_ns": np.zeros(0, np.int64)}), last)
+    own = _pieces([(0, 10, "input_pipeline", 0)])
+    job = charge({0: (100, own, own), 1: (101, own.iloc[:0], own)}, waits, arrivals, last)
+    assert job["ns"].sum() == own["ns"].sum()
+    summary = rank_summary(arrivals, last, [0, 1])
+    assert summary["last_share"].tolist() == [0.0, 0.0]

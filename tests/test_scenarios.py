@@ -125,6 +125,13 @@ def test_injected_bottleneck_is_the_top_finding(scenario: Scenario, gpu_source: 
     assert top["category"] in scenario.expected, result.describe()
     assert scenario.min_share <= top["share"] <= 1.0, result.describe()
     assert top["severity"] == "critical", result.describe()
+    assert top["culprits"], result.describe()
+    if top["category"] in ("lock_contention", "gil_contention"):
+        # The lock (its address, named where it could be) and its holders: the threads
+        # whose release ended the trainer's waits.
+        holders = [c for c in top["culprits"] if c.get("holder")]
+        assert holders and all(c["tid"] != meta["target_pid"] for c in holders), top["culprits"]
+        assert [c for c in top["culprits"] if c["kind"] == "lock"], top["culprits"]
     role, function = _named(top, scenario).split(" ", 1)
     if scenario.producer is not None:
         assert role == scenario.producer, (top["threads"], result.describe())

@@ -31,10 +31,10 @@ def _home(base: Path, user) -> Path:
     return home
 
 
-def _as_user(user, script: str, *args: str) -> subprocess.Popen:
+def _as_user(user, script: str, *args: str, env: dict | None = None) -> subprocess.Popen:
     """`script` run by `user` (after exec, so the process is dumpable, as a login's are)."""
     return subprocess.Popen([PYTHON, "-c", script, *args], user=user.uid, group=user.gid, extra_groups=[],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/", env=env)
 
 
 def _record(user, pid: int, out: Path, seconds: int, probes: str) -> subprocess.Popen:
@@ -66,14 +66,15 @@ print("ready", flush=True)
 sys.stdin.readline()
 time.sleep(0.3)
 print(time.monotonic_ns(), flush=True)
-os.execv(sys.argv[1], ["sleep", "3"])
+os.execve(sys.argv[1], ["sleep", "3"], {**os.environ, "RANK": "7"})
 """
 
 
 @pytest.mark.parametrize("setuid", [True, False], ids=["setuid", "plain"])
 def test_a_process_that_execs_a_setuid_program_leaves_the_trace(base, attacker, setuid):
     """The user's process execs a setuid-root copy of sleep: nothing of it from the exec
-    on is in the trace (the 3 s sleep was, with its stacks).  A plain copy is traced on."""
+    on is in the trace (the 3 s sleep was, with its stacks), nor its environment.  A plain
+    copy is traced on, its environment read again after the exec."""
     if os.statvfs(base).f_flag & os.ST_NOSUID:
         pytest.fail(f"{base} is on a nosuid file system: the setuid bit would not apply")
     program = base / "sleep-copy"
@@ -81,7 +82,7 @@ def test_a_process_that_execs_a_setuid_program_leaves_the_trace(base, attacker, 
     program.chmod(0o4755 if setuid else 0o755)
     home = _home(base, attacker)
     out = home / "t.parquet"
-    proc = _as_user(attacker, EXECS, str(program))
+    proc = _as_user(attacker, EXECS, str(program), env={"PATH": os.environ["PATH"], "RANK": "3", "WORLD_SIZE": "8"})
     try:
         assert proc.stdout.readline().strip() == "ready"
         rec = _record(attacker, proc.pid, out, 12, "sched,futex")
@@ -97,6 +98,11 @@ def test_a_process_that_execs_a_setuid_program_leaves_the_trace(base, attacker, 
     trace = read_trace(out)
     offcpu = trace.frame("offcpu")
     slept = offcpu[(offcpu.pid == proc.pid) & (offcpu.ts_ns > exec_ns) & (offcpu.dur_ns > 1.5e9)]
+    env = trace.view("process_env")
+    env = env[env.pid == proc.pid]
+    ranks = [dict(zip(read.variable, read.value)) for _, read in env.groupby("ts_ns")]
+    # read as the user's process at the start; after the exec, only if it is still theirs
+    assert ranks == [{"RANK": "3", "WORLD_SIZE": "8"}] + ([] if setuid else [{"RANK": "7", "WORLD_SIZE": "8"}]), ranks
     if not setuid:
         assert len(slept) == 1, "a plain exec was not traced on"
         assert not trace.meta.get("untraced"), trace.meta.get("untraced")

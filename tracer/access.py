@@ -103,6 +103,10 @@ class Gate:
         if why is not None:
             raise TargetError(_sentence(pid, why, self.who))
 
+    def admits(self, pid: int) -> bool:
+        """Whether process `pid` may be traced now: it has not left, and passes again."""
+        return pid not in self.left and refusal(pid, self.who) is None
+
     def admit(self, threads: list[ThreadInfo], now_ns: int) -> list[ThreadInfo]:
         """The threads of processes that may be traced; each other process is noted once."""
         verdict = {pid: refusal(pid, self.who) for pid in {t.pid for t in threads} - set(self.left)}

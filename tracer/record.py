@@ -20,7 +20,7 @@ from trainbpf.schema import SCHEMA_ID
 from trainbpf.asuser import Invoker
 from trainbpf.safefile import OutputFile
 from trainbpf.tracefile import SpoolWriter, combine, finalize, make_batch
-from trainbpf.tracer import access, loader, preflight, proctree, procfs, taskstats
+from trainbpf.tracer import access, jobenv, loader, preflight, proctree, procfs, taskstats
 from trainbpf.tracer.addrs import AddressDescriber, ProcMaps, futex_pairs
 from trainbpf.tracer.collector import Collector, Settings, ThreadTable
 from trainbpf.tracer.drain import DrainLoop
@@ -68,6 +68,9 @@ class Recorder(DrainLoop):
         self.notice = notice
         # Under sudo: only the processes the invoking user could ptrace are traced.
         self.gate = access.Gate(invoker, notice) if invoker is not None else None
+        # Each traced process's rank variables (`process_env` rows), the target's in `job`.
+        self.jobenv = jobenv.JobEnvReader(admitted=self.gate.admits if self.gate else None)
+        self.target_env: dict[str, str] | None = None
         self.stop_reason = ""
         self._stop = threading.Event()
         self._stop_fds: tuple[int, int] | None = None  # a pipe the drain loop waits on, while it runs
@@ -145,6 +148,8 @@ class Recorder(DrainLoop):
             check_target(self.pid)
         if self.gate is not None:
             self.gate.check_target(self.pid)
+        if self.pid is not None:
+            self.target_env = self.jobenv.read(self.pid)
         self.out = check_output(self.output, force=self.force, notice=self.notice)
         if self.topology_file is not None:  # read now: a bad one is refused before the compile
             self.declared_topology = procfs.declared_topology(self.topology_file)
@@ -187,6 +192,12 @@ class Recorder(DrainLoop):
         self.procsampler = procfs.ProcSampler(interval_ns=int(PROC_SAMPLE_S * 1e9))  # starts within the trace
         walked = self._walk()  # again: threads born between the first walk and the attach
         self._seed(walked)
+        envs = self.jobenv.take(self.threads)
+        if envs is not None:
+            self.writer.add(envs)
+        note = jobenv.lone_rank_note(self.pid, self.target_env, list(self.jobenv.envs.values()))
+        if note and self.notice:
+            self.notice(note)
         for c in self.collectors:
             c.seeded(self.bpf, walked, self.threads, self.start_ns)
         if self.settings.python_frames:
@@ -264,6 +275,7 @@ class Recorder(DrainLoop):
             "target_pid": self.pid,
             "target_cmdline": proctree.cmdline(self.pid) if self.pid else [],
             "trainer_tid": self.trainer_tid,
+            "job": jobenv.job_meta(self.target_env),
             "clock": {
                 "start_mono_ns": 0,  # set by _open_spool, as the last step before the seed
                 "wall_minus_mono_ns": self.wall_minus_mono,
@@ -357,7 +369,8 @@ class Recorder(DrainLoop):
         ended = self._after_execs()
         for c in self.collectors:
             batches += c.drain(self.bpf, now_ns, final=final)
-        batches = self._with_symbols(batches) + ended
+        envs = self.jobenv.take(self.threads)  # after the execs: a process let back in is read anew
+        batches = self._with_symbols(batches) + ended + ([envs] if envs is not None else [])
         if self.pystacks is not None:  # named while the processes live, then new threads
             named = self.pystacks.take(now_ns)
             if named is not None:

@@ -1,6 +1,7 @@
 """`trainbpf fleet`: many nodes' health JSON documents merged into one table that ranks
-the nodes by starved share, with each node's top stall category and, where the CUDA
-calls were traced, its training step time and host-bound share."""
+the nodes by starved share, with each node's top stall category, where the CUDA calls
+were traced its training step time and host-bound share, and where a node's check saw a
+job of several ranks, the rank the others waited for (the straggler)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,14 @@ class FleetRow:
     finished: str
     error: str | None
     file: str
+    straggler_rank: int | None = None  # the node's job's straggler; -1: a job without one; None: no job
+
+
+def _straggler_rank(doc: dict[str, Any]) -> int | None:
+    job = doc.get("job")
+    if not job:
+        return None
+    return -1 if job.get("straggler") is None else int(job["straggler"]["rank"])
 
 
 # The walk that finds the documents: symlinked folders are not entered (a link back up
@@ -157,6 +166,11 @@ def document_problem(doc: dict[str, Any]) -> str | None:
         for key, value in (steps or {}).items():
             if value is not None and not (isinstance(value, bool) if key == "traced" else _number(value)):
                 return f"steps.{key} is not a {'boolean' if key == 'traced' else 'number'}"
+    job = doc.get("job")
+    if job is not None and not (isinstance(job, dict) and (job.get("straggler") is None or (
+            isinstance(job["straggler"], dict) and isinstance(job["straggler"].get("rank"), int)
+            and not isinstance(job["straggler"]["rank"], bool)))):
+        return "job is not an object with a straggler that has an integer rank"
     for t in targets:
         if t.get("starved_ratio") is not None and not _number(t["starved_ratio"]):
             return "a target's starved_ratio is not a number"
@@ -192,6 +206,7 @@ def fleet_rows(documents: list[tuple[Path, dict[str, Any]]]) -> list[FleetRow]:
             targets=len(doc.get("targets", [])), cuda_traced=steps.get("traced"), step_p50_s=steps.get("step_p50_s"),
             step_p99_s=steps.get("step_p99_s"), steps_per_s=steps.get("steps_per_s"),
             host_bound_share=steps.get("host_bound_share"), finished=str(doc.get("finished", "")), error=doc.get("error"), file=str(path),
+            straggler_rank=_straggler_rank(doc),
         ))
     return rows
 
@@ -227,13 +242,15 @@ def render(rows: list[FleetRow], fmt: str) -> str:
             writer.writerow(["" if v is None else printable(v) if isinstance(v, str) else v
                              for v in (getattr(r, n) for n in names)])
         return buf.getvalue()
+    jobs = any(r.straggler_rank is not None for r in rows)  # the straggler column only where a job was seen
     table = [("rank", "host", "status", "starved", "top category", "share", "step p50/p99", "steps/s", "host-bound",
-              "targets", "checked (UTC)")]
+              "targets", *(("straggler",) if jobs else ()), "checked (UTC)")]
     for r in rows:
+        straggler = ("-" if r.straggler_rank is None else "none" if r.straggler_rank < 0 else f"rank {r.straggler_rank}",)
         table.append(tuple(map(printable, (
             r.rank, r.host, r.status, _pct(r.starved_ratio), r.top_category or "-", _pct(r.top_share), _step_cell(r),
             "-" if r.steps_per_s is None else f"{r.steps_per_s:.3g}", _pct(r.host_bound_share), r.targets,
-            r.finished.replace("T", " ").rstrip("Z")))))
+            *(straggler if jobs else ()), r.finished.replace("T", " ").rstrip("Z")))))
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     counts = category_counts(rows)
@@ -241,6 +258,9 @@ def render(rows: list[FleetRow], fmt: str) -> str:
         lines.append("")
         lines.append("top categories: " + ", ".join(f"{printable(c)} {n} node{'s' if n != 1 else ''}"
                                                     for c, n in counts.items()))
+    stragglers = [f"rank {r.straggler_rank} on {printable(r.host)}" for r in rows if (r.straggler_rank or -1) >= 0]
+    if stragglers:
+        lines.append("stragglers (the rank its job's other ranks waited for): " + ", ".join(stragglers))
     return "\n".join(lines) + "\n"
 
 

@@ -3,7 +3,9 @@
 The timeline bins the analysed window into columns: each GPU's utilisation as a line on
 top, with the starved time of each column (the idle time the trainer's stalls explain)
 hanging above the line coloured by cause; the trainer's state mix per column stacked
-underneath; then one row of marks per finding where its starved time falls.  With the
+underneath (for a job, a lane per rank: its trainer's states and a strip of its own
+starved time by cause, trainbpf/html_job.py); then one row of marks per finding where its
+starved time falls.  With the
 CUDA probe's rows a second chart gives each thread that made CUDA calls a track on the
 same columns: its GPU waits and launch gaps (the share of each column), and its launches
 per column.
@@ -16,11 +18,13 @@ import json
 from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
+import pandas as pd
 
 from trainbpf.analyzers import Analysis, observed_ns
 from trainbpf.analyzers.categories import HOST_CATEGORY, REGISTRY
 from trainbpf.analyzers.intervals import NS_PER_S, ClassTime, intersect
 from trainbpf.analyzers.vocab import STATES
+from trainbpf.html_job import Lane, rank_section, trainer_lanes
 from trainbpf.python_frames import python_line
 
 if TYPE_CHECKING:
@@ -42,6 +46,8 @@ RIGHT = 40
 BINS = 400
 MAX_THREAD_BARS = 60
 MAX_CUDA_TRACKS = 16
+# A rank's lane: its trainer's states over a strip of its starved time by cause.
+RANK_STATE_H, RANK_STRIP_H, RANK_GAP = 26, 8, 6
 CUDA_COLORS = {"cuda-wait": "#6a3d9a", "cuda-gap": "#ff7f0e", "cuda-launch": "#2ca02c"}
 
 CSS = """
@@ -79,9 +85,9 @@ def _x(ns: Any, analysis: Analysis, width: int) -> np.ndarray:
     return LEFT + (np.asarray(ns, dtype=np.float64) - w.start_ns) / span * (width - LEFT - RIGHT)
 
 
-def trainer_state_mix(analysis: Analysis, edges: np.ndarray) -> np.ndarray:
-    """(bins, len(STATES)) ns the trainer spent in each state per bin."""
-    st = analysis.states[analysis.states["tid"].to_numpy() == (analysis.trainer_tid if analysis.trainer_tid is not None else -2)]
+def trainer_state_mix(analysis: Analysis, edges: np.ndarray, tid: int | None) -> np.ndarray:
+    """(bins, len(STATES)) ns the trainer `tid` spent in each state per bin."""
+    st = analysis.states[analysis.states["tid"].to_numpy() == (tid if tid is not None else -2)]
     if not len(st):
         return np.zeros((len(edges) - 1, len(STATES)))
     index = ClassTime(st["start_ns"].to_numpy(), st["end_ns"].to_numpy(), st["state"].cat.codes.to_numpy(), len(STATES))
@@ -89,9 +95,9 @@ def trainer_state_mix(analysis: Analysis, edges: np.ndarray) -> np.ndarray:
     return np.diff(cum, axis=0).astype(np.float64)
 
 
-def finding_bins(analysis: Analysis, edges: np.ndarray) -> dict[str, np.ndarray]:
+def finding_bins(starved: pd.DataFrame, edges: np.ndarray) -> dict[str, np.ndarray]:
     """Starved ns per category per bin, each piece spread over the bins it spans."""
-    st = analysis.starved
+    st = starved
     start, end = st["start_ns"].to_numpy(np.int64), st["end_ns"].to_numpy(np.int64)
     ia, ib, s, e = intersect(start, end, edges[:-1], edges[1:])
     weight = st["ns"].to_numpy()[ia] * (e - s) / np.maximum(end - start, 1)[ia]
@@ -118,7 +124,7 @@ def _marked(analysis: Analysis, report: dict[str, Any], edges: np.ndarray) -> tu
     """The rows of marks (the findings with starved time; first, with host work, the
     host-bound part of starved time, whatever finding it went to) and their ns per bin."""
     cats = [f["category"] for f in report["findings"] if f["seconds"] > 0]
-    per_bin = finding_bins(analysis, edges)
+    per_bin = finding_bins(analysis.starved, edges)
     if report["host_bound_s"] > 0:
         cats = [HOST_ROW] + cats
         per_bin[HOST_ROW] = host_bins(analysis, edges)
@@ -129,8 +135,12 @@ def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
     edges = _bins(analysis)
     cats, per_bin_all = _marked(analysis, report, edges)
     gpu_h, state_h, mark_h, gap = 110, 54, 14, 18
+    lanes = trainer_lanes(analysis)
+    if analysis.job is not None:
+        state_h = RANK_STATE_H + RANK_STRIP_H
+    lanes_h = len(lanes) * state_h + (len(lanes) - 1) * RANK_GAP
     top = 10
-    height = top + gpu_h + gap + state_h + gap + mark_h * max(1, len(cats)) + 34
+    height = top + gpu_h + gap + lanes_h + gap + mark_h * max(1, len(cats)) + 34
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="GPU-starvation timeline" shape-rendering="crispEdges">']
     out.append(f'<rect x="0" y="0" width="{WIDTH}" height="{height}" fill="#fff"/>')
     x0, x1 = LEFT, WIDTH - RIGHT
@@ -145,13 +155,9 @@ def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
     if analysis.basis == "gpu_idle":
         for s, e in zip(_x(analysis.idle["start_ns"], analysis, WIDTH), _x(analysis.idle["end_ns"], analysis, WIDTH)):
             out.append(f'<rect x="{s:.1f}" y="{top}" width="{max(0.5, e - s):.1f}" height="{gpu_h}" fill="#f1f1f1"/>')
-        hang = np.zeros(len(edges) - 1)
-        for cat in (c for c in CATEGORY_COLORS if c in per_bin_all):
-            h = np.minimum(per_bin_all[cat] / np.maximum(width_ns, 1.0), 1.0) * gpu_h
-            for b in np.flatnonzero(h > 0.2):
-                out.append(f'<rect x="{xs[b]:.1f}" y="{top + hang[b]:.1f}" width="{bw[b] + 0.3:.1f}" height="{h[b]:.1f}" '
-                           f'fill="{CATEGORY_COLORS[cat]}" fill-opacity="0.75"/>')
-            hang += h
+        # A job's starved time is every rank's, each against its own GPU: a share of them all.
+        ranks = len(lanes) if analysis.job is not None else 1
+        out += _cause_stack(per_bin_all, xs, width_ns * ranks, top, gpu_h, min_h=0.2, after=' fill-opacity="0.75"')
         for name, g in analysis.gpu.groupby("gpu", sort=False):
             g = g[(g["ts_ns"] > analysis.window.start_ns) & (g["start_ns"] < analysis.window.end_ns)]
             if not len(g):
@@ -166,20 +172,14 @@ def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
         out.append(f'<text x="8" y="{top + 72}" fill="#666">grey: below {analysis.gpu_idle_threshold:g}%</text>')
     else:
         out.append(f'<text x="{x0 + 12}" y="{top + gpu_h / 2:.0f}">No GPU samples: starved time is the trainer\'s non-running time over the whole window.</text>')
-    # Trainer state mix.
+    # Trainer state mix: the trainer's, or each rank's.
     y = top + gpu_h + gap
-    out.append(f'<text x="8" y="{y + 14}">trainer state</text>')
-    mix = trainer_state_mix(analysis, edges)
-    total = mix.sum(axis=1)
-    for b in np.flatnonzero(total > 0):
-        acc = 0.0
-        for k in np.flatnonzero(mix[b]):
-            h = mix[b, k] / total[b] * state_h
-            out.append(f'<rect x="{xs[b]:.1f}" y="{y + acc:.1f}" width="{bw[b] + 0.3:.1f}" height="{h:.1f}" fill="{STATE_COLORS[STATES[k]]}"/>')
-            acc += h
-    out.append(f'<rect x="{x0}" y="{y}" width="{x1 - x0}" height="{state_h}" fill="none" stroke="#ccc"/>')
+    for lane in lanes:
+        out += _trainer_lane(analysis, lane, edges, y, state_h)
+        y += state_h + RANK_GAP
     # Finding marks.
-    y += state_h + gap
+    # Finding marks.
+    y += gap - RANK_GAP
     for i, cat in enumerate(cats):
         yy = y + i * mark_h
         out.append(f'<text x="8" y="{yy + 10}">{_e(cat)}</text>')
@@ -201,6 +201,42 @@ def _timeline(analysis: Analysis, report: dict[str, Any]) -> str:
         out.append(f'<text x="{x:.1f}" y="{ay + 15}" text-anchor="middle">{label:.2f} s</text>')
     out.append("</svg>")
     return "\n".join(out)
+
+
+def _cause_stack(per_bin: dict[str, np.ndarray], xs: np.ndarray, width_ns: np.ndarray, y: float, height: float, *,
+                 min_h: float, before: str = "", after: str = "") -> list[str]:
+    """Each cause's share of every column, stacked down from `y` in its colour."""
+    out, bw, acc = [], np.diff(xs), np.zeros(len(xs) - 1)
+    for cat in (c for c in CATEGORY_COLORS if c in per_bin):
+        h = np.minimum(per_bin[cat] / np.maximum(width_ns, 1.0), 1.0) * height
+        for b in np.flatnonzero(h > min_h):
+            out.append(f'<rect{before} x="{xs[b]:.1f}" y="{y + acc[b]:.1f}" width="{bw[b] + 0.3:.1f}" height="{h[b]:.1f}" '
+                       f'fill="{CATEGORY_COLORS[cat]}"{after}/>')
+        acc += h
+    return out
+
+
+def _trainer_lane(analysis: Analysis, lane: Lane, edges: np.ndarray, y: float, height: int) -> list[str]:
+    """A trainer's state mix per column; a rank's over a strip of its own starved time,
+    each cause's share of the column stacked in its colour."""
+    xs = _x(edges, analysis, WIDTH)
+    bw = np.diff(xs)
+    state_h = height if lane.rank is None else RANK_STATE_H
+    out = [f'<text x="8" y="{y + 14}">{_e(lane.label)}</text>']
+    mix = trainer_state_mix(analysis, edges, lane.tid)
+    total = mix.sum(axis=1)
+    for b in np.flatnonzero(total > 0):
+        acc = 0.0
+        for k in np.flatnonzero(mix[b]):
+            h = mix[b, k] / total[b] * state_h
+            out.append(f'<rect x="{xs[b]:.1f}" y="{y + acc:.1f}" width="{bw[b] + 0.3:.1f}" height="{h:.1f}" fill="{STATE_COLORS[STATES[k]]}"/>')
+            acc += h
+    out.append(f'<rect x="{LEFT}" y="{y}" width="{WIDTH - LEFT - RIGHT}" height="{state_h}" fill="none" stroke="#ccc"/>')
+    if lane.starved is None:
+        return out
+    out += _cause_stack(finding_bins(lane.starved, edges), xs, np.diff(edges).astype(np.float64), y + state_h,
+                        RANK_STRIP_H, min_h=0.1, before=' class="starved"')
+    return [f'<g class="rank-lane" data-rank="{lane.rank}" data-pid="{lane.pid}" data-tid="{lane.tid}">', *out, "</g>"]
 
 
 def _per_bin_ns(start: np.ndarray, end: np.ndarray, edges: np.ndarray) -> np.ndarray:
@@ -394,6 +430,7 @@ def render_html(rendered: Report) -> str:
         "<h2>GPU-starvation timeline</h2>",
         _timeline(analysis, report),
         _legend(STATE_COLORS, STATES),
+        *rank_section(report),
         *_cuda_section(analysis, report),
         "<h2>Findings</h2>",
         _findings(report),

@@ -49,29 +49,54 @@ def rank_culprits(evidence: dict[str, Any]) -> list[dict[str, Any]]:
              "seconds": _round(c["seconds"])} for c in evidence.get("culprit_ranks", [])]
 
 
-def rank_lines(report: dict[str, Any]) -> list[str]:
-    """The text report's per-rank table and straggler line; nothing for one process."""
-    ranks = report.get("ranks")
-    if not ranks:
-        return []
-    head = ["rank", "pid", "node", "steps", "step p50", "starved", "collective wait", "arrived last", "top cause"]
-    rows = [[str(r["rank"]), str(r["pid"]), r["node"] or "?", str(r["collectives"]),
+RANK_HEAD = ("rank", "pid", "node", "steps", "step p50", "starved", "collective wait", "arrived last", "top cause")
+# The columns of RANK_HEAD that are text (left-aligned), the others numbers.
+RANK_TEXT_COLUMNS = (2, 8)
+
+
+def rank_cells(ranks: list[dict[str, Any]]) -> list[list[str]]:
+    """The per-rank table's cells (columns RANK_HEAD) of the JSON `ranks`."""
+    return [[str(r["rank"]), str(r["pid"]), r["node"] or "?", str(r["collectives"]),
              "-" if r["step_p50_ms"] is None else f"{r['step_p50_ms']:.1f} ms", f"{r['starved_s']:.2f} s",
              f"{r['collective_wait_s']:.2f} s", f"{100 * (r['last_arrival_share'] or 0):.0f}%", r["top_category"] or "-"]
             for r in ranks]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    fmt = lambda row: "  ".join(c.ljust(w) if i in (2, 8) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
-    source = "their environments" if all(r["source"] == "environment" for r in ranks) else \
+
+
+def ranks_known_by(ranks: list[dict[str, Any]]) -> str:
+    """How the ranks were found, in words."""
+    return "their environments" if all(r["source"] == "environment" for r in ranks) else \
         "their collective backend's threads (no rank variables recorded: numbered in pid order)"
-    lines = [f"  Ranks: {len(ranks)}, known by {source}; steps are counted at collectives:", "    " + fmt(head)]
+
+
+def straggler_sentence(straggler: dict[str, Any] | None) -> str:
+    """The straggler line's text after "Straggler: "."""
+    if not straggler:
+        return "none (no rank arrived last in most collectives while the others waited long for it)"
+    s = straggler
+    cause = f"; what it was doing meanwhile: {s['category']}" if s["category"] else ""
+    return (f"rank {s['rank']} (pid {s['pid']}) arrived last in {100 * s['last_arrival_share']:.0f}% "
+            f"of collectives; the other ranks waited {s['others_waited_s']:.2f} s for it{cause}")
+
+
+def rank_lines(report: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    """The text report's per-rank table and straggler line; for one rank of a job traced
+    alone (metadata `job`), that the others are not traced."""
+    ranks = report.get("ranks")
+    lone = meta.get("job") or {}
+    if not ranks and (lone.get("world_size") or 0) > 1 and lone.get("target_rank") is not None:
+        return [f"  Rank {lone['target_rank']} of {lone['world_size']}: the other ranks are not traced, so the "
+                "report cannot say which rank its collectives waited for (record the launcher's pid to trace "
+                "every rank)"]
+    if not ranks:
+        return []
+    rows = rank_cells(ranks)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(RANK_HEAD)]
+    fmt = lambda row: "  ".join(c.ljust(w) if i in RANK_TEXT_COLUMNS else c.rjust(w)  # noqa: E731
+                                for i, (c, w) in enumerate(zip(row, widths)))
+    lines = [f"  Ranks: {len(ranks)}, known by {ranks_known_by(ranks)}; steps are counted at collectives:",
+             "    " + fmt(RANK_HEAD)]
     lines += ["    " + fmt(row) for row in rows]
-    s = report.get("straggler")
-    if s:
-        cause = f"; what it was doing meanwhile: {s['category']}" if s["category"] else ""
-        lines.append(f"  Straggler: rank {s['rank']} (pid {s['pid']}) arrived last in {100 * s['last_arrival_share']:.0f}% "
-                     f"of collectives; the other ranks waited {s['others_waited_s']:.2f} s for it{cause}")
-    else:
-        lines.append("  Straggler: none (no rank arrived last in most collectives while the others waited long for it)")
+    lines.append("  Straggler: " + straggler_sentence(report.get("straggler")))
     return lines
 
 

@@ -68,17 +68,16 @@ def analyze_traces(paths: Sequence[str | os.PathLike], *, gpu_idle_threshold: fl
     window_ns = int(traces["end_ns"].max() - traces["start_ns"].min())
     job = join_ranks([t.shifted(int(o)) for f, o in zip(found, aligned["offset_ns"]) for t in f.tables],
                      window_ns=window_ns)
-    shown = job.straggler["rank"] if job.straggler else int(job.ranks["rank"].iloc[0])  # as one trace's report
-    samples = sum(f.gpu_samples for f in found)
-    idle = [(f.idle_fraction, f.gpu_samples) for f in found if f.idle_fraction is not None and f.gpu_samples]
+    # GPU samples and host-bound time add up over the ranks, as for one trace's job.
+    samples = [sum(t.gpu_samples for t in f.tables) for f in found]
+    idle = [(f.idle_fraction, n) for f, n in zip(found, samples) if f.idle_fraction is not None and n]
     return JobTraces(
         traces=traces, job=job, window_ns=window_ns,
-        gpu={"source": next((str(f.meta["gpu"]["source"]) for f in found if (f.meta.get("gpu") or {}).get("source")
-                             and f.gpu_samples), None),
-             "samples": samples, "idle_fraction": sum(i * n for i, n in idle) / sum(n for _, n in idle) if idle else None},
+        gpu={"source": next((str(f.meta["gpu"]["source"]) for f, n in zip(found, samples)
+                             if (f.meta.get("gpu") or {}).get("source") and n), None),
+             "samples": sum(samples), "idle_fraction": sum(i * n for i, n in idle) / sum(n for _, n in idle) if idle else None},
         lost_events=sum(sum(f.lost.values()) for f in found),
-        host_bound_ns=next(t.host_bound_ns for f in found for t in f.tables if t.rank == shown),
-        notes=clock_notes(traces))
+        host_bound_ns=sum(t.host_bound_ns for f in found for t in f.tables), notes=clock_notes(traces))
 
 
 def clock_notes(traces: pd.DataFrame) -> list[str]:

@@ -4,7 +4,11 @@ One track per thread with its states as complete ("X") slices, a GPU utilisation
 ("C"), one track per finding category with the starved time it explains, flow arrows
 ("s" -> "f") from each waker to the wait it ended, and for each thread that made CUDA
 calls two tracks: its GPU waits (synchronisations, blocking copies) and launch gaps, and
-its launch bursts (a slice per burst, `args.launches` the count).  A state slice with a
+its launch bursts (a slice per burst, `args.launches` the count).  For a job of several
+ranks each rank's process is named "rank R (pid P)" and holds, beside its threads, a
+track of its collectives (a slice per collective from its arrival to its exit, `args`:
+the rank that arrived last, by how many ms, and whether this rank waited) and its own
+starved time by category, instead of the GPU process's starved tracks.  A state slice with a
 Python stack (a trace recorded with the Python walk) carries it in `args.python` (the
 thread's frames at the switch-out, leaf first, "qualname (file:line)") and
 `args.waker_python` (the waker's at the wake-up).  Timestamps are
@@ -24,12 +28,16 @@ import pandas as pd
 
 from trainbpf.analyzers import Analysis, analyze
 from trainbpf.analyzers.categories import CATEGORIES
+from trainbpf.analyzers.join import JobResult
 from trainbpf.memory import read_for_analysis
 from trainbpf.safefile import OutputFile, check_output, write_new
 
-GPU_PID = 0  # a pseudo-process holding the GPU counter and the starved-time tracks
+GPU_PID = 0  # a pseudo-process holding the GPU counter and (but for a job) the starved-time tracks
 STARVED_TID_BASE = 1000
 CUDA_TID_BASE = 2000  # CUDA thread i: waits and gaps on CUDA_TID_BASE + 2i, launches on + 2i + 1
+# A rank's own tracks in its process: its collectives, then its starved time per category.
+# Above any kernel tid (pid_max is at most 2**22), so no thread's track is taken.
+RANK_TID_BASE = 1 << 30
 
 
 def _us(ns: np.ndarray, origin: int) -> np.ndarray:
@@ -48,22 +56,7 @@ def trace_events(analysis: Analysis) -> list[str]:
     origin = analysis.span.start_ns
     threads = analysis.threads
     pid_of = pd.Series(threads["pid"].to_numpy(np.int64), index=threads["tid"].to_numpy(np.int64))
-    meta: list[dict[str, Any]] = [
-        {"name": "process_name", "ph": "M", "pid": GPU_PID, "tid": 0, "args": {"name": "GPU and starved time"}},
-    ]
-    for pid in sorted(set(threads["pid"].tolist())):
-        comm = threads.loc[(threads["pid"] == pid) & (threads["tid"] == pid), "comm"]
-        name = f"{comm.iloc[0]} ({pid})" if len(comm) else f"process {pid}"
-        meta.append({"name": "process_name", "ph": "M", "pid": int(pid), "tid": 0, "args": {"name": name}})
-    for th in threads.itertuples(index=False):
-        meta.append({"name": "thread_name", "ph": "M", "pid": int(th.pid), "tid": int(th.tid),
-                     "args": {"name": f"{th.comm or '?'} [{th.role}]"}})
-        order = 0 if th.role == "trainer" else 1
-        meta.append({"name": "thread_sort_index", "ph": "M", "pid": int(th.pid), "tid": int(th.tid),
-                     "args": {"sort_index": order}})
-    for i, cat in enumerate(CATEGORIES):
-        meta.append({"name": "thread_name", "ph": "M", "pid": GPU_PID, "tid": STARVED_TID_BASE + i,
-                     "args": {"name": f"starved: {cat}"}})
+    meta = _process_meta(analysis)
     cuda_rows = analysis.cuda.threads if analysis.cuda is not None else pd.DataFrame({"tid": []})
     comm = dict(zip(threads["tid"].tolist(), threads["comm"].tolist()))
     for i, tid in enumerate(cuda_rows["tid"].tolist()):
@@ -101,14 +94,7 @@ def trace_events(analysis: Analysis) -> list[str]:
         })
         chunks.append(_records(counters))
 
-    sv = analysis.starved
-    if len(sv):
-        codes = sv["category"].cat.codes.to_numpy(np.int64)
-        chunks.append(_records(pd.DataFrame({
-            "name": sv["category"].astype(str).to_numpy(dtype=object), "cat": "starved", "ph": "X",
-            "ts": _us(sv["start_ns"].to_numpy(), origin), "dur": (sv["end_ns"] - sv["start_ns"]).to_numpy() / 1000.0,
-            "pid": GPU_PID, "tid": STARVED_TID_BASE + codes,
-        })))
+    chunks += [_starved_events(analysis, origin), _collective_events(analysis, origin)]
 
     # Wake-ups: from the waker (running at the wake-up) to the blocked slice it ended.
     blocked = ~st["state"].isin(["running", "runnable"]).to_numpy()
@@ -123,6 +109,87 @@ def trace_events(analysis: Analysis) -> list[str]:
         finish = pd.DataFrame({**common, "ph": "f", "bp": "e", "pid": pid_of.reindex(tids[woken]).to_numpy(np.int64), "tid": tids[woken]})
         chunks += [_records(start), _records(finish)]
     return [c for c in chunks if c]
+
+
+def _rank_of_pid(analysis: Analysis) -> dict[int, int]:
+    """A job's rank processes: pid -> rank; empty for one process."""
+    job = analysis.job
+    return {} if job is None else dict(zip(job.ranks["pid"].tolist(), job.ranks["rank"].tolist()))
+
+
+def _rank_pids(job: JobResult, ranks: pd.Series) -> np.ndarray:
+    """The process of each rank in `ranks`."""
+    return job.ranks.set_index("rank")["pid"].reindex(ranks.to_numpy(np.int64)).fillna(GPU_PID).to_numpy(np.int64)
+
+
+def _process_meta(analysis: Analysis) -> list[dict[str, Any]]:
+    """Names of the processes, their threads and the starved-time tracks (a rank's
+    process: "rank R (pid P)", in rank order, with its collectives and starved tracks)."""
+    threads, ranks = analysis.threads, _rank_of_pid(analysis)
+    meta: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": GPU_PID, "tid": 0,
+         "args": {"name": "GPU" if ranks else "GPU and starved time"}},
+    ]
+    for pid in sorted(set(threads["pid"].tolist())):
+        comm = threads.loc[(threads["pid"] == pid) & (threads["tid"] == pid), "comm"]
+        name = f"{comm.iloc[0]} ({pid})" if len(comm) else f"process {pid}"
+        if pid in ranks:
+            name = f"rank {ranks[pid]} (pid {pid})"
+            meta.append({"name": "process_sort_index", "ph": "M", "pid": int(pid), "tid": 0,
+                         "args": {"sort_index": ranks[pid]}})
+        meta.append({"name": "process_name", "ph": "M", "pid": int(pid), "tid": 0, "args": {"name": name}})
+    for th in threads.itertuples(index=False):
+        meta.append({"name": "thread_name", "ph": "M", "pid": int(th.pid), "tid": int(th.tid),
+                     "args": {"name": f"{th.comm or '?'} [{th.role}]"}})
+        order = 0 if th.role == "trainer" else 1
+        meta.append({"name": "thread_sort_index", "ph": "M", "pid": int(th.pid), "tid": int(th.tid),
+                     "args": {"sort_index": order}})
+    owners = [(pid, RANK_TID_BASE + 1) for pid in ranks] or [(GPU_PID, STARVED_TID_BASE)]
+    for pid, base in owners:
+        if pid != GPU_PID:
+            meta.append({"name": "thread_name", "ph": "M", "pid": int(pid), "tid": RANK_TID_BASE,
+                         "args": {"name": "collectives"}})
+        for i, cat in enumerate(CATEGORIES):
+            meta.append({"name": "thread_name", "ph": "M", "pid": int(pid), "tid": base + i,
+                         "args": {"name": f"starved: {cat}"}})
+    return meta
+
+
+def _starved_events(analysis: Analysis, origin: int) -> str:
+    """The starved pieces on their category's track: the GPU process's, or for a job the
+    track of the rank whose starved time each piece is."""
+    sv = analysis.starved
+    if not len(sv):
+        return ""
+    codes = sv["category"].cat.codes.to_numpy(np.int64)
+    if analysis.job is None:
+        pid, tid = GPU_PID, STARVED_TID_BASE + codes
+    else:
+        pid = _rank_pids(analysis.job, sv["rank"])
+        tid = RANK_TID_BASE + 1 + codes
+    return _records(pd.DataFrame({
+        "name": sv["category"].astype(str).to_numpy(dtype=object), "cat": "starved", "ph": "X",
+        "ts": _us(sv["start_ns"].to_numpy(), origin), "dur": (sv["end_ns"] - sv["start_ns"]).to_numpy() / 1000.0,
+        "pid": pid, "tid": tid,
+    }))
+
+
+def _collective_events(analysis: Analysis, origin: int) -> str:
+    """A job's collectives: per rank a slice from its arrival to its exit, named by the
+    collective's number, its args the rank that arrived last, its lead in ms and whether
+    this rank waited."""
+    job = analysis.job
+    if job is None or not len(job.arrivals):
+        return ""
+    arrivals = job.arrivals.merge(job.last[["collective", "last_rank", "lead_ns"]], on="collective", how="left")
+    pid = _rank_pids(job, arrivals["rank"])
+    return _records(pd.DataFrame({
+        "name": "collective " + arrivals["collective"].astype(str), "cat": "collective", "ph": "X",
+        "ts": _us(arrivals["arrive_ns"].to_numpy(), origin),
+        "dur": (arrivals["exit_ns"] - arrivals["arrive_ns"]).to_numpy() / 1000.0, "pid": pid, "tid": RANK_TID_BASE,
+        "args": [{"last_rank": int(r), "lead_ms": round(float(lead) / 1e6, 3), "waited": bool(w)}
+                 for r, lead, w in zip(arrivals["last_rank"].fillna(-1), arrivals["lead_ns"].fillna(0), arrivals["waited"])],
+    }))
 
 
 def _python_args(analysis: Analysis, states: pd.DataFrame) -> tuple[np.ndarray, list[dict[str, Any]]] | None:

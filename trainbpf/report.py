@@ -176,7 +176,21 @@ def culprits(category: str, threads: list[dict[str, Any]], evidence: dict[str, A
             row["function"] = _function_label(own["functions"][0])
             row.setdefault("seconds", _seconds(sum(f["seconds"] for f in own["functions"])))
         out.append(row)
-    return out + rank_culprits(evidence)
+    return out + _lock_culprits(evidence, pids) + rank_culprits(evidence)
+
+
+def _lock_culprits(evidence: dict[str, Any], pids: dict[int, int]) -> list[dict[str, Any]]:
+    """A lock or GIL finding's lock (its busiest address, named where the recorder could)
+    and its holders: the threads whose release ended the trainer's waits."""
+    if "holders" not in evidence:
+        return []
+    out = []
+    for address, name in zip(evidence.get("addresses", [])[:1], evidence.get("address_names", [])[:1]):
+        out.append({"kind": "lock", "name": name or address, "address": address})
+    for h in evidence["holders"]:
+        out.append({"kind": "thread", "name": str(h["comm"]), "tid": int(h["tid"]), "pid": pids.get(int(h["tid"])),
+                    "seconds": _seconds(h["seconds"]), "holder": True})
+    return out
 
 
 def _own_seconds(evidence: dict[str, Any]) -> float | None:

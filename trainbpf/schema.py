@@ -178,7 +178,12 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     "taskstats": ("ts_ns", "tid", "pid", "state", "name", "count"),
     # The target's numa_maps summed per node: state = "start"/"end", count = pages.
     "numa_maps": ("ts_ns", "pid", "state", "node", "count"),
-    # A rank variable of a traced process's environment (RANK, WORLD_SIZE, ...).
+    # One variable of a traced process's environment that says which rank of a job it is
+    # (only the names of tracer/jobenv.py JOB_VARIABLES are ever read into a trace):
+    # name = the variable, state = its value (at most 256 characters; bytes that are not
+    # UTF-8 and control characters as \xNN escapes).  Read when the process is seeded or
+    # forked and again after an exec; the rows of one read share its ts_ns, and a
+    # process has new rows only when its variables changed: its newest ts_ns holds them.
     "process_env": ("ts_ns", "pid", "name", "state"),
     # An NCCL call returned: ts_ns = entry, dur_ns = entry -> return.
     "collective": ("ts_ns", "dur_ns", "tid", "pid", "name", "op", "addr", "size", "count"),
@@ -216,9 +221,9 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "psi": {"name": "resource", "count": "stalled_us"},
     "taskstats": {"name": "field", "count": "total_ns"},
     "numa_maps": {"count": "pages"},
+    "process_env": {"name": "variable", "state": "value"},
     "lost": {"name": "probe", "count": "lost"},
     "stack": {"kstack_id": "stack_id", "state": "space", "name": "frames"},
-    "process_env": {"name": "variable", "state": "value"},
     "collective": {"op": "seq", "addr": "comm", "size": "elements", "count": "ret"},
 }
 

@@ -84,7 +84,7 @@ def render_text(rendered: Report) -> str:
         )
     if analysis.uses_cuda and not gpu["samples"]:
         lines.append(_host_line(report))
-    lines.extend(rank_lines(report))
+    lines.extend(rank_lines(report, analysis.meta))
     lines.extend(_cuda_lines(report, analysis))
     lines.append("")
     lines.extend(finding_lines(report["findings"], gpu=bool(gpu["samples"])))
@@ -98,9 +98,10 @@ def starved_lines(report: dict[str, Any]) -> list[str]:
     gpu = report["gpu"]
     if gpu["samples"]:
         idle = gpu["idle_fraction"] or 0.0
+        summed = ", summed over the ranks (each rank's GPU against its own trainer)" if report["ranks"] else ""
         return [f"  GPU: {gpu['source']}, {gpu['samples']} samples; idle {_pct(idle)} of the time (1 - mean utilisation)",
-                f"  Starved time: {report['starved_s']:.2f} s (GPU idle time that the trainer's stalls and own CPU "
-                "work explain: in each sample at most its idle time)",
+                f"  Starved time: {report['starved_s']:.2f} s{summed} (GPU idle time that the trainer's stalls and own "
+                "CPU work explain: in each sample at most its idle time)",
                 _host_line(report)]
     return ["  GPU: no GPU samples in this trace.",
             f"  Starved time: {report['starved_s']:.2f} s. Without GPU samples, starved time is the "

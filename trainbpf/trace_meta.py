@@ -33,12 +33,13 @@ def _json_default(obj: Any) -> Any:
 # Metadata sections that are JSON objects, and those whose values are all integers
 # (counters): checked when a trace is read, so a damaged trace is a one-line error, not
 # a crash deep inside the analysis.
-META_OBJECTS = ("clock", "topology", "thresholds", "gpu", "lost", "stacks", "python_frames")
+META_OBJECTS = ("clock", "topology", "thresholds", "gpu", "lost", "stacks", "python_frames", "job")
 META_COUNTERS = ("lost", "stacks")
 # The single values the analysis computes with: clock instants (nanoseconds, int64) and
 # thread ids (kernel pids, int32); each may be absent or null.
 META_INSTANTS = ("start_mono_ns", "end_mono_ns", "wall_minus_mono_ns")
 META_IDS = ("target_pid", "trainer_tid")
+META_JOB = ("target_rank", "world_size")  # the target's rank and its job's size: counts
 INT64_MAX = 2**63 - 1
 PID_MAX = 2**31 - 1  # tid/pid columns are int32
 
@@ -70,6 +71,9 @@ def _check_meta_shape(meta: Any, path: Path) -> None:
     for key in META_IDS:
         if meta.get(key) is not None and not _is_int(meta[key], 0, PID_MAX):
             raise corrupt(f"{key} is not a process id")
+    for key in META_JOB:
+        if (meta.get("job") or {}).get(key) is not None and not _is_int(meta["job"][key], 0, PID_MAX):
+            raise corrupt(f"job.{key} is not a non-negative integer")
     topology = meta.get("topology") or {}
     nodes = topology.get("nodes")
     if nodes is not None and not (isinstance(nodes, dict) and all(

@@ -59,7 +59,7 @@ def render_traces_text(found: JobTraces) -> str:
     if report["trace"]["lost_events"]:
         lines.append(f"WARNING: {report['trace']['lost_events']} events were lost: ring buffers overflowed, so the "
                      "numbers below undercount what happened.")
-    lines += starved_lines(report) + rank_lines(report) + [""]
+    lines += starved_lines(report) + rank_lines(report, {}) + [""]
     lines += finding_lines(report["findings"], gpu=bool(report["gpu"]["samples"]))
     return as_text(lines)
 

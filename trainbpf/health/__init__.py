@@ -16,7 +16,7 @@ The modules, in the order a run uses them:
 
 - config:  HealthConfig, thresholds and every default; the TOML file and its checks.
 - targets: the processes to grade and the tree to record (/proc through tracer.proctree).
-- run:     lock, time limit, recording, assess (analysis per target), run_health.
+- run:     lock, time limit, recording, assess (analysis of the job, if any, and per target), run_health.
 - results: Check, TargetResult (with the trainer's StepMetrics when its CUDA calls were
            traced), HealthResult and the grading.
 - outputs: the Prometheus textfile, the JSON document, the summary.

@@ -15,6 +15,7 @@ from prometheus_client.metrics_core import Metric
 
 from trainbpf.health.config import CRITICAL, STATUS_NAMES, TEXTFILE_NAME, HealthConfig
 from trainbpf.health.results import HealthResult, StepMetrics
+from trainbpf.job_report import straggler_sentence
 from trainbpf.safefile import write_new
 
 HEALTH_SCHEMA = "trainbpf.health/1"
@@ -45,6 +46,10 @@ METRICS: dict[str, str] = {
     "trainbpf_target_step_p99_seconds": "99th percentile of the training step time.",
     "trainbpf_target_host_bound_ratio": "Share of the step time from the end of a GPU wait to the next kernel launch (the host preparing work; reported, not graded).",
     "trainbpf_thread_state_seconds": "Seconds the target's threads of one role spent in one state, summed over those threads.",
+    "trainbpf_rank_starved_seconds": "Seconds one rank's trainer was starved (stalled while its GPU idled; without GPU samples, while it was not running), its waits for late ranks included.",
+    "trainbpf_rank_collective_wait_seconds": "Seconds one rank's trainer waited inside collectives for the other ranks.",
+    "trainbpf_rank_last_arrival_ratio": "Share of the collectives one rank arrived at last (the others waited for it).",
+    "trainbpf_straggler_rank": "Rank the other ranks of the job waited for in their collectives (the straggler); -1 when no rank held the others back.",
     "trainbpf_node_runqueue_seconds": "Seconds traced threads spent runnable, waiting for a CPU, summed over threads.",
     "trainbpf_node_runqueue_latency_p99_seconds": "99th percentile of the wake-up (or preemption) to switch-in latency of traced threads.",
     "trainbpf_node_runqueue_latency_max_seconds": "Longest wake-up (or preemption) to switch-in latency of a traced thread.",
@@ -104,6 +109,13 @@ def metric_samples(result: HealthResult) -> list[Sample]:
                 add(metric, getattr(t.steps, key), pid=pid)
         for (role, state), seconds in sorted(t.role_seconds.items()):
             add("trainbpf_thread_state_seconds", seconds, pid=pid, role=role, state=state)
+    if result.job is not None:  # a job of several ranks: each rank by its process and number
+        for r in result.job["ranks"]:
+            add("trainbpf_rank_starved_seconds", r["starved_s"], pid=r["pid"], rank=r["rank"])
+            add("trainbpf_rank_collective_wait_seconds", r["collective_wait_s"], pid=r["pid"], rank=r["rank"])
+            add("trainbpf_rank_last_arrival_ratio", r["last_arrival_share"], pid=r["pid"], rank=r["rank"])
+        straggler = result.job["straggler"]
+        add("trainbpf_straggler_rank", -1 if straggler is None else straggler["rank"])
     if result.node is not None:
         for key in ("runqueue_seconds", "runqueue_latency_p99_seconds", "runqueue_latency_max_seconds",
                     "reclaim_seconds", "compaction_seconds", "dirty_throttle_seconds", "numa_remote_ratio",
@@ -180,6 +192,7 @@ def health_document(result: HealthResult) -> dict[str, Any]:
             "gpu_idle_fraction": t.gpu_idle_fraction, "findings": t.findings, "steps": steps_document(t.steps),
             "thread_seconds": [{"role": r, "state": s, "seconds": v} for (r, s), v in sorted(t.role_seconds.items())],
         } for t in result.targets],
+        "job": result.job,
         "node": result.node,
         "checks": [{"check": c.name, "pid": c.pid, "value": c.value, "warning": _json_number(c.threshold.warning),
                     "critical": _json_number(c.threshold.critical), "status": STATUS_NAMES[c.status]} for c in result.checks],
@@ -241,6 +254,8 @@ def render_summary(result: HealthResult) -> str:
         if t.steps is not None:
             line += "; " + steps_summary(t.steps)
         lines.append(line)
+    if result.job is not None:
+        lines.append(f"  job of {len(result.job['ranks'])} ranks; straggler: {straggler_sentence(result.job['straggler'])}")
     for c in result.checks:
         if c.status and c.pid is None:
             level = c.threshold.critical if c.status == CRITICAL else c.threshold.warning

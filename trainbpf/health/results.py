@@ -1,5 +1,6 @@
 """What a health check found, graded: one Check per value compared with its thresholds,
-one TargetResult per training process, and the HealthResult of the run."""
+one TargetResult per training process, and the HealthResult of the run (with the ranks
+and straggler of the job the trace held, if it held one)."""
 
 from __future__ import annotations
 
@@ -100,9 +101,10 @@ def grade_report(target: Target, report: Mapping[str, Any], *, tids: set[int],
     """Grade one target from its `trainbpf analyze` report (trainbpf.report.build_report,
     the JSON contract); `tids` are the threads of its process tree, `steps` its trainer's
     steps (step_metrics).  Only the starved ratio grades: step time and host-bound share
-    are reported, never graded (docs/health.md)."""
+    are reported, never graded (docs/health.md).  A job's report (a launcher's target)
+    sums starved time over its ranks: its ratio is per rank and recorded second."""
     result = TargetResult(target, steps=steps)
-    duration = float(report["trace"]["duration_s"] or 0.0)
+    duration = float(report["trace"]["duration_s"] or 0.0) * max(1, len(report.get("ranks") or ()))
     result.starved_s = float(report["starved_s"])
     result.starved_ratio = result.starved_s / duration if duration > 0 else None
     result.host_bound_s = float(report["host_bound_s"])
@@ -129,6 +131,8 @@ class HealthResult:
     checks: list[Check] = field(default_factory=list)
     error: str | None = None
     config: HealthConfig | None = None
+    # The job the trace held (several ranks): its report's `ranks` and `straggler`; None: one process.
+    job: dict[str, Any] | None = None
 
     @property
     def exit_code(self) -> int:

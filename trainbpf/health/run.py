@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from trainbpf.analyzers.node import node_check_values, node_metrics
 from trainbpf.errors import OutputError, TrainbpfError
@@ -32,6 +32,9 @@ from trainbpf.asuser import as_root, files
 from trainbpf.safefile import check_output
 from trainbpf.tracer.preflight import check_privileges, require
 from trainbpf.tracer.proctree import is_alive
+
+if TYPE_CHECKING:
+    from trainbpf.report import Report
 
 # The hard backstop fires this long after the time limit when the soft stop did not
 # end the run (the main thread stuck where signals cannot reach it, e.g. a compile).
@@ -54,42 +57,70 @@ class CheckInterrupted(TrainbpfError):
     exit_code = UNKNOWN
 
 
-def analyze_target(*, trace: Any, target: Target, tids: set[int], thresholds: Mapping[str, Threshold]) -> TargetResult:
-    """Grade one target from `trainbpf analyze`'s report of the loaded `trace` with the
-    target's main thread as the trainer; `tids` are the threads of its process tree."""
+def _analysis_error(what: str, exc: Exception) -> str:
+    """A failed analysis in one line."""
+    if isinstance(exc, TrainbpfError):
+        return f"{what}: {exc}"
+    return f"{what}: analysis failed ({type(exc).__name__}: {exc})"
+
+
+def analyze_job(trace: Any) -> Report | None:
+    """The trace analysed as `trainbpf analyze` does without `--trainer-tid`, when that
+    finds a job of several ranks (analyzers/job.py); None for one process."""
     from trainbpf.analyzers import analyze
-    from trainbpf.report import build_report
+    from trainbpf.report import Report
+
+    analysis = analyze(trace)
+    return Report.of(analysis) if analysis.job is not None else None
+
+
+def analyze_target(*, trace: Any, target: Target, tids: set[int], thresholds: Mapping[str, Threshold],
+                   job: Report | None = None) -> TargetResult:
+    """Grade one target from `trainbpf analyze`'s report of the loaded `trace` with the
+    target's main thread as the trainer; `tids` are the threads of its process tree.  A
+    target whose tree holds two or more ranks of `job` (a launcher) is graded from the
+    job's report instead."""
+    from trainbpf.analyzers import analyze
+    from trainbpf.report import Report
 
     try:
-        analysis = analyze(trace, trainer_tid=target.pid)
-        report = build_report(analysis)
-    except TrainbpfError as exc:
-        return TargetResult(target, error=f"pid {target.pid}: {exc}")
+        if job is not None and len(tids & set(job.analysis.job.ranks["pid"].tolist())) >= 2:
+            report = job
+        else:
+            report = Report.of(analyze(trace, trainer_tid=target.pid))
     except Exception as exc:  # a crash in analysis is "could not check", never "healthy"
-        return TargetResult(target, error=f"pid {target.pid}: analysis failed ({type(exc).__name__}: {exc})")
-    return grade_report(target, report, tids=tids, thresholds=thresholds,
-                        steps=step_metrics(analysis.uses_cuda, analysis.cuda_steps))
+        return TargetResult(target, error=_analysis_error(f"pid {target.pid}", exc))
+    return grade_report(target, report.doc, tids=tids, thresholds=thresholds,
+                        steps=step_metrics(report.analysis.uses_cuda, report.analysis.cuda_steps))
 
 
 def assess(*, trace_path: Path, targets: list[Target], trees: Mapping[int, tuple[set[int], set[int]]],
            config: HealthConfig, started: float, host: str) -> HealthResult:
-    """Grade a recorded trace, read once: every target, then the node.  `trees` maps a
-    target to the (process ids, thread ids) of its tree when it was chosen."""
+    """Grade a recorded trace, read once: the job it holds (when it holds several ranks),
+    every target, then the node.  `trees` maps a target to the (process ids, thread ids)
+    of its tree when it was chosen."""
     from trainbpf.tracefile import read_trace
 
     trace = read_trace(trace_path)
     node = node_metrics(trace)
     threads = trace.frame("thread")
+    job, errors = None, []
+    if targets:
+        try:
+            job = analyze_job(trace)
+        except Exception as exc:  # "could not check" too
+            errors.append(_analysis_error("job", exc))
     results = []
     for t in targets:
         pids, tids = trees.get(t.pid, ({t.pid}, {t.pid}))
         results.append(analyze_target(trace=trace, target=t, tids=tree_tids(threads, pids=pids, tids=tids),
-                                      thresholds=config.thresholds))
+                                      thresholds=config.thresholds, job=job))
     checks = [make_check("starved_ratio", r.starved_ratio, config.thresholds, r.target.pid) for r in results if r.error is None]
     checks += [make_check(name, value, config.thresholds) for name, value in node_check_values(node).items()]
-    error = "; ".join(r.error for r in results if r.error) or None
-    return HealthResult(overall_status(checks, results, None), host, started, time.time(),
-                        "targets" if targets else "node", results, node, checks, error, config)
+    error = "; ".join(errors + [r.error for r in results if r.error]) or None
+    return HealthResult(overall_status(checks, results, error), host, started, time.time(),
+                        "targets" if targets else "node", results, node, checks, error, config,
+                        job=None if job is None else {"ranks": job.doc["ranks"], "straggler": job.doc["straggler"]})
 
 
 def _open_lock(path: Path) -> tuple[int, int]:
