@@ -139,16 +139,18 @@ def _straggler(ranks: pd.DataFrame, job: pd.DataFrame, window_ns: int) -> dict[s
             "category": str(per.idxmax()) if len(per) and per.max() > 0 else None}
 
 
-def _representative(tables: dict[int, RankTables], culprit: int, category: str, held: bool) -> tuple[int, pd.Series] | None:
-    """The finding row that shows a category: the culprit rank's own, from what it did
-    while others waited for it (`spent`) when that is most of its time in it (`held`),
-    else from its own starved time; failing both, the rank with the most of it."""
+def _representative(tables: dict[int, RankTables], culprit: int, category: str, held: bool
+                    ) -> tuple[int, pd.Series, bool] | None:
+    """The finding row that shows a category, and whether it is of what that rank did
+    while others waited (`spent`): the culprit rank's own, from its `spent` findings when
+    most of its time in it was others' waiting (`held`), else from its `own`; failing
+    both, the rank with the most of it in its `own`."""
     table = tables[culprit]
-    for found in ((table.spent, table.own) if held else (table.own, table.spent)):
+    for found, spent in ((table.spent, True), (table.own, False)) if held else ((table.own, False), (table.spent, True)):
         rows = found[found["category"] == category]
         if len(rows):
-            return culprit, rows.iloc[0]
-    rows = [(t.rank, r) for t in tables.values() for _, r in t.own[t.own["category"] == category].iterrows()]
+            return culprit, rows.iloc[0], spent
+    rows = [(t.rank, r, False) for t in tables.values() for _, r in t.own[t.own["category"] == category].iterrows()]
     return max(rows, key=lambda row: row[1]["seconds"]) if rows else None
 
 
@@ -175,7 +177,7 @@ def _job_findings(tables: list[RankTables], starved: pd.DataFrame, *, window_s: 
         best = _representative(by_rank, culprit, str(category), held) if ns >= MIN_FINDING_NS else None
         if best is None:
             continue
-        rank, row = best
+        rank, row, spent = best
         seconds = ns / NS_PER_S
         share = min(1.0, ns / total) if total > 0 else 0.0
         by_victim = pieces.groupby("rank")["ns"].sum().sort_values(ascending=False)
@@ -183,7 +185,11 @@ def _job_findings(tables: list[RankTables], starved: pd.DataFrame, *, window_s: 
         if held and rank == culprit:
             waiter = int(others.groupby("rank")["ns"].sum().idxmax())
             chain = [{"tid": by_rank[waiter].trainer_tid, "role": "trainer", "state": "collective", "rank": waiter}] + chain
-        evidence = {**row["evidence"], "rank": rank,
+        evidence = dict(row["evidence"])
+        if not spent and "starved_s" in evidence:  # its own part of the job's time (not of its whole waits)
+            mine = (pieces["rank"] == rank) & (pieces["culprit_rank"] == rank)
+            evidence["starved_s"] = float(pieces.loc[mine, "ns"].sum()) / NS_PER_S
+        evidence = {**evidence, "rank": rank,
                     "starved_ranks": [{"rank": int(r), "seconds": float(v) / NS_PER_S} for r, v in by_victim.items()],
                     "held_ranks": sorted(int(r) for r in others["rank"].unique()),
                     "culprit_ranks": [{"rank": int(r), "pid": by_rank[int(r)].pid, "seconds": float(v) / NS_PER_S}

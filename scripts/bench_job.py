@@ -70,7 +70,13 @@ def measure(paths: list[str]) -> dict:
             "residuals_ms": [t["residual_offset_ms"] for t in report["traces"]],
             "parent_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "worker_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+            "parent_cpu_s": _cpu(resource.RUSAGE_SELF), "workers_cpu_s": _cpu(resource.RUSAGE_CHILDREN),
             "workers": min(len(paths), os.cpu_count() or 1)}
+
+
+def _cpu(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
 
 
 def together(paths: list[Path]) -> dict:
@@ -114,6 +120,8 @@ def main() -> None:
         ["one trace alone (trainbpf analyze, a command)", f"{single_s:.2f} s, peak RSS {single_rss:.0f} MiB"],
         ["every trace together (in-process)", f"{wall:.2f} s ({got['join_and_report_s']:.2f} s of it the join and report)"],
         ["ratio to one trace", f"{wall / single_s:.1f}x for {len(paths)}x the traces ({got['workers']} workers)"],
+        ["CPU: workers, parent", f"{got['workers_cpu_s']:.1f} s ({got['workers_cpu_s'] / len(paths):.2f} s a trace), "
+                                 f"{got['parent_cpu_s']:.1f} s"],
         ["peak RSS: parent, largest worker", f"{got['parent_rss_mib']:.0f} MiB, {got['worker_rss_mib']:.0f} MiB"],
         ["peak memory at most (parent + workers x largest)", f"{peak:.0f} MiB"],
         ["straggler (rank, category)", f"{(got['straggler'] or {}).get('rank')}, {(got['straggler'] or {}).get('category')}"],

@@ -75,6 +75,9 @@ def test_traces_of_one_job_name_the_straggler_its_cause_and_each_clock(job):
     assert top["category"] == "input_pipeline" and top["evidence"]["rank"] == SLOW_RANK
     assert top["evidence"]["held_ranks"] == [0, 1, 2, 4, 5]
     assert {"kind": "rank", "rank": SLOW_RANK}.items() <= next(c for c in top["culprits"] if c["kind"] == "rank").items()
+    # The collectives' own time, shown on a waiting rank: its own part of it, not its whole waits.
+    collective = next(f for f in doc["findings"] if f["category"] == "collective")
+    assert collective["evidence"]["starved_s"] <= collective["seconds"], collective["evidence"]
     # Its dataloader thread is named with its own process, though every trace has one of that tid.
     thread = next(c for c in top["culprits"] if c["kind"] == "thread")
     assert thread["pid"] == thread["tid"] and thread["name"] == "pt_data_worker"
