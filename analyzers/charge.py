@@ -48,47 +48,89 @@ class _Timeline:
         rows, inside = self.within(lo, hi)
         return np.bincount(self.category[rows], weights=inside, minlength=len(CATEGORIES))
 
+    def between(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """per_category over many windows [lo, hi) at once: (windows, CATEGORIES).  A
+        piece adds density x (min(t, end) - start) to its category's ns before t, where
+        it started before t: sums over the pieces started, less those ended, before t."""
+        used, category = np.unique(self.category, return_inverse=True)
+        base = int(self.start[0]) if len(self.start) else 0
+        start, end = (self.start - base).astype(np.float64), (self.end - base).astype(np.float64)
+        weight = np.zeros((len(start), len(used)))
+        weight[np.arange(len(start)), category] = self.density
+        by_end = np.argsort(end, kind="stable")
+        zero = np.zeros((1, len(used)))
+        started, started_at = (np.concatenate([zero, np.cumsum(w, axis=0)]) for w in (weight, weight * start[:, None]))
+        ended, ended_at = (np.concatenate([zero, np.cumsum(w, axis=0)])
+                           for w in (weight[by_end], weight[by_end] * end[by_end][:, None]))
 
-def charge(ranks: dict[int, RankPieces], waits: pd.DataFrame, arrivals: pd.DataFrame, last: pd.DataFrame
-           ) -> tuple[pd.DataFrame, pd.DataFrame]:
+        def before(t: np.ndarray) -> np.ndarray:
+            t = (t - base).astype(np.float64)
+            a, b = np.searchsorted(start, t, side="left"), np.searchsorted(end[by_end], t, side="left")
+            return t[:, None] * (started[a] - ended[b]) - (started_at[a] - ended_at[b])
+
+        out = np.zeros((len(lo), len(CATEGORIES)))
+        out[:, used] = np.clip(before(np.maximum(hi, lo)) - before(lo), 0.0, None)
+        return out
+
+
+def charge(ranks: dict[int, RankPieces], waits: pd.DataFrame, arrivals: pd.DataFrame, last: pd.DataFrame) -> pd.DataFrame:
     """The job's attributed pieces (ATTRIBUTED_COLUMNS + rank, culprit_rank): each
     rank's own, and its waits inside collectives (`waits`: collectives.waits_for's) split
-    into the part charged to the straggler's excess in that step and `collective`; and
-    what the stragglers did that the others waited for (ATTRIBUTED_COLUMNS + rank, the
-    straggler's: its pieces of those steps in the categories charged, ns as spent)."""
-    own_waits = {rank: waits.loc[waits["rank"] == rank, "interval"].to_numpy(np.int64) for rank in ranks}
-    timelines = {rank: _Timeline(tl, own_waits[rank]) for rank, (_, _, tl) in ranks.items()}
+    into the part charged to the straggler's excess in that step and `collective`."""
+    own_waits = {int(r): w["interval"].to_numpy(np.int64) for r, w in waits.groupby("rank")}
+    none = np.zeros(0, np.int64)
     since = _step_starts(last)
     arrive = arrivals.set_index(["collective", "rank"])["arrive_ns"]
-    out, owed = [], []
-    for rank, (trainer, starved, _) in ranks.items():
-        st = starved.assign(rank=rank, culprit_rank=rank)
-        mine = waits[waits["rank"] == rank].drop_duplicates("interval").set_index("interval")
-        iv = st["interval"].to_numpy(np.int64)
-        inside = np.isin(iv, mine.index.to_numpy())
-        out.append(st[~inside])
-        coll = st[inside]
-        straggler = mine["straggler"].reindex(iv[inside]).to_numpy(np.int64)
-        until = mine["until_ns"].reindex(iv[inside]).to_numpy(np.int64)
-        start, end = coll["start_ns"].to_numpy(np.int64), coll["end_ns"].to_numpy(np.int64)
-        frac = np.where((straggler >= 0) & (end > start), (np.clip(until, start, end) - start) / np.maximum(end - start, 1), 0.0)
-        ns = coll["ns"].to_numpy(np.float64)
-        owed.append(pd.DataFrame({"rank": rank, "collective": mine["collective"].reindex(iv[inside]).to_numpy(np.int64),
-                                  "straggler": straggler, "ns": ns * frac}))
-        rest = coll.assign(ns=ns * (1.0 - frac), root_tid=int(trainer), end=-1)
-        rest["category"] = pd.Categorical(["collective"] * len(rest), dtype=CATEGORY_DTYPE)
-        out.append(rest)
-    owed = pd.concat(owed, ignore_index=True)
+    out, owed = _split_waits(ranks, waits)
     owed = owed[owed["ns"] > 0].groupby(["collective", "straggler", "rank"], as_index=False)["ns"].sum()
-    held = []
-    for (k, s), group in owed.groupby(["collective", "straggler"], sort=False):
-        charged, spent = _charged(int(k), int(s), group, timelines, since, arrive, ranks)
-        out.append(charged)
-        held.append(spent)
+    theirs = _their_steps(owed, ranks, own_waits, since, arrive)
+    trainers = {r: t for r, (t, _, _) in ranks.items()}
+    timelines: dict[int, _Timeline] = {}
+    for (k, s), rows in owed.groupby(["collective", "straggler"], sort=False).indices.items():
+        if s not in timelines:
+            timelines[s] = _Timeline(ranks[int(s)][2], own_waits.get(int(s), none))
+        out.append(_charged(int(k), int(s), owed.iloc[rows], np.median(theirs[rows], axis=0), timelines[s], since,
+                            arrive, trainers))
     job = pd.concat(out, ignore_index=True)
     job = job[job["ns"] > 0]
-    spent = pd.concat(held, ignore_index=True) if held else job.iloc[:0].drop(columns="culprit_rank")
-    return job.sort_values("start_ns", kind="stable").reset_index(drop=True), spent[spent["ns"] > 0]
+    return job.sort_values("start_ns", kind="stable").reset_index(drop=True)
+
+
+def _split_waits(ranks: dict[int, RankPieces], waits: pd.DataFrame) -> tuple[list[pd.DataFrame], pd.DataFrame]:
+    """Every rank's starved pieces, those outside its collective waits as they are and
+    the rest of its waits as `collective` (ATTRIBUTED_COLUMNS + rank, culprit_rank), and
+    what each wait owes the rank it waited for (rank, collective, straggler, ns): its time
+    from its arrival to the straggler's."""
+    st = pd.concat([starved.assign(rank=rank) for rank, (_, starved, _) in ranks.items()], ignore_index=True)
+    st["culprit_rank"] = st["rank"]
+    at = st[["rank", "interval"]].merge(waits.drop_duplicates(["rank", "interval"]), on=["rank", "interval"], how="left")
+    inside = at["collective"].notna().to_numpy()
+    coll, hit = st[inside], at[inside]
+    straggler, until = hit["straggler"].to_numpy(np.int64), hit["until_ns"].to_numpy(np.int64)
+    start, end = coll["start_ns"].to_numpy(np.int64), coll["end_ns"].to_numpy(np.int64)
+    frac = np.where((straggler >= 0) & (end > start), (np.clip(until, start, end) - start) / np.maximum(end - start, 1), 0.0)
+    ns = coll["ns"].to_numpy(np.float64)
+    owed = pd.DataFrame({"rank": coll["rank"].to_numpy(np.int64), "collective": hit["collective"].to_numpy(np.int64),
+                         "straggler": straggler, "ns": ns * frac})
+    trainer = pd.Series({r: t for r, (t, _, _) in ranks.items()}, dtype=np.int64)
+    rest = coll.assign(ns=ns * (1.0 - frac), root_tid=trainer.reindex(coll["rank"]).to_numpy(np.int64), end=-1,
+                       category=pd.Categorical(["collective"] * len(coll), dtype=CATEGORY_DTYPE))
+    return [st[~inside], rest], owed
+
+
+def _their_steps(owed: pd.DataFrame, ranks: dict[int, RankPieces], own_waits: dict[int, np.ndarray],
+                 since: pd.Series, arrive: pd.Series) -> np.ndarray:
+    """Per row of `owed` (a waiting rank in a collective), what that rank did in its
+    step, per category: its timeline from the step's start to its own arrival."""
+    out = np.zeros((len(owed), len(CATEGORIES)))
+    collective = owed["collective"].to_numpy(np.int64)
+    for rank, rows in owed.groupby("rank").indices.items():
+        k = collective[rows]
+        lo = since.reindex(k).to_numpy(np.int64)
+        hi = arrive.reindex(pd.MultiIndex.from_arrays([k, np.full(len(k), rank)])).to_numpy(np.float64)
+        hi = np.where(np.isnan(hi), lo, hi).astype(np.int64)
+        out[rows] = _Timeline(ranks[int(rank)][2], own_waits.get(int(rank), np.zeros(0, np.int64))).between(lo, hi)
+    return out
 
 
 def _step_starts(last: pd.DataFrame) -> pd.Series:
@@ -101,33 +143,27 @@ def _step_starts(last: pd.DataFrame) -> pd.Series:
     return pd.Series(prev.fillna(first).to_numpy(np.int64), index=ordered["collective"].to_numpy())
 
 
-def _charged(k: int, s: int, owed: pd.DataFrame, timelines: dict[int, _Timeline], since: pd.Series,
-             arrive: pd.Series, ranks: dict[int, RankPieces]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The straggler s's pieces of step k in the categories it spent more time on than
-    the ranks that waited for it, carrying what each waiting rank (`owed`: rank, ns) is
-    charged, and the same pieces with the ns s spent in them; where it spent more on
-    nothing, the owed time stays `collective`."""
+def _charged(k: int, s: int, owed: pd.DataFrame, theirs: np.ndarray, mine: _Timeline, since: pd.Series,
+             arrive: pd.Series, trainers: dict[int, int]) -> pd.DataFrame:
+    """The straggler s's pieces of step k (`mine`: its timeline) in the categories it
+    spent more time on than the ranks that waited for it (`theirs`: their median time
+    per category), carrying what each waiting rank (`owed`: rank, ns) is charged; where
+    it spent more on nothing, the owed time stays `collective`."""
     lo, hi = int(since[k]), int(arrive[(k, s)])
-    mine = timelines[s]
-    theirs = [timelines[r].per_category(lo, int(arrive[(k, r)])) for r in owed["rank"] if (k, r) in arrive.index]
-    excess = np.maximum(mine.per_category(lo, hi) - (np.median(theirs, axis=0) if theirs else 0.0), 0.0)
+    waiting, owed_ns = owed["rank"].to_numpy(np.int64), owed["ns"].to_numpy(np.float64)
+    excess = np.maximum(mine.per_category(lo, hi) - theirs, 0.0)
     rows, inside = mine.within(lo, hi)
     spent = np.bincount(mine.category[rows], weights=inside, minlength=len(CATEGORIES))
     weight = inside * np.divide(excess, spent, out=np.zeros(len(excess)), where=spent > 0)[mine.category[rows]]
     if weight.sum() <= 0:
-        trainer = {r: t for r, (t, _, _) in ranks.items()}
-        return pd.DataFrame({"start_ns": lo, "end_ns": hi, "ns": owed["ns"].to_numpy(), "state": "other",
+        return pd.DataFrame({"start_ns": lo, "end_ns": hi, "ns": owed_ns, "state": "other",
                              "category": pd.Categorical(["collective"] * len(owed), dtype=CATEGORY_DTYPE),
-                             "root_tid": [trainer[int(r)] for r in owed["rank"]], "interval": -1, "end": -1,
-                             "rank": owed["rank"].to_numpy(), "culprit_rank": owed["rank"].to_numpy()}), \
-            mine.rows.iloc[:0][list(ATTRIBUTED_COLUMNS)].assign(rank=s)
-    pieces = mine.rows.iloc[rows][list(ATTRIBUTED_COLUMNS)]
-    spent = pieces.assign(start_ns=np.maximum(pieces["start_ns"].to_numpy(), lo),
-                          end_ns=np.minimum(pieces["end_ns"].to_numpy(), hi), ns=inside * (weight > 0), rank=s)
-    weight = weight / weight.sum()
-    parts = []
-    for r, ns in zip(owed["rank"].to_numpy(np.int64), owed["ns"].to_numpy(np.float64)):
-        parts.append(pieces.assign(start_ns=np.maximum(pieces["start_ns"].to_numpy(), lo),
-                                   end_ns=np.minimum(pieces["end_ns"].to_numpy(), hi), ns=ns * weight,
-                                   rank=int(r), culprit_rank=s))
-    return pd.concat(parts, ignore_index=True), spent
+                             "root_tid": [trainers[int(r)] for r in waiting], "interval": -1, "end": -1,
+                             "rank": waiting, "culprit_rank": waiting})
+    used = rows[weight > 0]
+    weight = weight[weight > 0] / weight.sum()
+    # Every waiting rank's share of every one of those pieces: one row per (rank, piece).
+    pieces = mine.rows.iloc[np.tile(used, len(waiting))][list(ATTRIBUTED_COLUMNS)]
+    return pieces.assign(start_ns=np.maximum(pieces["start_ns"].to_numpy(), lo),
+                         end_ns=np.minimum(pieces["end_ns"].to_numpy(), hi), ns=np.outer(owed_ns, weight).ravel(),
+                         rank=np.repeat(waiting, len(used)), culprit_rank=s)

@@ -51,11 +51,7 @@ def match_collectives(calls: pd.DataFrame, ranks: list[int]) -> tuple[pd.DataFra
     closer than the tolerance are one collective; in it a rank's arrival is its first
     call's, and a rank with no call arrived at its end."""
     calls = calls.sort_values("exit_ns", kind="stable").reset_index(drop=True)
-    exits = calls["exit_ns"].to_numpy(np.int64)
-    tolerance = _tolerance(calls)
-    new = np.concatenate([[True], np.diff(exits) > tolerance]) if len(exits) else np.zeros(0, bool)
-    collective = np.cumsum(new) - 1
-    calls = calls.assign(collective=collective)
+    calls = calls.assign(collective=exit_clusters(calls["exit_ns"].to_numpy(np.int64), exit_tolerance(calls)))
     first = calls.groupby(["collective", "rank"], sort=True).agg(arrive_ns=("arrive_ns", "min"),
                                                                 exit_ns=("exit_ns", "max")).reset_index()
     ends = calls.groupby("collective")["exit_ns"].max()
@@ -74,7 +70,16 @@ def match_collectives(calls: pd.DataFrame, ranks: list[int]) -> tuple[pd.DataFra
     return arrivals[list(ARRIVAL_COLUMNS)], last_arrivals(arrivals)
 
 
-def _tolerance(calls: pd.DataFrame) -> int:
+def exit_clusters(exits: np.ndarray, tolerance: int) -> np.ndarray:
+    """Per exit (sorted), its collective's number: exits closer than `tolerance` to the
+    one before are one collective."""
+    new = np.concatenate([[True], np.diff(exits) > tolerance]) if len(exits) else np.zeros(0, bool)
+    return np.cumsum(new) - 1
+
+
+def exit_tolerance(calls: pd.DataFrame) -> int:
+    """How close exits of one collective lie (CALL_COLUMNS): TOLERANCE_OF_SPACING of the
+    ranks' median spacing between calls, within its bounds."""
     spacing = calls.groupby("rank")["exit_ns"].apply(lambda e: np.median(np.diff(np.sort(e.to_numpy()))) if len(e) > 1 else np.nan)
     typical = float(np.nanmedian(spacing.to_numpy())) if spacing.notna().any() else float(MAX_TOLERANCE_NS)
     return int(np.clip(TOLERANCE_OF_SPACING * typical, MIN_TOLERANCE_NS, MAX_TOLERANCE_NS))

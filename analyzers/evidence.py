@@ -42,6 +42,8 @@ class EvidenceContext:
     pystacks: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(PYTHON_STACK_COLUMNS)))
     samples: pd.DataFrame | None = None
     _ranges: dict[int, tuple[int, int]] | None = field(default=None, repr=False)
+    _slot_columns: tuple[np.ndarray, list[np.ndarray]] | None = field(default=None, repr=False)
+    _named: dict[int, dict[str, Any]] | None = field(default=None, repr=False)
 
     def rows(self, kind: str, tids: Any) -> pd.DataFrame:
         """Rows of `kind` by threads `tids` that start inside the window."""
@@ -57,11 +59,11 @@ class EvidenceContext:
         in tid order: (tid, the slot of each, its length, its ns inside the window);
         intervals wholly outside it left out.  The slots are sorted by tid, so a thread
         is a slice of them."""
-        if self._ranges is None:
+        if self._ranges is None or self._slot_columns is None:
             self._ranges = thread_ranges(self.slots["tid"].to_numpy())
+            self._slot_columns = codes(self.slots["state"]), [self.slots[name].to_numpy() for name in SLOT_EDGES]
         code = STATE_CODE[state]
-        slot_state = codes(self.slots["state"])
-        edges = [self.slots[name].to_numpy() for name in SLOT_EDGES]
+        slot_state, edges = self._slot_columns
         parts = [p for p, c in enumerate(PART_CODES) if c in (code, -1)]  # -1: the slot's own state
         wanted = self._ranges if tids is None else {int(t) for t in tids}
         for tid in sorted(t for t in wanted if t in self._ranges):
@@ -77,10 +79,10 @@ class EvidenceContext:
             yield (tid, *(np.concatenate(v) for v in zip(*found)))
 
     def thread(self, tid: int) -> dict[str, Any]:
-        row = self.threads.loc[self.threads["tid"] == tid]
-        if not len(row):
-            return {"tid": int(tid), "comm": "", "role": "other"}
-        return {"tid": int(tid), "comm": str(row["comm"].iloc[0]), "role": str(row["role"].iloc[0])}
+        if self._named is None:  # looked up for every link and root of every finding
+            self._named = {int(t): {"tid": int(t), "comm": str(c), "role": str(r)} for t, c, r in
+                           zip(self.threads["tid"], self.threads["comm"], self.threads["role"])}
+        return dict(self._named.get(int(tid)) or {"tid": int(tid), "comm": "", "role": "other"})
 
 
 # What each category's record names as its evidence (analyzers/categories.py).

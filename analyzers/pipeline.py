@@ -15,7 +15,8 @@ import pandas as pd
 from trainbpf.analyzers.cuda import CudaTimeline, step_summary
 from trainbpf.analyzers.findings import build_findings
 from trainbpf.analyzers.intervals import Span, as_int64
-from trainbpf.analyzers.job import JobResult, analyze_job, backend_tids, collective_pids, in_collectives
+from trainbpf.analyzers.job import analyze_job, backend_tids, collective_pids, in_collectives, rank_tables
+from trainbpf.analyzers.join import JobResult, RankTables
 from trainbpf.analyzers.ranks import empty_ranks, job_ranks
 from trainbpf.analyzers.roles import pick_trainer
 from trainbpf.analyzers.states import expand_slots, state_totals
@@ -146,11 +147,14 @@ def analyze(
     ranks = empty_ranks() if trainer_tid is not None else job_ranks(
         sh.base, trace.view("thread"), trace.view("process_env"), collective_pids(trace.view("collective")))
     if len(ranks):
-        threads, job, view = analyze_job(sh, ranks, threshold)
+        threads, parts, job, view = analyze_job(sh, ranks, threshold)
         # The report's trainer: the straggler's, else the first rank's.
-        part = job.parts[job.straggler["rank"] if job.straggler else int(job.ranks["rank"].iloc[0])]
-        return _analysis(sh, threads, part, view["starved"], view["findings"], basis=view["basis"], util=view["util"],
-                         idle=view["idle"], gpu_idle=view["gpu_idle"], threshold=threshold, job=job)
+        part = parts[job.straggler["rank"] if job.straggler else int(job.ranks["rank"].iloc[0])]
+        # Every rank's sample windows of its own GPU, so GPU-bound, host-bound and unwoken
+        # time add up over the ranks as starved time does.
+        windows = pd.concat([p.gpu_windows for p in parts.values()], ignore_index=True)
+        return _analysis(sh, threads, part, job.starved, job.findings, basis=view["basis"], util=view["util"],
+                         idle=view["idle"], gpu_idle=view["gpu_idle"], threshold=threshold, job=job, windows=windows)
     recorded = sh.meta.get("trainer_tid")  # the recorder was told which thread trains
     if trainer_tid is None and recorded is not None and int(recorded) in set(sh.base["tid"].tolist()):
         trainer = int(recorded)
@@ -168,18 +172,42 @@ def analyze(
                      threshold=threshold)
 
 
+@dataclass
+class TraceRanks:
+    """One trace of a job cut down for a join with other traces' (analyzers/join.py):
+    its ranks' tables (its clock), where it ran, and what the report says of it."""
+
+    meta: dict[str, Any]
+    window: Span
+    tables: list[RankTables]
+    idle_fraction: float | None
+    lost: dict[str, int]
+
+
+def trace_ranks(trace: Any, *, gpu_idle_threshold: float = GPU_IDLE_THRESHOLD) -> TraceRanks:
+    """A trace's ranks analysed as `analyze` analyses a job's, down to the tables a join
+    needs; a trace holding one rank counts (the others are in other traces); no tables
+    for a trace without ranks."""
+    sh = share(trace, None)
+    ranks = job_ranks(sh.base, trace.view("thread"), trace.view("process_env"),
+                      collective_pids(trace.view("collective")), min_ranks=1)
+    tables, idle = [], None
+    if len(ranks):
+        _, _, _, tables, view = rank_tables(sh, ranks, float(gpu_idle_threshold))
+        idle = view["gpu_idle"]
+    return TraceRanks(meta=sh.meta, window=sh.win, tables=tables, idle_fraction=idle,
+                      lost=lost_counts(sh.meta, trace.view("lost")))
+
+
 def _analysis(sh: Shared, threads: pd.DataFrame, part: TrainerPart, starved: pd.DataFrame, findings: pd.DataFrame, *,
               basis: str, util: pd.DataFrame, idle: pd.DataFrame, gpu_idle: float | None, threshold: float,
-              job: JobResult | None = None) -> Analysis:
+              job: JobResult | None = None, windows: pd.DataFrame | None = None) -> Analysis:
     trace = sh.trace
     return Analysis(
         path=display_path(getattr(trace, "path", "")), meta=sh.meta, span=sh.span, window=sh.win,
         trainer_tid=part.trainer, gpu_idle_threshold=threshold, basis=basis, threads=threads, slots=sh.slots,
         totals=state_totals(sh.slots, sh.win), futex_waits=sh.futex_waits, samples=sh.samples, gpu=util, idle=idle,
-        # A job: every rank's sample windows of its own GPU, so GPU-bound, host-bound and
-        # unwoken time add up over the ranks as starved time does.
-        gpu_windows=part.gpu_windows if job is None else pd.concat([p.gpu_windows for p in job.parts.values()],
-                                                                   ignore_index=True),
+        gpu_windows=part.gpu_windows if windows is None else windows,
         starved=starved, chains=part.chains,
         chain_ends=part.chain_ends, churn=sh.churn, placement=sh.placement, findings=findings,
         lost=lost_counts(sh.meta, trace.view("lost")), idle_fraction=gpu_idle, uses_cuda=part.uses_cuda,

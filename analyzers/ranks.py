@@ -93,11 +93,13 @@ def parents(threads: pd.DataFrame, thread_rows: pd.DataFrame) -> dict[int, int]:
 
 
 def job_ranks(threads: pd.DataFrame, thread_rows: pd.DataFrame, env: pd.DataFrame,
-              collective_pids: np.ndarray | None = None) -> pd.DataFrame:
+              collective_pids: np.ndarray | None = None, *, min_ranks: int = 2) -> pd.DataFrame:
     """RANK_COLUMNS: one row per rank process of the traced tree, sorted by rank; empty
-    for a trace of one process or no job.  A process is a rank when its environment names
-    one that its parent's does not (by the same variable) or its parent is a launcher (a
-    shell or srun step that passed its own on), and no process below it is a rank; without environments, a process with collective-backend threads (or
+    for a trace of fewer than `min_ranks` (one process, or no job: one trace of a job
+    recorded node by node may hold one rank).  A process is a rank when its environment
+    names one that its parent's does not (by the same variable) or its parent is a
+    launcher (a shell or srun step that passed its own on), and no process below it is a
+    rank; without environments, a process with collective-backend threads (or
     `collective_pids`: processes with NCCL calls) is one, numbered in pid order."""
     parent = parents(threads, thread_rows)
     fields = process_fields(env)
@@ -128,7 +130,7 @@ def job_ranks(threads: pd.DataFrame, thread_rows: pd.DataFrame, env: pd.DataFram
         out = pd.DataFrame({"rank": np.arange(len(pids)), "local_rank": np.full(len(pids), -1),
                             "world_size": np.full(len(pids), len(pids)), "pid": pids,
                             "job": "", "source": "behaviour"})
-    if len(out) < 2:
+    if len(out) < max(1, min_ranks):
         return empty_ranks()
     out["trainer_tid"] = [carried_on_by(threads, int(p)) if int(p) in set(threads["tid"].tolist()) else
                           int(threads.loc[threads["pid"] == p, "tid"].min()) for p in out["pid"]]

@@ -41,16 +41,26 @@ def torchrun() -> str:
 
 
 @contextlib.contextmanager
-def running_job(workdir: Path, ranks: int, args: tuple[str, ...], env: dict | None = None):
-    """torchrun with `ranks` ranks of ddp_job.py, held until the recorder's spool exists
-    (--hold-until); yields (launcher process, rank pids) once every rank is ready."""
+def running_job(workdir: Path, ranks: int, args: tuple[str, ...], env: dict | None = None, *,
+                launch: tuple[str, ...] = ("--standalone",), prefix: tuple[str, ...] = ()):
+    """torchrun with `ranks` ranks of ddp_job.py (`launch`: its rendezvous options;
+    `prefix`: a command it runs under, exec'ing it), held until the recorder's spool
+    exists (--hold-until); yields (launcher process, rank pids) once every rank is ready."""
+    with started_job(workdir, ranks, args, env, launch=launch, prefix=prefix) as proc:
+        yield proc, _ready_pids(proc, ranks, workdir)
+
+
+@contextlib.contextmanager
+def started_job(workdir: Path, ranks: int, args: tuple[str, ...], env: dict | None = None, *,
+                launch: tuple[str, ...] = ("--standalone",), prefix: tuple[str, ...] = ()):
+    """running_job's launcher, yielded as soon as it started; stopped at the end."""
     log = open(workdir / "job.log", "wb")
     proc = subprocess.Popen(
-        [torchrun(), "--standalone", f"--nproc_per_node={ranks}", str(WORKLOADS / "ddp_job.py"), *args],
+        [*prefix, torchrun(), *launch, f"--nproc_per_node={ranks}", str(WORKLOADS / "ddp_job.py"), *args],
         env={**(env or os.environ), "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=log,
         cwd=workdir, start_new_session=True)
     try:
-        yield proc, _ready_pids(proc, ranks, workdir)
+        yield proc
     finally:
         stop_process(proc)
         log.close()
@@ -114,3 +124,48 @@ def _rank_pid(pids: list[int], rank: int) -> int:
     if f"RANK={rank}".encode() not in env:
         raise ScenarioError(f"pid {pid} is not rank {rank}")
     return pid
+
+
+# The two fake nodes' torchrun rendezvous: static, at node 0's address (inside the
+# namespaces: the port is theirs alone).
+TWO_NODE_PORT = 29500
+
+
+def record_two_nodes(workdir: Path, *, slow_rank: int, seconds: float = JOB_RECORD_SECONDS) -> list[Path]:
+    """A job of 4 ranks as two nodes of 2 on this machine, each node a torchrun in a
+    network namespace of its own (netns_env.two_nodes), recorded by a recorder of its
+    own through its launcher's pid (recorders in this namespace: pids are global); the
+    two traces."""
+    from netns_env import two_nodes
+
+    traces = [workdir / f"node{i}.parquet" for i in range(2)]
+    envs = []
+    for i in range(2):
+        (workdir / f"node{i}").mkdir(exist_ok=True)
+        envs.append({**fake_gpu_env(workdir / f"node{i}"), "TRAINBPF_SIM_GPU_COUNT": "2"})
+    wait_for_quiet()
+    with two_nodes() as nodes, contextlib.ExitStack() as stack:
+        launchers = []
+        for i, node in enumerate(nodes):
+            args = ("--seconds", "300", "--step-ms", str(JOB_STEP_MS), "--slow", "input", "--slow-rank", str(slow_rank),
+                    "--hold-until", str(spool_path_for(traces[i])))
+            launch = ("--nnodes=2", f"--node_rank={i}", f"--master_addr={nodes[0].address}", f"--master_port={TWO_NODE_PORT}")
+            launchers.append(stack.enter_context(started_job(
+                workdir / f"node{i}", 2, args, {**envs[i], "GLOO_SOCKET_IFNAME": node.ifname}, launch=launch,
+                prefix=tuple(node.enter()))))
+        for i, launcher in enumerate(launchers):  # every rank joins the one world before any is ready
+            _ready_pids(launcher, 2, workdir / f"node{i}")
+        recorders = [subprocess.Popen([str(trainbpf_cli()), "record", "--pid", str(launcher.pid), "-o", str(trace),
+                                       "--gpu", "nvidia-smi", "--duration", str(seconds)], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                     for launcher, trace, env in zip(launchers, traces, envs)]
+        for rec in recorders:
+            stack.callback(stop_process, rec)
+        for rec in recorders:
+            _, err = rec.communicate(timeout=seconds + 120)
+            if rec.returncode != 0:
+                raise ScenarioError(f"trainbpf record exited {rec.returncode}: {err[-2000:]}")
+        if any(launcher.poll() is not None for launcher in launchers):
+            raise ScenarioError("a node's job exited during the recording: " + " ".join(
+                (workdir / f"node{i}" / "job.log").read_text(errors="replace")[-1500:] for i in range(2)))
+    return traces

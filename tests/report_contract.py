@@ -8,7 +8,8 @@ from typing import Any
 from trainbpf.analyzers.categories import CATEGORIES
 from trainbpf.analyzers.vocab import ROLES, STATES
 
-TOP_KEYS = {"schema", "trace", "gpu", "starved_s", "host_bound_s", "ranks", "straggler", "findings", "threads", "cuda"}
+TOP_KEYS = {"schema", "trace", "gpu", "starved_s", "host_bound_s", "ranks", "straggler", "findings", "threads", "cuda",
+            "traces"}
 TRACE_KEYS = {"path", "duration_s", "pid", "lost_events"}
 GPU_KEYS = {"source", "samples", "idle_fraction"}
 FINDING_KEYS = {"category", "share", "seconds", "severity", "threads", "chain", "culprits", "summary", "evidence",
@@ -62,6 +63,7 @@ def validate_report(doc: dict[str, Any]) -> None:
     assert type(doc["starved_s"]) is float and doc["starved_s"] >= 0
     assert type(doc["host_bound_s"]) is float and 0 <= doc["host_bound_s"] <= doc["starved_s"] + 1e-6
     assert doc["ranks"] is None and doc["straggler"] is None  # a single process
+    assert doc["traces"] is None  # one trace
 
     shares = []
     for f in doc["findings"]:

@@ -10,6 +10,8 @@ import pandas as pd
 from trainbpf.analyzers.categories import CATEGORY_DTYPE
 from trainbpf.analyzers.charge import charge
 from trainbpf.analyzers.collectives import MIN_LEAD_NS, match_collectives, rank_summary, waits_for
+from trainbpf.analyzers.findings import FINDING_COLUMNS
+from trainbpf.analyzers.join import RankTables, join_ranks
 from trainbpf.analyzers.ranks import job_ranks, process_fields, rank_of_threads
 from trainbpf.analyzers.vocab import ROLE_DTYPE, STATE_DTYPE
 
@@ -126,14 +128,13 @@ def test_waits_are_charged_to_what_the_late_rank_did_beyond_the_others():
     arrivals, last = match_collectives(calls, [0, 1])
     waits = waits_for(pd.DataFrame({"rank": [0, 1], "interval": [1, 2], "exit_ns": [72 * MS, 72 * MS]}), last)
     assert last["last_rank"].tolist() == [1] and waits["straggler"].tolist() == [1, -1]
-    job, held = charge({0: (100, rank0[rank0["interval"] == 1], rank0), 1: (101, rank1[rank1["interval"] == 2], rank1)},
-                       waits, arrivals, last)
+    job = charge({0: (100, rank0[rank0["interval"] == 1], rank0), 1: (101, rank1[rank1["interval"] == 2], rank1)},
+                 waits, arrivals, last)
     charged = job[(job["rank"] == 0) & (job["culprit_rank"] == 1)]
     assert set(charged["category"].astype(str)) == {"input_pipeline"}
     assert abs(charged["ns"].sum() - 30 * MS) < 1e3
     rest = job[(job["rank"] == 0) & (job["culprit_rank"] == 0)]
     assert set(rest["category"].astype(str)) == {"collective"} and abs(rest["ns"].sum() - 2 * MS) < 1e3
-    assert set(held["category"].astype(str)) == {"input_pipeline"} and (held["rank"] == 1).all()
 
 
 def test_ranks_that_never_waited_in_a_collective_have_no_straggler():
@@ -143,7 +144,47 @@ def test_ranks_that_never_waited_in_a_collective_have_no_straggler():
     waits = waits_for(pd.DataFrame({"rank": np.zeros(0, np.int64), "interval": np.zeros(0, np.int64),
                                     "exit_ns": np.zeros(0, np.int64)}), last)
     own = _pieces([(0, 10, "input_pipeline", 0)])
-    job, held = charge({0: (100, own, own), 1: (101, own.iloc[:0], own)}, waits, arrivals, last)
-    assert job["ns"].sum() == own["ns"].sum() and held.empty
+    job = charge({0: (100, own, own), 1: (101, own.iloc[:0], own)}, waits, arrivals, last)
+    assert job["ns"].sum() == own["ns"].sum()
     summary = rank_summary(arrivals, last, [0, 1])
     assert summary["last_share"].tolist() == [0.0, 0.0]
+
+
+def _found(rank: int, tid: int, rows: list[tuple[str, float]], table: str) -> pd.DataFrame:
+    """A rank's own findings (FINDING_COLUMNS), each saying which table it came from."""
+    return pd.DataFrame([{"category": c, "share": 0.5, "seconds": sec, "severity": "info",
+                          "threads": [{"tid": tid, "comm": "python", "role": "trainer", "pid": tid}],
+                          "chain": [{"tid": tid, "role": "trainer", "state": "x"}],
+                          "evidence": {"starved_s": sec, "table": table, "of_rank": rank}, "launch_gap_s": np.nan}
+                         for c, sec in rows], columns=list(FINDING_COLUMNS))
+
+
+def test_the_join_shows_each_category_by_its_culprit_ranks_own_findings():
+    # Rank 1 decodes 0-30 ms, then is on its GPU to 71 and waits 1 ms; rank 0 is on its
+    # GPU 0-40 and waits 40-74: 31 ms of it for rank 1, 3 ms the collective's own time.
+    rank0 = _pieces([(0, 40, "other", 0), (40, 74, "collective", 1)])
+    rank1 = _pieces([(0, 30, "input_pipeline", 0), (30, 71, "other", 1), (71, 72, "collective", 2)])
+    tables = []
+    for rank, tid, pieces, wait, arrive, leave in ((0, 100, rank0, 1, 40, 74), (1, 101, rank1, 2, 71, 72)):
+        calls = _calls([(rank, arrive, leave)])
+        waits = pd.DataFrame({"rank": [rank], "interval": [wait], "exit_ns": [leave * MS]})
+        own = _found(rank, tid, [("collective", (leave - arrive) / 1e3)] + [("input_pipeline", 0.03)] * rank, "own")
+        spent = _found(rank, tid, [("input_pipeline", 0.03)] if rank else [("other", 0.04)], "spent")
+        tables.append(RankTables(rank=rank, local_rank=rank, world_size=2, pid=tid, trainer_tid=tid, job="", source="environment",
+                                 node="n", calls=calls, waits=waits, starved=pieces[pieces["interval"] == wait],
+                                 timeline=pieces, own=own, spent=spent))
+    job = join_ranks(tables, window_ns=100 * MS)
+    found = job.findings.set_index("category")
+    # Rank 0 waited 31 ms for rank 1: 30 for its decoding (1 for its longer GPU step),
+    # shown as what rank 1 did, behind rank 0's wait.
+    decoding = found.loc["input_pipeline"]
+    assert decoding["evidence"]["table"] == "spent" and decoding["evidence"]["of_rank"] == 1
+    assert abs(decoding["seconds"] - 0.030) < 1e-6 and decoding["evidence"]["held_ranks"] == [0]
+    assert [(c["tid"], c["rank"]) for c in decoding["chain"]] == [(100, 0), (101, 1)]
+    # The collective's own time lay mostly on rank 0: its own finding, with its own part
+    # of the job's time (3 ms), not its whole 34 ms wait.
+    own_time = found.loc["collective"]
+    assert own_time["evidence"]["table"] == "own" and own_time["evidence"]["of_rank"] == 0
+    assert abs(own_time["evidence"]["starved_s"] - 0.003) < 1e-6 and abs(own_time["seconds"] - 0.004) < 1e-6
+    assert job.straggler is not None and job.straggler["rank"] == 1
+    assert job.straggler["category"] == "input_pipeline"

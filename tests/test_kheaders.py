@@ -4,29 +4,20 @@ and a source folder) are used as they are, never pointed at by BCC_KERNEL_SOURCE
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
+from bench_modules import bench_module
 
 from trainbpf.tracer import kheaders
 
-ROOT = Path(__file__).resolve().parents[1]
 RELEASE = "6.1.0-99-amd64"
 
 
 def _benchlib():
     """scripts/bench/benchlib.py, as the benchmark scripts import it."""
-    spec = importlib.util.spec_from_file_location("benchlib", ROOT / "scripts" / "bench" / "benchlib.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["benchlib"] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules["benchlib"]
-    return module
+    return bench_module("benchlib")
 
 
 @pytest.fixture

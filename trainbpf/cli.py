@@ -162,31 +162,71 @@ def doctor(
 
 @app.command(cls=_Command)
 def analyze(
-    trace: Path = typer.Argument(..., help="trace.parquet written by `trainbpf record`."),
-    format: ReportFormat = typer.Option(ReportFormat.text, "--format", "-f", help="What to write: the terminal text, the JSON contract, or one HTML file."),
+    trace: list[Path] = typer.Argument(..., help="trace.parquet written by `trainbpf record`; several: one job's traces, one per node, analysed as one job."),
+    format: ReportFormat = typer.Option(ReportFormat.text, "--format", "-f", help="What to write: the terminal text, the JSON contract, or one HTML file (one trace)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the report here instead of stdout."),
-    trainer_tid: Optional[int] = typer.Option(None, help="The thread that feeds the GPU (default: recorded or the target's main thread)."),
+    trainer_tid: Optional[int] = typer.Option(None, help="The thread that feeds the GPU (default: recorded or the target's main thread; one trace)."),
     gpu_idle_threshold: float = typer.Option(
         GPU_IDLE_THRESHOLD, min=GPU_IDLE_THRESHOLD_MIN, max=GPU_IDLE_THRESHOLD_MAX,
         help="Shade GPU samples below this utilisation percent in the HTML timeline (drawing only: starved time uses each sample's own utilisation)."),
-    window: Optional[str] = typer.Option(None, help="START:END seconds from the trace start to analyse."),
+    window: Optional[str] = typer.Option(None, help="START:END seconds from the trace start to analyse (one trace)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing -o file (never a symlink, a device, or a file the sudo user could not write)."),
     memory_check: bool = typer.Option(True, "--memory-check/--no-memory-check", help=MEMORY_CHECK_HELP),
 ) -> None:
     """Attribute every stall of the trainer's threads to a cause; rank the findings (no root)."""
-    from trainbpf.report import run_analyze
-
     try:
-        text = run_analyze(
-            path=trace, fmt=format, output=output, trainer_tid=trainer_tid,
-            gpu_idle_threshold=gpu_idle_threshold, window=Window.parse(window), force=force, memory_check=memory_check,
-        )
+        if len(trace) > 1:
+            text = _analyze_traces(trace, format, output, trainer_tid, gpu_idle_threshold, window, force, memory_check)
+        else:
+            from trainbpf.report import run_analyze
+
+            text = run_analyze(
+                path=trace[0], fmt=format, output=output, trainer_tid=trainer_tid,
+                gpu_idle_threshold=gpu_idle_threshold, window=Window.parse(window), force=force, memory_check=memory_check,
+            )
     except TrainbpfError as exc:
         _fail(exc)
     if output is None:
         typer.echo(text, nl=not text.endswith("\n"))
     else:
         typer.echo(f"wrote {output}", err=True)
+
+
+# Several traces: progress lines on a pipe only for this many traces or more.
+PROGRESS_MIN_TRACES = 8
+
+
+def _analyze_traces(traces: list[Path], fmt: ReportFormat, output: Optional[Path], trainer_tid: Optional[int],
+                    gpu_idle_threshold: float, window: Optional[str], force: bool, memory_check: bool) -> str:
+    """`analyze` of several traces of one job: progress and clock warnings on stderr."""
+    from trainbpf.errors import UsageError
+    from trainbpf.traces_report import run_analyze_traces
+
+    for name, value in (("--trainer-tid", trainer_tid), ("--window", window)):
+        if value is not None:
+            raise UsageError(f"{name} applies to one trace; several traces are analysed whole, every rank a trainer")
+    status = _status_printer()
+    shown = []  # a live status line left open
+
+    def progress(done: int, total: int) -> None:
+        line = f"analysed {done}/{total} traces"
+        if status is not None:
+            status(line)
+            shown[:] = [done < total]
+            if done == total:
+                sys.stderr.write("\n")
+        elif total >= PROGRESS_MIN_TRACES and (done == total or done % max(1, total // 10) == 0):
+            typer.echo(line, err=True)
+
+    try:
+        text, notes = run_analyze_traces(paths=traces, fmt=fmt, output=output, gpu_idle_threshold=gpu_idle_threshold,
+                                         force=force, memory_check=memory_check, progress=progress)
+    finally:
+        if any(shown):
+            sys.stderr.write("\n")
+    for note in notes:
+        typer.echo(f"trainbpf: warning: {printable(note)}", err=True)
+    return text
 
 
 @app.command(cls=_Command)

@@ -48,3 +48,10 @@ class UsageError(TrainbpfError):
     """An option value that makes no sense (bad window, bad threshold)."""
 
     exit_code = 2
+
+
+class JobTracesError(TrainbpfError):
+    """Traces given together that are not one job's: of different jobs, the same
+    recording twice, a trace without ranks, or the same rank twice."""
+
+    exit_code = 16

@@ -35,7 +35,7 @@ def trainer_lanes(analysis: Analysis) -> list[Lane]:
     if job is None:
         return [Lane("trainer state", analysis.trainer_tid)]
     starved = analysis.starved
-    return [Lane(f"rank {r.rank} (pid {r.pid})", job.parts[int(r.rank)].trainer, int(r.rank), int(r.pid),
+    return [Lane(f"rank {r.rank} (pid {r.pid})", int(r.trainer_tid), int(r.rank), int(r.pid),
                  starved[starved["rank"].to_numpy() == r.rank])
             for r in job.ranks.itertuples(index=False)]
 

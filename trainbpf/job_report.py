@@ -10,25 +10,23 @@ from typing import TYPE_CHECKING, Any
 from trainbpf.analyzers.intervals import NS_PER_S
 
 if TYPE_CHECKING:
-    from trainbpf.analyzers import Analysis
+    from trainbpf.analyzers.join import JobResult
 
 
 def _round(value: float) -> float | None:
     return round(float(value), 6) if math.isfinite(float(value)) else None
 
 
-def ranks_section(analysis: Analysis) -> list[dict[str, Any]] | None:
+def ranks_section(job: JobResult | None) -> list[dict[str, Any]] | None:
     """The JSON `ranks`: None for one process, else one object per rank."""
-    job = analysis.job
     if job is None:
         return None
-    node = str(analysis.meta.get("host") or "")
     out = []
     for r in job.ranks.itertuples(index=False):
         out.append({
             "rank": int(r.rank), "local_rank": None if r.local_rank < 0 else int(r.local_rank),
             "world_size": None if r.world_size < 0 else int(r.world_size), "pid": int(r.pid),
-            "trainer_tid": int(r.trainer_tid), "node": node, "source": str(r.source),
+            "trainer_tid": int(r.trainer_tid), "node": str(r.node), "source": str(r.source),
             "starved_s": _round(r.starved_ns / NS_PER_S), "collective_wait_s": _round(r.collective_wait_ns / NS_PER_S),
             "collectives": int(r.collectives), "step_p50_ms": _round(r.step_p50_ns / 1e6),
             "last_arrival_share": _round(r.last_share), "top_category": str(r.top_category) or None,
@@ -36,9 +34,8 @@ def ranks_section(analysis: Analysis) -> list[dict[str, Any]] | None:
     return out
 
 
-def straggler_section(analysis: Analysis) -> dict[str, Any] | None:
+def straggler_section(job: JobResult | None) -> dict[str, Any] | None:
     """The JSON `straggler`: the rank the others waited for, or None."""
-    job = analysis.job
     if job is None or job.straggler is None:
         return None
     s = job.straggler

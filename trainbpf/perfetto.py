@@ -28,7 +28,7 @@ import pandas as pd
 
 from trainbpf.analyzers import Analysis, analyze
 from trainbpf.analyzers.categories import CATEGORIES
-from trainbpf.analyzers.job import JobResult
+from trainbpf.analyzers.join import JobResult
 from trainbpf.memory import read_for_analysis
 from trainbpf.safefile import OutputFile, check_output, write_new
 

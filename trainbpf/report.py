@@ -9,7 +9,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -58,11 +58,15 @@ def _seconds(value: float) -> float:
     return round(float(value), 6)
 
 
-def build_report(analysis: Analysis) -> dict[str, Any]:
-    """The `--format json` document, exactly the contract (docs/design.md §Trace contract)."""
-    findings = []
-    for f in analysis.findings.itertuples(index=False):
-        findings.append({
+def findings_section(findings: Any, *, pids: Mapping[int, int], trainers: Mapping[int, int],
+                     trainer_tid: int | None) -> list[dict[str, Any]]:
+    """The report's `findings` (findings.FINDING_COLUMNS rows), largest share first.
+    `pids`: tid -> pid where a finding's threads do not carry theirs; `trainers`: rank ->
+    its trainer's tid, in a job (a finding's trainer is its rank's), else `trainer_tid`."""
+    out = []
+    for f in findings.itertuples(index=False):
+        trainer = trainers.get(f.evidence["rank"], trainer_tid) if "rank" in f.evidence else trainer_tid
+        out.append({
             "category": str(f.category),
             "share": _share(f.share),
             "seconds": _seconds(f.seconds),
@@ -70,14 +74,23 @@ def build_report(analysis: Analysis) -> dict[str, Any]:
             "threads": [{"tid": int(t["tid"]), "comm": str(t["comm"]), "role": str(t["role"])} for t in f.threads],
             "chain": [{"tid": int(c["tid"]), "role": str(c["role"]), "state": str(c["state"]),
                        **({"rank": int(c["rank"])} if "rank" in c else {})} for c in f.chain],
-            "culprits": culprits(analysis, str(f.category), f.threads, f.evidence),
+            "culprits": culprits(str(f.category), f.threads, f.evidence, pids=pids, trainer_tid=trainer),
             "summary": job_summary(f.evidence, f.share, f.seconds, finding_summary(
                 str(f.category), f.share, f.seconds, f.threads, f.evidence, own_seconds=_own_seconds(f.evidence))),
             "evidence": plain(f.evidence),
             "recommendation": BY_NAME[str(f.category)].recommendation,
             "launch_gap_s": None if math.isnan(f.launch_gap_s) else _seconds(f.launch_gap_s),
         })
-    findings.sort(key=lambda f: (-f["share"], -f["seconds"]))
+    return sorted(out, key=lambda f: (-f["share"], -f["seconds"]))
+
+
+def build_report(analysis: Analysis) -> dict[str, Any]:
+    """The `--format json` document, exactly the contract (docs/design.md §Trace contract)."""
+    job = analysis.job
+    findings = findings_section(
+        analysis.findings, pids=dict(zip(analysis.threads["tid"].tolist(), analysis.threads["pid"].tolist())),
+        trainers=dict(zip(job.ranks["rank"].tolist(), job.ranks["trainer_tid"].tolist())) if job else {},
+        trainer_tid=analysis.trainer_tid)
     seconds = state_seconds(analysis.totals)
     threads = analysis.threads.assign(order=analysis.threads["role"].astype(str).map(_ROLE_ORDER))
     rows = []
@@ -102,11 +115,12 @@ def build_report(analysis: Analysis) -> dict[str, Any]:
         },
         "starved_s": _seconds(analysis.starved_ns / NS_PER_S),
         "host_bound_s": _seconds(analysis.host_bound_ns / NS_PER_S),
-        "ranks": ranks_section(analysis),
-        "straggler": straggler_section(analysis),
+        "ranks": ranks_section(job),
+        "straggler": straggler_section(job),
         "findings": findings,
         "threads": rows,
         "cuda": cuda_section(analysis),
+        "traces": None,
     }
 
 
@@ -144,22 +158,22 @@ def cuda_section(analysis: Analysis) -> dict[str, Any] | None:
     }
 
 
-def culprits(analysis: Analysis, category: str, threads: list[dict[str, Any]],
-             evidence: dict[str, Any]) -> list[dict[str, Any]]:
+def culprits(category: str, threads: list[dict[str, Any]], evidence: dict[str, Any], *,
+             pids: Mapping[int, int], trainer_tid: int | None) -> list[dict[str, Any]]:
     """What the finding blames (docs/findings.md, "Outputs"): its threads, as producers
-    ({kind: "thread", name, tid, pid}); for host work with the seconds of it and the
-    function that took most of them; the tasks that preempted them ({kind: "process"});
-    in a job, the ranks its time was spent on."""
-    pids = dict(zip(analysis.threads["tid"].tolist(), analysis.threads["pid"].tolist()))
+    ({kind: "thread", name, tid, pid}: a thread's own `pid`, else `pids`'); for the
+    trainer's host work with the seconds of it and the function that took most of them;
+    the tasks that preempted them ({kind: "process"}); in a job, the ranks its time was
+    spent on."""
     own = evidence.get("trainer_loading") if category == "input_pipeline" else evidence
     producers = {int(p["tid"]): float(p["seconds"]) for p in evidence.get("producers", [])}
     out = []
     for t in threads:
         tid = int(t["tid"])
-        row: dict[str, Any] = {"kind": "thread", "name": str(t["comm"]), "tid": tid, "pid": pids.get(tid)}
+        row: dict[str, Any] = {"kind": "thread", "name": str(t["comm"]), "tid": tid, "pid": t.get("pid", pids.get(tid))}
         if tid in producers:
             row["seconds"] = _seconds(producers[tid])
-        if tid == analysis.trainer_tid and own and own.get("functions"):
+        if tid == trainer_tid and own and own.get("functions"):
             row["function"] = _function_label(own["functions"][0])
             row.setdefault("seconds", _seconds(sum(f["seconds"] for f in own["functions"])))
         out.append(row)
@@ -280,12 +294,21 @@ def run_analyze(
     renderer = RENDERERS[ReportFormat.of(fmt)]
     threshold = check_gpu_idle_threshold(gpu_idle_threshold)
     window = Window.of(window)
-    # Checked before the analysis, not after it; written into the folder checked then.
+
+    def render() -> str:
+        trace = read_for_analysis(path, memory_check=memory_check)
+        return renderer(Report.of(analyze(trace, trainer_tid=trainer_tid, gpu_idle_threshold=threshold, window=window)))
+
+    return write_report(output, render, force=force)
+
+
+def write_report(output: str | os.PathLike | None, render: Callable[[], str], *, force: bool = False) -> str:
+    """The text `render()` makes, written to `output` when given (an existing file only
+    with `force`); the output is checked before the work, not after it, and written
+    into the folder checked then."""
     out = check_output(output, force=force) if output is not None else None
     try:
-        trace = read_for_analysis(path, memory_check=memory_check)
-        analysis = analyze(trace, trainer_tid=trainer_tid, gpu_idle_threshold=threshold, window=window)
-        text = renderer(Report.of(analysis))
+        text = render()
         if out is not None:
             _write(out, text)
     finally:

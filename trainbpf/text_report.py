@@ -80,37 +80,46 @@ def render_text(rendered: Report) -> str:
             "attribute and no findings. Check that the target was running and the probes attached "
             "(`trainbpf doctor`), then record for longer."
         )
-        return _text(lines)
+        return as_text(lines)
 
-    if gpu["samples"]:
-        idle = gpu["idle_fraction"] or 0.0
-        lines.append(f"  GPU: {gpu['source']}, {gpu['samples']} samples; idle {_pct(idle)} of the time "
-                     "(1 - mean utilisation)")
-        summed = ", summed over the ranks (each rank's GPU against its own trainer)" if report["ranks"] else ""
+    lines.extend(starved_lines(report))
+    if gpu["samples"] and analysis.unwoken_idle_ns >= 0.01 * max(analysis.idle_ns, 1.0):
         lines.append(
-            f"  Starved time: {report['starved_s']:.2f} s{summed} (GPU idle time that the trainer's stalls and own "
-            "CPU work explain: in each sample at most its idle time)"
-        )
-        lines.append(_host_line(report))
-        if analysis.unwoken_idle_ns >= 0.01 * max(analysis.idle_ns, 1.0):
-            lines.append(
-                f"  Not counted: {analysis.unwoken_idle_ns / NS_PER_S:.2f} s of idle time overlapped sleeps no "
-                "thread ended (a GPU synchronisation looks so, or a timer: see docs/findings.md)"
-            )
-    else:
-        lines.append("  GPU: no GPU samples in this trace.")
-        lines.append(
-            f"  Starved time: {report['starved_s']:.2f} s. Without GPU samples, starved time is the "
-            "trainer's non-running time (off-CPU, runnable, or on-CPU in the kernel's fault/reclaim paths)."
+            f"  Not counted: {analysis.unwoken_idle_ns / NS_PER_S:.2f} s of idle time overlapped sleeps no "
+            "thread ended (a GPU synchronisation looks so, or a timer: see docs/findings.md)"
         )
     if analysis.uses_cuda and not gpu["samples"]:
         lines.append(_host_line(report))
     lines.extend(rank_lines(report, analysis.meta))
     lines.extend(_cuda_lines(report, analysis))
     lines.append("")
-    findings = report["findings"]
+    lines.extend(finding_lines(report["findings"], gpu=bool(gpu["samples"])))
+    lines.append("")
+    lines.extend(_thread_table(report, analysis))
+    return as_text(lines)
+
+
+def starved_lines(report: dict[str, Any]) -> list[str]:
+    """The GPU samples, starved time and (with samples) host-bound time."""
+    gpu = report["gpu"]
+    if gpu["samples"]:
+        idle = gpu["idle_fraction"] or 0.0
+        summed = ", summed over the ranks (each rank's GPU against its own trainer)" if report["ranks"] else ""
+        return [f"  GPU: {gpu['source']}, {gpu['samples']} samples; idle {_pct(idle)} of the time (1 - mean utilisation)",
+                f"  Starved time: {report['starved_s']:.2f} s{summed} (GPU idle time that the trainer's stalls and own "
+                "CPU work explain: in each sample at most its idle time)",
+                _host_line(report)]
+    return ["  GPU: no GPU samples in this trace.",
+            f"  Starved time: {report['starved_s']:.2f} s. Without GPU samples, starved time is the "
+            "trainer's non-running time (off-CPU, runnable, or on-CPU in the kernel's fault/reclaim paths)."]
+
+
+def finding_lines(findings: list[dict[str, Any]], *, gpu: bool) -> list[str]:
+    """The findings ranked, each with its summary, threads, chain, Python line, launch
+    gaps and what to do; `gpu`: whether starved time is measured against GPU samples."""
+    lines = []
     if not findings:
-        lines.append("No findings: the trainer was never starved" + (" while the GPU idled." if gpu["samples"] else "."))
+        lines.append("No findings: the trainer was never starved" + (" while the GPU idled." if gpu else "."))
     else:
         lines.append("Findings, ranked by share of starved time:")
         for i, f in enumerate(findings, 1):
@@ -118,9 +127,7 @@ def render_text(rendered: Report) -> str:
     if not any(f["severity"] == "critical" for f in findings):
         lines.append("")
         lines.append("No critical finding.")
-    lines.append("")
-    lines.extend(_thread_table(report, analysis))
-    return _text(lines)
+    return lines
 
 
 def _finding_lines(i: int, f: dict[str, Any]) -> list[str]:
@@ -145,7 +152,7 @@ def _finding_lines(i: int, f: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _text(lines: list[str]) -> str:
+def as_text(lines: list[str]) -> str:
     """The report's lines as its text: names from the trace (threads, the path, Python
     functions) quoted in them cannot drive the terminal or add lines."""
     return "".join(printable(line) + "\n" for line in lines)
