@@ -112,6 +112,38 @@ def _sum_series(series: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tupl
     return lo[covered], hi[covered], np.minimum(total[covered], 100.0)
 
 
+def _gpu_keys(gpu: pd.DataFrame) -> np.ndarray:
+    """Per gpu row (view names), the name its GPU's windows go by: its uuid, else "gpuN"."""
+    index = "gpu" + pd.Series(as_int64(gpu["index"], 0), index=gpu.index).astype(str)
+    key = gpu["uuid"].astype(object).where(gpu["uuid"].notna(), index) if "uuid" in gpu else index
+    return key.to_numpy(dtype=object)
+
+
+def gpu_names_by_index(gpu: pd.DataFrame) -> dict[int, str]:
+    """Each GPU's window name (gpu_utilisation's `gpu`) by its index."""
+    if not len(gpu):
+        return {}
+    gpu = named_frame("gpu", gpu)
+    return dict(zip(as_int64(gpu["index"], 0).tolist(), _gpu_keys(gpu).tolist()))
+
+
+def rank_gpu(windows: pd.DataFrame, *, local_rank: int, visible: str, names: dict[int, str]) -> pd.DataFrame:
+    """The windows of a rank's own GPU, weighing 1, where several GPUs were sampled: the
+    device cuda:LOCAL_RANK is, by CUDA_VISIBLE_DEVICES (`visible`: indices or UUIDs; one
+    entry, that one) else the GPU of index LOCAL_RANK; `names`: gpu_names_by_index.  All
+    the windows where none of that says which."""
+    sampled = set(pd.unique(windows["gpu"]).tolist())
+    if len(sampled) < 2:
+        return windows
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    entry = (entries[local_rank] if 0 <= local_rank < len(entries) else entries[0] if len(entries) == 1 else None) \
+        if entries else (str(local_rank) if local_rank >= 0 else None)
+    name = names.get(int(entry)) if entry is not None and entry.isdigit() else entry
+    if name not in sampled:
+        return windows
+    return windows[windows["gpu"] == name].assign(weight=1.0)
+
+
 def gpu_utilisation(
     gpu: pd.DataFrame, span: Span, *, uuids: frozenset[str] = frozenset(), pids: frozenset[int] = frozenset()
 ) -> pd.DataFrame:
@@ -123,9 +155,7 @@ def gpu_utilisation(
     if not len(gpu):
         return _empty_util()
     gpu = named_frame("gpu", gpu)
-    index = "gpu" + pd.Series(as_int64(gpu["index"], 0), index=gpu.index).astype(str)
-    key = gpu["uuid"].astype(object).where(gpu["uuid"].notna(), index) if "uuid" in gpu else index
-    key = key.to_numpy(dtype=object)
+    key = _gpu_keys(gpu)
     if uuids:
         mine = np.isin(key, list(uuids))
         if mine.any():

@@ -23,7 +23,8 @@ from trainbpf.analyzers.collectives import collective_waits
 from trainbpf.analyzers.findings import build_findings
 from trainbpf.analyzers.intervals import as_int64
 from trainbpf.analyzers.join import JobResult, RankTables, join_ranks
-from trainbpf.analyzers.ranks import rank_of_threads
+from trainbpf.analyzers.gpu import gpu_names_by_index, rank_gpu
+from trainbpf.analyzers.ranks import process_fields, rank_of_threads
 from trainbpf.analyzers.trainer import Shared, TrainerPart, roles, trainer_part
 
 
@@ -84,12 +85,15 @@ def rank_tables(sh: Shared, ranks: pd.DataFrame, threshold: float
     parts: dict[int, TrainerPart] = {}
     bases: dict[int, str] = {}
     view: dict[str, Any] = {}
+    visible = process_fields(sh.trace.view("process_env")).set_index("pid")["visible_devices"].to_dict()
+    names = gpu_names_by_index(sh.trace.view("gpu"))
     for r in ranks.itertuples(index=False):
         pids = frozenset(int(p) for p in threads.loc[thread_rank == r.rank, "pid"].unique())
         basis, util, windows, idle, gpu_idle = sh.gpu(pids, threshold)
+        windows = rank_gpu(windows, local_rank=int(r.local_rank), visible=visible.get(int(r.pid), ""), names=names)
         states, followed = trainers[int(r.trainer_tid)]
         parts[int(r.rank)] = trainer_part(sh, threads, int(r.trainer_tid), states, followed, basis=basis,
-                                          windows=_rank_gpu(windows, int(r.local_rank)), with_timeline=True)
+                                          windows=windows, with_timeline=True)
         bases[int(r.rank)] = basis
         view = view or {"basis": basis, "util": util, "idle": idle, "gpu_idle": gpu_idle}
     calls, waits = _calls(sh, threads, parts)
@@ -122,14 +126,6 @@ def _tables(r: Any, part: TrainerPart, calls: pd.DataFrame, waits: pd.DataFrame,
         calls=calls[calls["rank"] == rank].reset_index(drop=True), waits=mine, starved=part.starved,
         timeline=timeline, own=found(as_collective(part.starved, inside, part.trainer)), spent=found(spent),
         gpu_samples=len(w) if basis == "gpu_idle" else 0, host_bound_ns=float((w["host_bound_ns"] * w["weight"]).sum()))
-
-
-def _rank_gpu(windows: pd.DataFrame, local_rank: int) -> pd.DataFrame:
-    """A rank's GPU among several: the local_rank-th (by name), weighing 1."""
-    gpus = sorted(pd.unique(windows["gpu"]).tolist())
-    if len(gpus) < 2 or not 0 <= local_rank < len(gpus):
-        return windows
-    return windows[windows["gpu"] == gpus[local_rank]].assign(weight=1.0)
 
 
 def _calls(sh: Shared, threads: pd.DataFrame, parts: dict[int, TrainerPart]) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -51,12 +51,13 @@ def _number(value: object) -> int:
 
 def process_fields(env: pd.DataFrame) -> pd.DataFrame:
     """Per pid, from its newest environment (`process_env` rows: pid, variable, value):
-    rank, local_rank, world_size (-1 where unset), the variable the rank came from, and
-    the job key (the JOB_VARIABLES present, joined)."""
+    rank, local_rank, world_size (-1 where unset), the variable the rank came from, the
+    job key (the JOB_VARIABLES present, joined) and CUDA_VISIBLE_DEVICES ("" unset)."""
     if not len(env):
         return pd.DataFrame({"pid": np.zeros(0, np.int64), "rank": np.zeros(0, np.int64),
                              "local_rank": np.zeros(0, np.int64), "world_size": np.zeros(0, np.int64),
-                             "rank_variable": pd.Series([], dtype=object), "job": pd.Series([], dtype=object)})
+                             "rank_variable": pd.Series([], dtype=object), "job": pd.Series([], dtype=object),
+                             "visible_devices": pd.Series([], dtype=object)})
     env = pd.DataFrame({"pid": as_int64(env["pid"]), "ts_ns": as_int64(env["ts_ns"]),
                         "variable": env["variable"].astype(str), "value": env["value"].astype(str)})
     newest = env.groupby("pid")["ts_ns"].transform("max")
@@ -77,6 +78,8 @@ def process_fields(env: pd.DataFrame) -> pd.DataFrame:
     job = [";".join(f"{n}={row[n]}" for n in JOB_VARIABLES if n in table and isinstance(row.get(n), str))
            for _, row in table.iterrows()]
     out["job"] = np.array(job, dtype=object)
+    devices = table["CUDA_VISIBLE_DEVICES"] if "CUDA_VISIBLE_DEVICES" in table else pd.Series("", index=table.index)
+    out["visible_devices"] = devices.fillna("").astype(str).to_numpy(dtype=object)
     return out
 
 

@@ -188,3 +188,20 @@ def test_the_join_shows_each_category_by_its_culprit_ranks_own_findings():
     assert abs(own_time["evidence"]["starved_s"] - 0.003) < 1e-6 and abs(own_time["seconds"] - 0.004) < 1e-6
     assert job.straggler is not None and job.straggler["rank"] == 1
     assert job.straggler["category"] == "input_pipeline"
+
+
+def test_a_rank_is_measured_against_its_own_gpu():
+    from trainbpf.analyzers.gpu import rank_gpu
+
+    windows = pd.DataFrame({"gpu": ["GPU-b", "GPU-a", "GPU-c"], "start_ns": [0, 0, 0], "end_ns": [9, 9, 9],
+                            "idle_ns": [1.0, 2.0, 3.0], "weight": [1 / 3] * 3})
+    names = {0: "GPU-b", 1: "GPU-a", 2: "GPU-c"}  # by index, not by name
+
+    def chosen(local_rank, visible=""):
+        picked = rank_gpu(windows, local_rank=local_rank, visible=visible, names=names)
+        return picked["gpu"].tolist() if len(picked) == 1 and picked["weight"].tolist() == [1.0] else None
+
+    assert chosen(1) == ["GPU-a"] and chosen(0) == ["GPU-b"]
+    assert chosen(1, "2,0") == ["GPU-b"]  # cuda:1 is the second visible device, index 0
+    assert chosen(0, "2") == ["GPU-c"] and chosen(3, "GPU-c") == ["GPU-c"]  # one visible device: that one
+    assert chosen(-1) is None and chosen(5) is None and chosen(2, "0,1") is None  # nothing says which: all
