@@ -83,14 +83,6 @@ if [ "$had" != "$want" ]; then
   echo "$want" > "$STAMP"
 fi
 
-# The DataLoader scenario uses real PyTorch; the CPU build of this version installs from
-# the machine's local package store in well under a minute.  Without it that one
-# scenario is skipped, saying why.
-if [ "$WITH_TEST" -eq 1 ] && ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  log "installing torch==2.13.0 (CPU) for the DataLoader scenario"
-  pip_quiet install --disable-pip-version-check torch==2.13.0 || log "torch unavailable: the DataLoader scenario will be skipped"
-fi
-
 # Build the kernel header tree bcc needs now, so the first record does not pay for it.
 "$VENV/bin/python" -c "from trainbpf.tracer.kheaders import use_headers; print('[setup] kernel headers:', use_headers().origin)" >&2
 log "ready: $VENV/bin/trainbpf"

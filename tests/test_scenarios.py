@@ -8,7 +8,6 @@ fail: a set-up that cannot record must never pass as green.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 
 from trainbpf.tracefile import read_trace
 
+from kernel_env import require_module
 from scenario_harness import (
     GPU_SOURCES,
     REPORT_SCHEMA,
@@ -68,9 +68,9 @@ def can_record() -> None:
 
 
 def _require(scenario: Scenario) -> None:
-    # Skipped even under CI: the optional dependency is the set-up's choice.
-    if scenario.requires and importlib.util.find_spec(scenario.requires) is None:
-        pytest.skip(f"{scenario.name} needs {scenario.requires}, which is not installed")
+    # The test extra installs it (pyproject.toml): a skip under CI would hide a broken set-up.
+    if scenario.requires:
+        require_module(scenario.requires, scenario.name)
 
 
 # Neighbours' CPU use during a run (outside the workload and the recorder) above which
