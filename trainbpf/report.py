@@ -76,7 +76,8 @@ def findings_section(findings: Any, *, pids: Mapping[int, int], trainers: Mappin
                        **({"rank": int(c["rank"])} if "rank" in c else {})} for c in f.chain],
             "culprits": culprits(str(f.category), f.threads, f.evidence, pids=pids, trainer_tid=trainer),
             "summary": job_summary(f.evidence, f.share, f.seconds, finding_summary(
-                str(f.category), f.share, f.seconds, f.threads, f.evidence, own_seconds=_own_seconds(f.evidence))),
+                str(f.category), f.share, f.seconds, f.threads, f.evidence,
+                own_seconds=_own_seconds(f.evidence, f.seconds))),
             "evidence": plain(f.evidence),
             "recommendation": BY_NAME[str(f.category)].recommendation,
             "launch_gap_s": None if math.isnan(f.launch_gap_s) else _seconds(f.launch_gap_s),
@@ -201,9 +202,13 @@ def _lock_culprits(evidence: dict[str, Any], pids: dict[int, int]) -> list[dict[
     return out
 
 
-def _own_seconds(evidence: dict[str, Any]) -> float | None:
-    """In a job, the seconds the finding's rank itself spent (its evidence's), else None."""
-    return float(evidence["starved_s"]) if "starved_ranks" in evidence and "starved_s" in evidence else None
+def _own_seconds(evidence: dict[str, Any], seconds: float) -> float | None:
+    """In a job, the seconds the finding's rank itself spent in it (its evidence's), at
+    most the starved seconds the finding explains (a rank's timer sleeps in its GPU steps
+    are its time, not starved time); None for one process."""
+    if "starved_ranks" not in evidence or "starved_s" not in evidence:
+        return None
+    return min(float(evidence["starved_s"]), float(seconds))
 
 
 def finding_summary(category: str, share: float, seconds: float, threads: list[dict[str, Any]],
