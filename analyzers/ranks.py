@@ -15,23 +15,15 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.intervals import as_int64
-from trainbpf.analyzers.roles import carried_on_by
+from trainbpf.analyzers.roles import NAME_ROLES, carried_on_by
+from trainbpf.jobvars import JOB_KEY_VARIABLES, RANK_VARIABLES, number
 
-# Each field's variables, strongest first: a launcher started by srun has SLURM_PROCID,
-# the ranks it starts have RANK too.
-RANK_VARIABLES: dict[str, tuple[str, ...]] = {
-    "rank": ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"),
-    "local_rank": ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"),
-    "world_size": ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"),
-}
-# What tells one job from another: traces of one job share it.
-JOB_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT")
 # Launchers and their agents by name (comm, lower-cased): never a trainer.
 LAUNCHER_COMMS = re.compile(
     r"^(torchrun|pt_elastic|deepspeed|accelerate|mpirun|mpiexec|orterun|prterun|orted|prted|srun|slurmstepd"
     r"|hydra_pmi_proxy|sh|bash|dash|zsh)$")
-# Threads of a collective backend: their wake-ups of a trainer end a collective.
-COLLECTIVE_COMMS = re.compile(r"gloo|nccl")
+# Threads of a collective backend (the role's name pattern): their wake-ups of a trainer end a collective.
+COLLECTIVE_COMMS = re.compile(dict(NAME_ROLES)["collective"])
 
 RANK_COLUMNS = ("rank", "local_rank", "world_size", "pid", "trainer_tid", "job", "source")
 
@@ -43,16 +35,10 @@ def empty_ranks() -> pd.DataFrame:
         "job": pd.Series([], dtype=object), "source": pd.Series([], dtype=object)})
 
 
-def _number(value: object) -> int:
-    """A rank variable's value as a number, -1 when it is none."""
-    text = str(value).strip()
-    return int(text) if re.fullmatch(r"\d{1,9}", text) else -1
-
-
 def process_fields(env: pd.DataFrame) -> pd.DataFrame:
     """Per pid, from its newest environment (`process_env` rows: pid, variable, value):
     rank, local_rank, world_size (-1 where unset), the variable the rank came from, the
-    job key (the JOB_VARIABLES present, joined) and CUDA_VISIBLE_DEVICES ("" unset)."""
+    job key (the JOB_KEY_VARIABLES present, joined) and CUDA_VISIBLE_DEVICES ("" unset)."""
     if not len(env):
         return pd.DataFrame({"pid": np.zeros(0, np.int64), "rank": np.zeros(0, np.int64),
                              "local_rank": np.zeros(0, np.int64), "world_size": np.zeros(0, np.int64),
@@ -69,13 +55,13 @@ def process_fields(env: pd.DataFrame) -> pd.DataFrame:
         source = np.full(len(table), "", dtype=object)
         for name in reversed(names):  # the strongest variable present wins
             if name in table:
-                got = np.array([_number(v) if isinstance(v, str) else -1 for v in table[name]], np.int64)
+                got = np.array([number(v) if isinstance(v, str) else -1 for v in table[name]], np.int64)
                 values = np.where(got >= 0, got, values)
                 source = np.where(got >= 0, name, source)
         out[field] = values
         if field == "rank":
             out["rank_variable"] = source
-    job = [";".join(f"{n}={row[n]}" for n in JOB_VARIABLES if n in table and isinstance(row.get(n), str))
+    job = [";".join(f"{n}={row[n]}" for n in JOB_KEY_VARIABLES if n in table and isinstance(row.get(n), str))
            for _, row in table.iterrows()]
     out["job"] = np.array(job, dtype=object)
     devices = table["CUDA_VISIBLE_DEVICES"] if "CUDA_VISIBLE_DEVICES" in table else pd.Series("", index=table.index)

@@ -60,6 +60,8 @@ def test_entries_without_equals_are_skipped_and_the_first_of_a_name_counts():
     ({"PMI_RANK": "0", "PMI_SIZE": "4"}, (0, 4)),
     ({"PMIX_RANK": "2"}, (2, None)),
     ({"RANK": "1", "SLURM_PROCID": "7"}, (1, None)),  # torchrun's own under Slurm
+    # mpirun's ranks inside a Slurm step: the launcher's variable, as the analysis reads it
+    ({"OMPI_COMM_WORLD_RANK": "3", "SLURM_PROCID": "0", "OMPI_COMM_WORLD_SIZE": "4", "SLURM_NTASKS": "1"}, (3, 4)),
     ({"RANK": "one", "WORLD_SIZE": "\u0663"}, (None, None)),  # not a decimal number
     ({"LOCAL_RANK": "0"}, (None, None)),
 ])

@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
+from trainbpf.jobvars import first_number
 from trainbpf.printable import printable
 from trainbpf.tracefile import make_batch
 from trainbpf.tracer.collector import ThreadTable
@@ -31,9 +32,6 @@ JOB_VARIABLES = (
     "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALRANKID",
 )
 _WANTED = frozenset(v.encode() for v in JOB_VARIABLES)
-# A process's global rank and the job's size, in the order the launchers' names are tried.
-RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 ENVIRON_MAX_BYTES = 1 << 20  # read of /proc/PID/environ; what lies beyond is not looked at
 VALUE_MAX_CHARS = 256  # a value kept, escapes included
@@ -89,17 +87,10 @@ def read_environ(pid: int) -> dict[str, str] | None:
     return parse_environ(raw)
 
 
-def _first_int(env: dict[str, str], names: tuple[str, ...]) -> int | None:
-    for name in names:
-        value = env.get(name, "").strip()
-        if value.isdigit() and value.isascii():
-            return int(value)
-    return None
-
-
 def rank_of(env: dict[str, str]) -> tuple[int | None, int | None]:
-    """(global rank, world size) that `env` gives, each None where no variable says."""
-    return _first_int(env, RANK_VARIABLES), _first_int(env, WORLD_SIZE_VARIABLES)
+    """(global rank, world size) that `env` gives, each None where no variable says
+    (trainbpf/jobvars.py: as the analysis reads them)."""
+    return first_number(env, "rank"), first_number(env, "world_size")
 
 
 def job_meta(env: dict[str, str] | None) -> dict:

@@ -23,7 +23,7 @@ from trainbpf.analyze_options import GPU_IDLE_THRESHOLD
 from trainbpf.analyzers.clocks import WARN_RESIDUAL_NS, align_traces, trace_exits
 from trainbpf.analyzers.join import JobResult, join_ranks
 from trainbpf.analyzers.pipeline import TraceRanks, display_path, trace_ranks
-from trainbpf.analyzers.ranks import JOB_VARIABLES
+from trainbpf.jobvars import JOB_KEY_VARIABLES
 from trainbpf.errors import JobTracesError
 from trainbpf.memory import read_for_analysis
 from trainbpf.tracefile import read_trace
@@ -144,12 +144,12 @@ def _analyse_each(paths: list[str], threshold: float, memory_check: bool,
 
 
 def _job_keys(found: TraceRanks) -> dict[str, str]:
-    """What its ranks' environments say of their job: the JOB_VARIABLES and WORLD_SIZE."""
+    """What its ranks' environments say of their job: the JOB_KEY_VARIABLES and WORLD_SIZE."""
     keys: dict[str, str] = {}
     for t in found.tables:
         for part in t.job.split(";"):
             name, _, value = part.partition("=")
-            if name in JOB_VARIABLES:
+            if name in JOB_KEY_VARIABLES:
                 keys.setdefault(name, value)
         if t.world_size >= 0:
             keys.setdefault("WORLD_SIZE", str(t.world_size))
