@@ -19,8 +19,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trainbpf.analyze_options import Window
-from trainbpf.errors import UsageError
+from trainbpf.analyzers.options import Window
+from trainbpf.trace.errors import UsageError
 
 NS_PER_S = 1_000_000_000
 

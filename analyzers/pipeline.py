@@ -1,7 +1,7 @@
 """The analysis pipeline: `analyze` runs the analyzers over a loaded trace in order,
 threads and roles -> state intervals -> causes -> GPU-starved pieces of the trainer's time
 -> wake-up chains -> findings (analyzers/trainer.py), for one trainer or for every rank
-of a job (analyzers/job.py), and returns an `Analysis` for the report layer."""
+of a job (analyzers/job/rank_analysis.py), and returns an `Analysis` for the report layer."""
 
 from __future__ import annotations
 
@@ -12,16 +12,22 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.cuda import CudaTimeline, step_summary
-from trainbpf.analyzers.findings import build_findings
+from trainbpf.analyzers.timeline.cuda_calls import CudaTimeline, step_summary
+from trainbpf.analyzers.findings.ranking import build_findings
 from trainbpf.analyzers.intervals import Span, as_int64
-from trainbpf.analyzers.job import analyze_job, backend_tids, collective_pids, in_collectives, rank_tables
-from trainbpf.analyzers.join import JobResult, RankTables
-from trainbpf.analyzers.ranks import empty_ranks, job_ranks
-from trainbpf.analyzers.roles import pick_trainer
-from trainbpf.analyzers.states import expand_slots, state_totals
+from trainbpf.analyzers.job.rank_analysis import (
+    analyze_job,
+    backend_tids,
+    collective_pids,
+    in_collectives,
+    rank_tables,
+)
+from trainbpf.analyzers.job.join import JobResult, RankTables
+from trainbpf.analyzers.job.ranks import empty_ranks, job_ranks
+from trainbpf.analyzers.threads.roles import pick_trainer
+from trainbpf.analyzers.threads.states import expand_slots, state_totals
 from trainbpf.analyzers.trainer import Shared, TrainerPart, roles, share, trainer_part
-from trainbpf.analyze_options import GPU_IDLE_THRESHOLD, Window
+from trainbpf.analyzers.options import GPU_IDLE_THRESHOLD, Window
 
 
 @dataclass
@@ -29,7 +35,7 @@ class Analysis:
     """Everything `analyze` found; the report layer renders it.
 
     `basis` says what starved time is: "gpu_idle" (the GPU samples' idle time that the
-    trainer's named stalls explain, analyzers/gpu.py) or "trainer_not_running" (no GPU
+    trainer's named stalls explain, analyzers/timeline/starvation.py) or "trainer_not_running" (no GPU
     samples: the trainer's stalled time)."""
 
     path: str
@@ -59,7 +65,7 @@ class Analysis:
     cuda_steps: dict[str, Any] | None = None  # cuda.step_summary of the trainer's steps
     cuda: CudaTimeline | None = None  # every thread's CUDA waits, bursts and gaps; None: CUDA not traced
     pystacks: pd.DataFrame | None = None  # stacks.python_stacks: the trace's Python stacks (states' pystack ids)
-    job: JobResult | None = None  # a job of several ranks (analyzers/job.py); None: one trainer
+    job: JobResult | None = None  # a job of several ranks (analyzers/job/rank_analysis.py); None: one trainer
     _states: pd.DataFrame | None = field(default=None, repr=False)
 
     @property
@@ -138,10 +144,10 @@ def analyze(
     gpu_idle_threshold: float = GPU_IDLE_THRESHOLD,
     window: Window | tuple[float | None, float | None] | str | None = None,
 ) -> Analysis:
-    """Run every analyzer over a loaded trace (trainbpf.tracefile.Trace).  `window`: a
+    """Run every analyzer over a loaded trace (trainbpf.trace.reader.Trace).  `window`: a
     Window (a (start_s, end_s) pair or "START:END" text is taken too).  A trace of several
-    ranks of one job (analyzers/ranks.py) is analysed rank by rank and as one job
-    (analyzers/job.py), unless `trainer_tid` names one trainer."""
+    ranks of one job (analyzers/job/ranks.py) is analysed rank by rank and as one job
+    (analyzers/job/rank_analysis.py), unless `trainer_tid` names one trainer."""
     sh = share(trace, window)
     threshold = float(gpu_idle_threshold)
     ranks = empty_ranks() if trainer_tid is not None else job_ranks(
@@ -174,7 +180,7 @@ def analyze(
 
 @dataclass
 class TraceRanks:
-    """One trace of a job cut down for a join with other traces' (analyzers/join.py):
+    """One trace of a job cut down for a join with other traces' (analyzers/job/join.py):
     its ranks' tables (its clock), where it ran, and what the report says of it."""
 
     meta: dict[str, Any]

@@ -13,24 +13,43 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trainbpf.analyzers.attribution import EXACT_RUN_KINDS, RunSplit, attribute_states, churn_threads, sample_classes
-from trainbpf.analyzers.chains import followed_waits, is_followed, wait_chains
-from trainbpf.analyzers.cuda import CudaTimeline, gpu_waits, launch_bursts, split_at_waits, steps, timeline
-from trainbpf.analyzers.evidence import EvidenceContext
-from trainbpf.analyzers.findings import attribute_starved
-from trainbpf.analyzers.gpu import (
-    gpu_utilisation, idle_fraction, idle_stretches, job_gpus, sample_windows, starved_pieces, whole_window,
+from trainbpf.analyzers.causes.attribution import (
+    EXACT_RUN_KINDS,
+    RunSplit,
+    attribute_states,
+    churn_threads,
+    sample_classes,
 )
-from trainbpf.analyzers.host import HostSplit, host_labels
+from trainbpf.analyzers.causes.chains import followed_waits, is_followed, wait_chains
+from trainbpf.analyzers.timeline.cuda_calls import (
+    CudaTimeline,
+    gpu_waits,
+    launch_bursts,
+    split_at_waits,
+    steps,
+    timeline,
+)
+from trainbpf.analyzers.findings.evidence import EvidenceContext
+from trainbpf.analyzers.findings.ranking import attribute_starved
+from trainbpf.analyzers.timeline.starvation import (
+    gpu_utilisation,
+    idle_fraction,
+    idle_stretches,
+    job_gpus,
+    sample_windows,
+    starved_pieces,
+    whole_window,
+)
+from trainbpf.analyzers.causes.host import HostSplit, host_labels
 from trainbpf.analyzers.intervals import Span, as_int64, dense_rank, resolve_window, trace_span
-from trainbpf.analyzers.numa import gpu_node, memory_placement, thread_placement
-from trainbpf.analyzers.roles import assign_roles, observed_threads
-from trainbpf.analyzers.stacks import classify_stacks, python_stacks
-from trainbpf.analyzers.states import PYTHON_ID_COLUMNS, expand_slots, state_slots
+from trainbpf.analyzers.causes.numa import gpu_node, memory_placement, thread_placement
+from trainbpf.analyzers.threads.roles import assign_roles, observed_threads
+from trainbpf.analyzers.causes.stack_reading import classify_stacks, python_stacks
+from trainbpf.analyzers.threads.states import PYTHON_ID_COLUMNS, expand_slots, state_slots
 from trainbpf.analyzers.vocab import codes
-from trainbpf.analyze_options import Window
-from trainbpf.schema import KIND_COLUMNS
-from trainbpf.tracefile import release_unused_memory
+from trainbpf.analyzers.options import Window
+from trainbpf.trace.schema import KIND_COLUMNS
+from trainbpf.trace.reader import release_unused_memory
 
 
 def _seen(frames: list[pd.DataFrame]) -> pd.DataFrame:

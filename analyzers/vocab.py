@@ -1,7 +1,7 @@
 """The fixed vocabularies of thread states, futex classes, roles and on-CPU stall classes
 that every analyzer and every output shares (docs/design.md §Attribution model).  The
 finding categories, and what each state or class means as one, are the registry in
-analyzers/categories.py."""
+analyzers/findings/categories.py."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ FOLLOWED_STATES: frozenset[str] = frozenset({"futex", "sleep", "uninterruptible"
 # "user" is ordinary work; the others are stalls that look like running to the scheduler.
 RUN_CLASSES: tuple[str, ...] = ("user", "page_faults", "memory_reclaim", "allocator_churn", "mmap_lock", "block_io", "dirty_throttling")
 # The trainer's own host work ("user" running time outside GPU synchronisation), by the
-# Python frames of its on-CPU samples (analyzers/host.py): data loading in its own
+# Python frames of its on-CPU samples (analyzers/causes/host.py): data loading in its own
 # thread, or any other computation.
 HOST_CLASSES: tuple[str, ...] = ("loading", "compute")
 # A starved piece's running class: "" for pieces that were not running; a host class for

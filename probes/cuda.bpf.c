@@ -1,5 +1,5 @@
 /* CUDA runtime and driver calls of traced threads, from uprobes on libcudart/libcuda
- * (attached by tracer/cuda.py to whichever of these symbols, and their _v2/_ptsz/_ptds
+ * (attached by tracer/collectors/cuda.py to whichever of these symbols, and their _v2/_ptsz/_ptds
  * aliases, a library exports).
  *
  * Launches are counted per (thread, CUDA_BUCKET_NS bucket, layer, nesting), none is
@@ -20,14 +20,14 @@
 #define CUDA_BUCKET_NS 10000000
 #endif
 #ifndef CUDA_NEST_JIFFIES
-#define CUDA_NEST_JIFFIES 25 /* tracer/cuda.py: a tenth of a second; a preemption between the probes is no new launch */
+#define CUDA_NEST_JIFFIES 25 /* tracer/collectors/cuda.py: a tenth of a second; a preemption between the probes is no new launch */
 #endif
 #ifndef CUDA_LAUNCH_ENTRIES
 #define CUDA_LAUNCH_ENTRIES 65536
 #endif
 
 /* Layers (LAYER_RUNTIME, LAYER_DRIVER), call kinds (CUDA_LAUNCH, ...) and the calls
- * (CUDA_CALLS) come from tracer/cuda.py LAYERS, KINDS and CALLS. */
+ * (CUDA_CALLS) come from tracer/collectors/cuda.py LAYERS, KINDS and CALLS. */
 #ifndef PROBE_CUDA
 #error "PROBE_CUDA must be defined by the loader"
 #endif
@@ -43,7 +43,7 @@
 #ifndef CUDA_CALLS
 #error "CUDA_CALLS must be defined by the loader"
 #endif
-/* The slots of a thread's record (tracer/cuda.py LAUNCH_SLOTS): runtime launches, driver
+/* The slots of a thread's record (tracer/collectors/cuda.py LAUNCH_SLOTS): runtime launches, driver
  * launches made directly, driver launches made inside a runtime launch. */
 #ifndef CUDA_SLOTS
 #error "CUDA_SLOTS must be defined by the loader"
@@ -66,7 +66,7 @@ struct cuda_event {
     s64 ret;
     u32 tid;
     u32 pid;
-    u32 call; /* index into tracer/cuda.py CALLS */
+    u32 call; /* index into tracer/collectors/cuda.py CALLS */
     u32 nested; /* a driver call made inside a runtime call */
     s32 ustack_id;
     u32 layer;

@@ -6,7 +6,7 @@
 #define MIN_LOCK_NS 10000
 #endif
 
-/* The MM_* codes of mm_event.what, from tracer/mm.py WHAT. */
+/* The MM_* codes of mm_event.what, from tracer/collectors/mm.py WHAT. */
 #ifndef PROBE_MM
 #error "PROBE_MM must be defined by the loader"
 #endif

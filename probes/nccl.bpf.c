@@ -1,5 +1,5 @@
 /* NCCL collectives of traced threads, from uprobes and uretprobes on libnccl (attached
- * by tracer/nccl.py to whichever of these symbols a library exports, once per address:
+ * by tracer/collectors/nccl.py to whichever of these symbols a library exports, once per address:
  * NCCL's pnccl* profiling names are aliases of the same functions).
  *
  * Every call that returns is streamed, with no threshold: a job makes at most a few
@@ -8,7 +8,7 @@
  * calls probed (ncclGroupEnd included): a lost record leaves a gap in the numbers
  * instead of shifting every later call against the other ranks'. */
 
-/* The calls (NCCL_CALLS) come from tracer/nccl.py CALLS. */
+/* The calls (NCCL_CALLS) come from tracer/collectors/nccl.py CALLS. */
 #ifndef PROBE_NCCL
 #error "PROBE_NCCL must be defined by the loader"
 #endif
@@ -25,7 +25,7 @@ struct nccl_event {
     s64 ret;
     u32 tid;
     u32 pid;
-    u32 call; /* index into tracer/nccl.py CALLS */
+    u32 call; /* index into tracer/collectors/nccl.py CALLS */
     u32 pad;
 };
 

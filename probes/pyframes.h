@@ -3,9 +3,9 @@
  * -DPYTHON_FRAMES=1 (record --python-frames).  Without it py_stack() is a constant -1.
  *
  * A thread that released the GIL (one that waits) has no thread-local state pointer, so
- * user space (tracer/pystacks.py) fills py_threads with each thread's PyThreadState from
+ * user space (tracer/symbols/pystacks.py) fills py_threads with each thread's PyThreadState from
  * the interpreter's thread list, and py_layouts with each process's offsets, checked by a
- * self-test first (tracer/pyruntime.py, docs/python-frames.md).  The walk reads the
+ * self-test first (tracer/symbols/pyruntime.py, docs/python-frames.md).  The walk reads the
  * current frame, then follows `previous` for at most PY_MAX_FRAMES Python frames,
  * keeping each frame's code object and instruction pointer; user space names them (file,
  * function, line) once per code object while the process lives.
@@ -45,7 +45,7 @@
 /* Entry frames owned by the C stack (3.12+) hold no Python code. */
 #define PY_FRAME_OWNED_BY_CSTACK 3
 
-/* Where a process's frames are: tracer/pystacks.py fills it from tracer/pyruntime.py. */
+/* Where a process's frames are: tracer/symbols/pystacks.py fills it from tracer/symbols/pyruntime.py. */
 struct py_layout {
     s32 ts_cframe;     /* >= 0: frame = *(*(tstate + ts_cframe) + current_frame) (3.11, 3.12) */
     u32 current_frame; /* else frame = *(tstate + current_frame) */

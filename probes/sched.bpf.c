@@ -22,7 +22,7 @@
 #define TASK_RINGBUF_PAGES 64
 #endif
 
-/* From tracer/sched.py: STATE_PREEMPTED (TASK_REPORT_MAX: switched out while runnable),
+/* From tracer/collectors/sched.py: STATE_PREEMPTED (TASK_REPORT_MAX: switched out while runnable),
  * and the TASK_* codes of task_event.what. */
 #ifndef PROBE_SCHED
 #error "PROBE_SCHED must be defined by the loader"
@@ -52,7 +52,7 @@
 #ifndef EXEC_LEAVES
 #error "EXEC_LEAVES must be defined by the loader"
 #endif
-/* (traced tid, next tid) pairs one flush can count (tracer/sched.py PREEMPTION_ENTRIES). */
+/* (traced tid, next tid) pairs one flush can count (tracer/collectors/sched.py PREEMPTION_ENTRIES). */
 #ifndef PREEMPTION_ENTRIES
 #error "PREEMPTION_ENTRIES must be defined by the loader"
 #endif
@@ -331,7 +331,7 @@ TRACEPOINT_PROBE(sched, sched_waking)
     w.waker_tid = (u32)id;
     w.waker_pid = id >> 32;
     /* The analysis names a producer by its Python stack at its wake-ups where its own
-     * samples and switch-outs show none (analyzers/pystacks.py): the waker's Python stack
+     * samples and switch-outs show none (analyzers/findings/python_ends.py): the waker's Python stack
      * is taken, for a wait already long enough to stream.  Its native user stack is not:
      * nothing reads it, and its walk was most of this program's cost.  The kernel stack
      * is taken for a wake-up from interrupt context, where it shows what woke the thread

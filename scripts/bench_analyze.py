@@ -79,9 +79,9 @@ def step_by_step() -> list[list[str]]:
 def phases(trace: Path, profile: bool) -> tuple[list[list[str]], str]:
     """Seconds spent opening, analysing (which reads the rows) and rendering, in this
     process."""
-    from trainbpf.analyzers import analyze
-    from trainbpf.report import build_report
-    from trainbpf.tracefile import read_trace
+    from trainbpf.analyzers.pipeline import analyze
+    from trainbpf.reports.document import build_report
+    from trainbpf.trace.reader import read_trace
 
     prof = cProfile.Profile() if profile else None
     if prof:
@@ -97,7 +97,7 @@ def phases(trace: Path, profile: bool) -> tuple[list[list[str]], str]:
     if prof:
         prof.disable()
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(r"trainbpf|analyzers|tracefile", 25)
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(r"trainbpf|analyzers|trace", 25)
         text = out.getvalue()
     return [["open the trace (read_trace)", f"{t1 - t0:.2f}"],
             ["analyzers, reading the rows they need (analyze)", f"{t2 - t1:.2f}"],

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from trainbpf.tracer import loader
-from trainbpf.tracer.cuda import CudaCollector
+from trainbpf.tracer.collectors.cuda import CudaCollector
 from trainbpf.tracer.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -80,8 +80,8 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    from trainbpf.tracer import cuda
-    from trainbpf.tracer.gpu import QUERY, GpuSampler
+    from trainbpf.tracer.collectors import cuda
+    from trainbpf.tracer.samplers.gpu import QUERY, GpuSampler
 
     summary: dict = {"host": os.uname().nodename, "kernel": os.uname().release}
     smi = shutil.which("nvidia-smi")

@@ -18,7 +18,7 @@ from typing import Callable
 import pytest
 
 from kernel_env import require_root
-from trainbpf.tracefile import SpoolWriter, make_batch, spool_path_for
+from trainbpf.trace.spool import SpoolWriter, make_batch, spool_path_for
 
 TRAINBPF = str(Path(sys.executable).with_name("trainbpf"))
 SECRET = b"SECRET-root-only-content\n"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from scenario_harness import WORKLOADS, ScenarioError, fake_gpu_env, stop_process, trainbpf_cli, wait_for_quiet
 
-from trainbpf.tracefile import spool_path_for
+from trainbpf.trace.spool import spool_path_for
 
 # Workloads that run as a job under torchrun (tests/test_job.py), not on their own.
 JOB_WORKLOADS = ("ddp_job",)

@@ -9,9 +9,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainbpf.tracefile import Trace, read_trace
-from trainbpf.tracer.collector import Settings
-from trainbpf.tracer.record import RecordResult, record
+from trainbpf.trace.reader import Trace, read_trace
+from trainbpf.tracer.settings import Settings
+from trainbpf.tracer.record import record
+from trainbpf.tracer.record_output import RecordResult
 
 WORKLOADS = Path(__file__).with_name("kernel_workloads.py")
 

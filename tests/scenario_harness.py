@@ -25,13 +25,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainbpf.tracefile import spool_path_for
+from trainbpf.trace.spool import spool_path_for
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "scripts" / "workloads"
 FAKE_SMI = ROOT / "scripts" / "fake-nvidia-smi"
 FAKE_NVML_BUILD = ROOT / "scripts" / "fake-nvml" / "build.py"
-REPORT_SCHEMA = "trainbpf.report/3"
+REPORT_SCHEMA = "trainbpf.reports.document/3"
 
 RECORD_SECONDS = 6
 # The workload outlives any recording; it is stopped once the recorder is done.
@@ -518,6 +518,6 @@ def trace_start_ns(trace: Path) -> int:
     """The recording's start on CLOCK_MONOTONIC, from the trace's metadata."""
     import pyarrow.parquet as pq
 
-    from trainbpf.trace_meta import decode_meta
+    from trainbpf.trace.meta import decode_meta
 
     return int(decode_meta(pq.read_schema(trace).metadata, trace)["clock"]["start_mono_ns"])

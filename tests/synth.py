@@ -20,8 +20,9 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from trainbpf.schema import KIND_COLUMNS, PY_STACK_ID_BASE, SCHEMA_ID
-from trainbpf.tracefile import SpoolWriter, finalize, make_batch, read_trace, spool_path_for
+from trainbpf.trace.schema import KIND_COLUMNS, PY_STACK_ID_BASE, SCHEMA_ID
+from trainbpf.trace.reader import read_trace
+from trainbpf.trace.spool import SpoolWriter, finalize, make_batch, spool_path_for
 
 START_NS = 1_000_000_000_000
 NS = 1_000_000_000

@@ -11,11 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from report_contract import validate_report
-from trainbpf.analyzers import CATEGORIES, analyze, observed_ns
-from trainbpf.analyzers.findings import MIN_FINDING_NS
-from trainbpf.report import Report, build_report, render_text
-from trainbpf.schema import SCHEMA_ID, TRACE_SCHEMA
-from trainbpf.tracefile import Trace, make_batch
+from trainbpf.analyzers.findings.categories import CATEGORIES
+from trainbpf.analyzers.pipeline import analyze, observed_ns
+from trainbpf.analyzers.findings.ranking import MIN_FINDING_NS
+from trainbpf.reports.document import Report, build_report
+from trainbpf.reports.text import render_text
+from trainbpf.trace.schema import SCHEMA_ID, TRACE_SCHEMA
+from trainbpf.trace.reader import Trace
+from trainbpf.trace.spool import make_batch
 
 START = 1_000_000_000_000
 SPAN = 2_000_000_000  # 2 s

@@ -10,10 +10,10 @@ from synth import (
     FAULT_STACK, FUTEX_STACK, MUNMAP_STACK, RECLAIM_STACK, SLEEP_STACK, START_NS, TRAINER, Synth, d,
     healthy, input_pipeline,
 )
-from trainbpf.analyzers import analyze, observed_ns
+from trainbpf.analyzers.pipeline import analyze, observed_ns
 from trainbpf.analyzers.vocab import STATE_DTYPE, STATES
-from trainbpf.analyzers.states import STATE_COLUMNS, state_totals
-from trainbpf.errors import UsageError
+from trainbpf.analyzers.threads.states import STATE_COLUMNS, state_totals
+from trainbpf.trace.errors import UsageError
 
 
 def assert_tiles(analysis):
@@ -157,7 +157,7 @@ def test_trainer_option_and_target(tmp_path):
     s = healthy()
     s.thread(300, "python")
     path = s.write(tmp_path / "t.parquet")
-    from trainbpf.tracefile import read_trace
+    from trainbpf.trace.reader import read_trace
 
     assert analyze(read_trace(path)).trainer_tid == TRAINER
     assert analyze(read_trace(path), trainer_tid=300).trainer_tid == 300

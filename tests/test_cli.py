@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kernel_env import require_root, which_or_fail
-from trainbpf.tracefile import read_trace
+from trainbpf.trace.reader import read_trace
 
 TRAINBPF = str(Path(sys.executable).with_name("trainbpf"))
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,7 +135,7 @@ def test_absurd_record_options_are_refused_up_front(option, value, words):
 
 
 def test_settings_check_their_ranges_where_they_are_declared():
-    from trainbpf.errors import UsageError
+    from trainbpf.trace.errors import UsageError
     from trainbpf.tracer.settings import Settings
 
     with pytest.raises(UsageError, match=r"^--oncpu-hz 20000: must be from 1 to 10000 samples per second$"):

@@ -1,4 +1,4 @@
-"""analyzers/cuda.py: unit tests on small synthetic frames, and one recording of a
+"""analyzers/timeline/cuda_calls.py: unit tests on small synthetic frames, and one recording of a
 fine-grained trainer on the stand-in CUDA libraries (tests/cuda_workloads.py) whose
 GPU-bound and data-wait time, steps and step time must match the simulated truth."""
 
@@ -14,9 +14,20 @@ import pandas as pd
 import pytest
 
 from kernel_env import require_root
-from trainbpf.analyzers.cuda import (BURST_COLUMNS, GAP_COLUMNS, STEP_COLUMNS, WAIT_COLUMNS, gpu_bound_ns,
-                                     gpu_waits, launch_bursts, launch_gaps, split_at_waits, step_summary, steps)
-from trainbpf.analyzers import analyze
+from trainbpf.analyzers.timeline.cuda_calls import (
+    BURST_COLUMNS,
+    GAP_COLUMNS,
+    STEP_COLUMNS,
+    WAIT_COLUMNS,
+    gpu_bound_ns,
+    gpu_waits,
+    launch_bursts,
+    launch_gaps,
+    split_at_waits,
+    step_summary,
+    steps,
+)
+from trainbpf.analyzers.pipeline import analyze
 from trainbpf.analyzers.intervals import Span
 
 MS = 1_000_000
@@ -228,7 +239,8 @@ def _within(measured: float, truth: float, share: float = 0.05) -> bool:
 def _recorded(tmp_path: Path, *workload_args: str, gpu: str = "nvidia-smi", probes: str = "sched,futex,cuda"):
     """The stand-in CUDA trainer (tests/cuda_workloads.py) recorded: its truth and the trace."""
     from scenario_harness import fake_gpu_env, trainbpf_cli
-    from trainbpf.tracefile import read_trace, spool_path_for
+    from trainbpf.trace.reader import read_trace
+    from trainbpf.trace.spool import spool_path_for
 
     runtime = _fake_cuda_build().build(tmp_path / "wheel")
     env = fake_gpu_env(tmp_path)
@@ -337,9 +349,10 @@ def test_fine_grained_trainer_matches_the_truth(tmp_path):
     # Perfetto tracks count the trainer's launches and waits exactly.
     from cuda_workloads import plan
     from report_contract import validate_report
-    from trainbpf.html_report import render_html
-    from trainbpf.perfetto import CUDA_TID_BASE, trace_events
-    from trainbpf.report import Report, render_text
+    from trainbpf.reports.html import render_html
+    from trainbpf.reports.perfetto import CUDA_TID_BASE, trace_events
+    from trainbpf.reports.document import Report
+    from trainbpf.reports.text import render_text
 
     report = Report.of(whole)
     validate_report(report.doc)

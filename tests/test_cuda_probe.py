@@ -16,7 +16,7 @@ from kernel_env import require_root
 from kernel_workloads import CUDA_LAUNCHES, CUDA_WAIT_MS
 from recording import record_cli, record_workload
 from standins import build_standin
-from trainbpf.tracer.collector import Settings
+from trainbpf.tracer.settings import Settings
 
 pytestmark = pytest.mark.kernel
 
@@ -205,7 +205,7 @@ def test_library_only_visible_in_the_process_mount_namespace(fake, tmp_path):
     finally:
         proc.kill()
         proc.wait()
-    from trainbpf.tracefile import read_trace
+    from trainbpf.trace.reader import read_trace
 
     trace = read_trace(out)
     assert [lib["path"] for lib in trace.meta["cuda"]["libraries"] if "cudart" in lib["path"]] == [str(runtime)]

@@ -14,11 +14,20 @@ import pytest
 
 from report_contract import validate_report
 from synth import FUTEX_STACK, TRAINER, WORKER, Synth, d, input_pipeline, periodic, t
-from trainbpf.analyzers import analyze
-from trainbpf.analyzers.cuda import CUDA_THREAD_COLUMNS, GAP_COLUMNS, cuda_threads, gpu_waits, in_gaps_ns, launch_bursts, launch_gaps
+from trainbpf.analyzers.pipeline import analyze
+from trainbpf.analyzers.timeline.cuda_calls import (
+    CUDA_THREAD_COLUMNS,
+    GAP_COLUMNS,
+    cuda_threads,
+    gpu_waits,
+    in_gaps_ns,
+    launch_bursts,
+    launch_gaps,
+)
 from trainbpf.analyzers.intervals import Span
-from trainbpf.perfetto import CUDA_TID_BASE, GPU_PID, run_export
-from trainbpf.report import Report, build_report, render_text, run_analyze
+from trainbpf.reports.perfetto import CUDA_TID_BASE, GPU_PID, run_export
+from trainbpf.reports.document import Report, build_report, run_analyze
+from trainbpf.reports.text import render_text
 
 MS = 1_000_000
 HELPER = 300  # a second thread that makes CUDA calls
@@ -104,7 +113,7 @@ def test_findings_gain_the_launch_gap_they_explain(tmp_path):
 def test_json_cuda_section(tmp_path):
     doc = build_report(analyze(cuda_trainer().read(tmp_path)))
     validate_report(doc)
-    assert doc["schema"] == "trainbpf.report/3"
+    assert doc["schema"] == "trainbpf.reports.document/3"
     assert doc["findings"][0]["launch_gap_s"] == 2.97
     cuda = doc["cuda"]
     assert cuda["gpu_bound_s"] == 5.0 and cuda["launch_gap_s"] == 3.96

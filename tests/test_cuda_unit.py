@@ -9,9 +9,17 @@ from pathlib import Path
 
 import numpy as np
 
-from trainbpf.tracer.collector import Settings
-from trainbpf.tracer.cuda import (CALLS, KINDS, LAUNCH_SLOTS, LAYERS, CudaCollector, base_name, cuda_libraries,
-                                  thread_buckets)
+from trainbpf.tracer.settings import Settings
+from trainbpf.tracer.collectors.cuda import (
+    CALLS,
+    KINDS,
+    LAUNCH_SLOTS,
+    LAYERS,
+    CudaCollector,
+    base_name,
+    cuda_libraries,
+    thread_buckets,
+)
 
 PROBE = Path(__file__).resolve().parents[1] / "probes" / "cuda.bpf.c"
 

@@ -22,7 +22,8 @@ import pytest
 from file_safety_env import attacker, base, folder, target  # noqa: F401 - fixtures
 from file_safety_env import (SECRET, TRAINBPF, assert_untouched, cli, one_line_error, record_args, victim_of,
                              wait_for, write_spool)
-from trainbpf.tracefile import read_trace, spool_path_for
+from trainbpf.trace.reader import read_trace
+from trainbpf.trace.spool import spool_path_for
 
 
 # -- S1: planted symlinks -------------------------------------------------------------

@@ -15,14 +15,17 @@ import pytest
 
 from file_safety_env import attacker, base, folder, target  # noqa: F401 - fixtures
 from file_safety_env import TRAINBPF, assert_untouched, cli, one_line_error, victim_of
-from trainbpf.errors import OutputError
-from trainbpf.tracefile import read_trace, spool_path_for
+from trainbpf.trace.errors import OutputError
+from trainbpf.trace.reader import read_trace
+from trainbpf.trace.spool import spool_path_for
 
 
 # -- S4: health outputs and lock ----------------------------------------------------------
 
 def test_s4_health_outputs_and_lock_do_not_follow_planted_symlinks(folder, base, attacker):
-    from trainbpf.health import TEXTFILE_NAME, exclusive_lock, write_atomic
+    from trainbpf.health.config import TEXTFILE_NAME
+    from trainbpf.health.outputs import write_atomic
+    from trainbpf.health.run import exclusive_lock
 
     victim = victim_of(base)
     textfile = folder / TEXTFILE_NAME
@@ -47,7 +50,7 @@ def test_s4_health_outputs_and_lock_do_not_follow_planted_symlinks(folder, base,
 
 
 def test_s4_lock_file_that_is_not_our_own_is_refused(folder, attacker):
-    from trainbpf.health import exclusive_lock
+    from trainbpf.health.run import exclusive_lock
 
     lock = folder / "health.lock"
     attacker.run(lambda: lock.write_text("mine\n"))
@@ -128,7 +131,7 @@ def test_reports_replace_an_existing_file_only_with_force(tmp_path):
     assert report.read_text() == "keep me"
     res = cli("analyze", trace, "--format", "json", "-o", report, "--force")
     assert res.returncode == 0, res.stderr
-    assert json.loads(report.read_text())["schema"] == "trainbpf.report/3"
+    assert json.loads(report.read_text())["schema"] == "trainbpf.reports.document/3"
 
 
 # -- M7: health without root ---------------------------------------------------------------
@@ -145,7 +148,7 @@ def test_m7_health_without_root_says_it_needs_root(attacker):
 # -- the helper's fallbacks (no root needed) ------------------------------------------------
 
 def test_rename_noreplace_never_replaces(tmp_path):
-    from trainbpf.safefile import rename_noreplace
+    from trainbpf.trace.safefile import rename_noreplace
 
     (tmp_path / "a").write_text("a")
     (tmp_path / "b").write_text("b")
@@ -157,7 +160,7 @@ def test_rename_noreplace_never_replaces(tmp_path):
 
 
 def test_named_temporary_where_there_is_no_o_tmpfile(tmp_path, monkeypatch):
-    from trainbpf import safefile
+    from trainbpf.trace import safefile
 
     monkeypatch.setattr(safefile, "_unnamed", lambda folder, mode: None)
     out = tmp_path / "r.txt"

@@ -23,7 +23,8 @@ from file_safety_env import attacker, base, folder, target  # noqa: F401 - fixtu
 from file_safety_env import (SECRET, TRAINBPF, User, assert_untouched, cli, one_line_error, record_args, victim_of,
                              write_spool)
 from test_health_kernel import write_config
-from trainbpf.tracefile import read_trace, spool_path_for
+from trainbpf.trace.reader import read_trace
+from trainbpf.trace.spool import spool_path_for
 
 PROJECT = Path(__file__).resolve().parents[1]
 IN_OPEN, IN_CREATE = 0x20, 0x100
@@ -230,7 +231,7 @@ def _helpers(uid: int, parent: int | None = None) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and b"trainbpf.asuser" in Path(f"/proc/{entry}/cmdline").read_bytes() \
+            if entry.isdigit() and b"trainbpf.trace.asuser" in Path(f"/proc/{entry}/cmdline").read_bytes() \
                     and Path(f"/proc/{entry}").stat().st_uid == uid \
                     and parent in (None, int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])):
                 found.append(int(entry))
@@ -242,7 +243,7 @@ def _helpers(uid: int, parent: int | None = None) -> list[int]:
 def test_helper_opens_as_the_sudo_user_and_ends_with_its_command(attacker):
     """Under sudo one helper, running as the sudo user, opens what is named; it ends
     with the process it serves (its socket closes)."""
-    code = ("import os, sys\nfrom test_file_safety_sudo import _helpers\nfrom trainbpf.safefile import read_small\n"
+    code = ("import os, sys\nfrom test_file_safety_sudo import _helpers\nfrom trainbpf.trace.safefile import read_small\n"
             "read_small('/etc/hostname', 'x')\nprint(len(_helpers(int(sys.argv[1]), os.getpid())))\n")
     res = subprocess.run([str(Path(TRAINBPF).with_name("python")), "-c", code, str(attacker.uid)], capture_output=True,
                          text=True, env={**os.environ, **attacker.sudo, "PYTHONPATH": str(PROJECT / "tests")}, timeout=60)

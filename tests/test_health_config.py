@@ -14,19 +14,19 @@ from pathlib import Path
 import pytest
 
 from kernel_env import which_or_fail
-from trainbpf.errors import UsageError
-from trainbpf.health import (
+from trainbpf.trace.errors import UsageError
+from trainbpf.health.config import (
     CONFIG_KEYS,
     DEFAULT_THRESHOLDS,
-    METRICS,
     WARNING,
     HealthConfig,
     Threshold,
     config_from_mapping,
-    grade,
     health_config,
     load_config,
 )
+from trainbpf.health.outputs import METRICS
+from trainbpf.health.results import grade
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINBPF = [sys.executable, "-m", "trainbpf.cli"]

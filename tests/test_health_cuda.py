@@ -18,19 +18,10 @@ from synth import TRAINER, WORKER, d, healthy, t
 from test_health_kernel import run_health, write_config
 from test_health_outputs import parse_exposition, sample_result
 from trainbpf.fleet import fleet_rows, load_documents, render
-from trainbpf.health import (
-    DEFAULT_THRESHOLDS,
-    OK,
-    STEP_METRICS,
-    HealthConfig,
-    StepMetrics,
-    Target,
-    TargetResult,
-    health_document,
-    render_summary,
-    render_textfile,
-    step_metrics,
-)
+from trainbpf.health.config import DEFAULT_THRESHOLDS, OK, HealthConfig
+from trainbpf.health.outputs import STEP_METRICS, health_document, render_summary, render_textfile
+from trainbpf.health.results import StepMetrics, TargetResult, step_metrics
+from trainbpf.health.targets import Target
 from trainbpf.health.results import grade_report
 from trainbpf.health.run import assess
 

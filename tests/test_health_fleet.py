@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainbpf.errors import UsageError
+from trainbpf.trace.errors import UsageError
 from trainbpf.fleet import run_fleet
 
 TRAINBPF = [sys.executable, "-m", "trainbpf.cli"]
@@ -160,7 +160,7 @@ def test_a_glob_does_not_follow_symlinked_folders(folder):
 
 
 def test_output_is_replaced_only_with_force(folder, tmp_path):
-    """issue 34 item 10: `fleet -o` writes as `analyze -o` does (trainbpf.safefile)."""
+    """issue 34 item 10: `fleet -o` writes as `analyze -o` does (trainbpf.trace.safefile)."""
     out = tmp_path / "fleet.txt"
     out.write_text("keep me\n")
     proc = subprocess.run([*TRAINBPF, "fleet", str(folder), "-o", str(out)], capture_output=True, text=True, timeout=60)

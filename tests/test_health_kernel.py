@@ -21,7 +21,7 @@ import pytest
 
 from kernel_env import require_root, which_or_fail
 from test_health_outputs import parse_exposition
-from trainbpf.health import NODE_CHECKS, TEXTFILE_NAME
+from trainbpf.health.config import NODE_CHECKS, TEXTFILE_NAME
 
 pytestmark = pytest.mark.kernel
 

@@ -7,21 +7,10 @@ import json
 import os
 import re
 
-from trainbpf.health import (
-    CRITICAL,
-    DEFAULT_THRESHOLDS,
-    METRICS,
-    OK,
-    WARNING,
-    Check,
-    HealthConfig,
-    HealthResult,
-    Target,
-    TargetResult,
-    render_textfile,
-    health_document,
-    write_atomic,
-)
+from trainbpf.health.config import CRITICAL, DEFAULT_THRESHOLDS, OK, WARNING, HealthConfig
+from trainbpf.health.outputs import METRICS, render_textfile, health_document, write_atomic
+from trainbpf.health.results import Check, HealthResult, TargetResult
+from trainbpf.health.targets import Target
 
 SAMPLE = re.compile(r'^(\w+)(?:\{(.*)\})? (\S+)$')
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

@@ -14,10 +14,11 @@ import time
 import pytest
 
 from synth import healthy, input_pipeline
-from trainbpf.health import (
-    CRITICAL, OK, UNKNOWN, HealthBusy, HealthConfig, Target, assess, exclusive_lock, health_document, metric_samples,
-)
-from trainbpf.report import run_analyze
+from trainbpf.health.config import CRITICAL, OK, UNKNOWN, HealthConfig
+from trainbpf.health.outputs import health_document, metric_samples
+from trainbpf.health.run import HealthBusy, assess, exclusive_lock
+from trainbpf.health.targets import Target
+from trainbpf.reports.document import run_analyze
 
 
 def test_assess_grades_each_target_from_the_analysis(tmp_path):
@@ -51,7 +52,7 @@ def test_assess_grades_each_target_from_the_analysis(tmp_path):
 def test_assess_reads_the_trace_once_and_gives_each_target_its_own_analysis(tmp_path, monkeypatch):
     """Several targets of one trace: each graded from the same numbers `trainbpf analyze
     --trainer-tid PID --format json` gives, the trace read once for all of them."""
-    from trainbpf.tracefile import Trace
+    from trainbpf.trace.reader import Trace
 
     path = input_pipeline(10.0).write(tmp_path / "trace.parquet")
     reads = []
@@ -99,7 +100,7 @@ def test_second_lock_holder_is_refused(tmp_path):
 
 
 def test_time_limit_interrupts_a_stuck_step():
-    from trainbpf.health import CheckTimeout, time_limit
+    from trainbpf.health.run import CheckTimeout, time_limit
 
     start = time.monotonic()
     with pytest.raises(CheckTimeout, match="time limit of 0.3 s"):
@@ -113,7 +114,7 @@ def test_time_limit_during_a_recording_asks_the_recorder_to_stop():
     (the recorder stops and detaches) instead of an exception."""
     import signal
 
-    from trainbpf.health import time_limit
+    from trainbpf.health.run import time_limit
 
     stopped = []
     with time_limit(0.2, grace_s=30) as expired:

@@ -11,8 +11,16 @@ import time
 import pytest
 
 from synth import Synth
-from trainbpf.errors import TargetError, UsageError
-from trainbpf.health import HealthConfig, Process, choose_targets, given_targets, recording_root, scan_processes, tree_tids
+from trainbpf.trace.errors import TargetError, UsageError
+from trainbpf.health.config import HealthConfig
+from trainbpf.health.targets import (
+    Process,
+    choose_targets,
+    given_targets,
+    recording_root,
+    scan_processes,
+    tree_tids,
+)
 
 
 def _procs(*rows) -> dict[int, Process]:

@@ -1,4 +1,4 @@
-"""Host-bound time (analyzers/gpu.py, analyzers/host.py; docs/findings.md "Host-bound
+"""Host-bound time (analyzers/timeline/starvation.py, analyzers/causes/host.py; docs/findings.md "Host-bound
 time"): GPU-idle time the trainer's own CPU work explains, after its named stalls and
 before unwoken sleeps; split by its samples' Python frames into data loading in its own
 thread (input_pipeline, the trainer as producer) and everything else (host_compute)."""
@@ -11,14 +11,14 @@ import pytest
 
 from synth import FUTEX_STACK, TRAINER, WORKER, Synth, periodic
 from test_starvation_model import WORKED, states, windows
-from trainbpf.analyzers import analyze
-from trainbpf.analyzers.attribution import RunSplit
-from trainbpf.analyzers.cuda import split_at_waits
-from trainbpf.analyzers.gpu import starved_pieces
-from trainbpf.analyzers.host import HOST_LABEL_CODE, HostSplit
+from trainbpf.analyzers.pipeline import analyze
+from trainbpf.analyzers.causes.attribution import RunSplit
+from trainbpf.analyzers.timeline.cuda_calls import split_at_waits
+from trainbpf.analyzers.timeline.starvation import starved_pieces
+from trainbpf.analyzers.causes.host import HOST_LABEL_CODE, HostSplit
 from trainbpf.analyzers.vocab import RUN_CLASSES
-from trainbpf.report import Report
-from trainbpf.text_report import render_text
+from trainbpf.reports.document import Report
+from trainbpf.reports.text import render_text
 
 MS = 1_000_000
 SITE = "/usr/lib/python3/dist-packages/torch/utils/data"
@@ -186,7 +186,7 @@ def test_html_and_health_show_host_bound_time(tmp_path):
     from trainbpf.health.outputs import metric_samples
     from trainbpf.health.results import HealthResult, grade_report
     from trainbpf.health.targets import Target
-    from trainbpf.html_report import HOST_COLOUR, render_html
+    from trainbpf.reports.html import HOST_COLOUR, render_html
 
     report = Report.of(analyze(own_decoding_trainer().read(tmp_path)))
     page = render_html(report)

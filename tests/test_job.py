@@ -17,13 +17,16 @@ import pytest
 from job_harness import JOB_RECORD_SECONDS, JobRun, record_job
 from kernel_env import require_module, require_root
 
-from trainbpf.analyzers import analyze
+from trainbpf.analyzers.pipeline import analyze
 from trainbpf.fleet import fleet_rows, render
-from trainbpf.health import HealthConfig, Target, assess, health_document, metric_samples, render_textfile
-from trainbpf.html_report import render_html
-from trainbpf.perfetto import trace_events
-from trainbpf.report import Report
-from trainbpf.tracefile import read_trace
+from trainbpf.health.config import HealthConfig
+from trainbpf.health.outputs import health_document, metric_samples, render_textfile
+from trainbpf.health.run import assess
+from trainbpf.health.targets import Target
+from trainbpf.reports.html import render_html
+from trainbpf.reports.perfetto import trace_events
+from trainbpf.reports.document import Report
+from trainbpf.trace.reader import read_trace
 
 RANK_KEYS = {"rank", "local_rank", "world_size", "pid", "starved_s", "collective_wait_s", "last_arrival_share",
              "top_category"}

@@ -18,10 +18,17 @@ from pathlib import Path
 import pytest
 
 from kernel_env import require_root
-from trainbpf.tracefile import read_trace
-from trainbpf.tracer import jobenv
-from trainbpf.tracer.collector import Settings, ThreadTable
-from trainbpf.tracer.jobenv import JobEnvReader, lone_rank_note, parse_environ, rank_of, read_environ
+from trainbpf.trace.reader import read_trace
+from trainbpf.tracer.collectors import jobenv
+from trainbpf.tracer.collector import ThreadTable
+from trainbpf.tracer.settings import Settings
+from trainbpf.tracer.collectors.jobenv import (
+    JobEnvReader,
+    lone_rank_note,
+    parse_environ,
+    rank_of,
+    read_environ,
+)
 from trainbpf.tracer.proctree import cmdline, process_tree
 from trainbpf.tracer.record import Recorder
 

@@ -7,12 +7,17 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.categories import CATEGORY_DTYPE
-from trainbpf.analyzers.charge import charge
-from trainbpf.analyzers.collectives import MIN_LEAD_NS, match_collectives, rank_summary, waits_for
-from trainbpf.analyzers.findings import FINDING_COLUMNS
-from trainbpf.analyzers.join import RankTables, join_ranks
-from trainbpf.analyzers.ranks import job_ranks, process_fields, rank_of_threads
+from trainbpf.analyzers.findings.categories import CATEGORY_DTYPE
+from trainbpf.analyzers.job.charge import charge
+from trainbpf.analyzers.job.collectives import (
+    MIN_LEAD_NS,
+    match_collectives,
+    rank_summary,
+    waits_for,
+)
+from trainbpf.analyzers.findings.ranking import FINDING_COLUMNS
+from trainbpf.analyzers.job.join import RankTables, join_ranks
+from trainbpf.analyzers.job.ranks import job_ranks, process_fields, rank_of_threads
 from trainbpf.analyzers.vocab import ROLE_DTYPE, STATE_DTYPE
 
 MS = 1_000_000
@@ -191,7 +196,7 @@ def test_the_join_shows_each_category_by_its_culprit_ranks_own_findings():
 
 
 def test_a_rank_is_measured_against_its_own_gpu():
-    from trainbpf.analyzers.gpu import rank_gpu
+    from trainbpf.analyzers.timeline.starvation import rank_gpu
 
     windows = pd.DataFrame({"gpu": ["GPU-b", "GPU-a", "GPU-c"], "start_ns": [0, 0, 0], "end_ns": [9, 9, 9],
                             "idle_ns": [1.0, 2.0, 3.0], "weight": [1 / 3] * 3})

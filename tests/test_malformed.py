@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from trainbpf.cli import app
-from trainbpf.errors import TrainbpfError
-from trainbpf.schema import COLUMNS, METADATA_KEY, TRACE_SCHEMA
+from trainbpf.trace.errors import TrainbpfError
+from trainbpf.trace.schema import COLUMNS, METADATA_KEY, TRACE_SCHEMA
 
 DATA = Path(__file__).with_name("data") / "small-trace.parquet"
 SMALL = pq.read_table(DATA)
@@ -60,8 +60,8 @@ def read_everything(path: Path, tmp: Path) -> list[int]:
     """analyze (text, json), export and the health check's node metrics over `path`."""
     codes = [run("analyze", str(path))[0], run("analyze", str(path), "--format", "json")[0],
              run("export", str(path), "-o", str(tmp / "out.json"))[0]]
-    from trainbpf.health import node_metrics
-    from trainbpf.tracefile import read_trace
+    from trainbpf.analyzers.causes.node import node_metrics
+    from trainbpf.trace.reader import read_trace
 
     try:
         with warnings.catch_warnings():

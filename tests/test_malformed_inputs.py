@@ -20,7 +20,7 @@ import pytest
 
 from synth import input_pipeline
 from test_malformed import run, write_trace
-from trainbpf.schema import METADATA_KEY, SCHEMA_ID, TRACE_SCHEMA, V2_COLUMNS
+from trainbpf.trace.schema import METADATA_KEY, SCHEMA_ID, TRACE_SCHEMA, V2_COLUMNS
 
 TRAINBPF = str(Path(sys.executable).with_name("trainbpf"))
 
@@ -128,7 +128,7 @@ def test_a_trace_too_large_for_memory_is_refused_before_reading(tmp_path):
 
 
 def test_memory_available_is_the_least_of_meminfo_cgroup_and_rlimit(tmp_path, monkeypatch):
-    from trainbpf import memory
+    from trainbpf.trace import memory
 
     (tmp_path / "meminfo").write_text("MemTotal: 8000000 kB\nMemFree: 100 kB\nMemAvailable: 4000000 kB\n")
     (tmp_path / "self").mkdir()

@@ -15,7 +15,7 @@ from kernel_env import require_root
 from recording import record_cli, record_workload
 from standins import build_standin
 
-from trainbpf.analyzers import analyze
+from trainbpf.analyzers.pipeline import analyze
 
 pytestmark = pytest.mark.kernel
 

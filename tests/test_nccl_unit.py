@@ -10,9 +10,9 @@ import numpy as np
 import pyarrow as pa
 
 from standins import build_standin
-from trainbpf.schema import KIND_NAMES, view_columns
-from trainbpf.tracer.collector import Settings
-from trainbpf.tracer.nccl import CALLS, NCCL_LIBRARIES, NcclCollector
+from trainbpf.trace.schema import KIND_NAMES, view_columns
+from trainbpf.tracer.settings import Settings
+from trainbpf.tracer.collectors.nccl import CALLS, NCCL_LIBRARIES, NcclCollector
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "probes" / "nccl.bpf.c"

@@ -21,11 +21,11 @@ from kernel_env import require_root
 from scenario_harness import ROOT, fake_nvml_env, trainbpf_cli
 from test_fake_nvidia_smi import smi
 from synth import healthy, t
-from trainbpf.health import node_metrics
-from trainbpf.perfetto import run_export
-from trainbpf.report import run_analyze
-from trainbpf.tracefile import read_trace
-from trainbpf.tracer.gpu import parse_smi_line, samples_batch
+from trainbpf.analyzers.causes.node import node_metrics
+from trainbpf.reports.perfetto import run_export
+from trainbpf.reports.document import run_analyze
+from trainbpf.trace.reader import read_trace
+from trainbpf.tracer.samplers.gpu import parse_smi_line, samples_batch
 
 MS = 1_000_000
 PERIOD_MS = 50  # a short driver period: more samples in a short test
@@ -250,7 +250,7 @@ def test_a_wall_clock_step_during_sampling_moves_no_sample(nvml_env, tmp_path):
     write_periods(Path(nvml_env["TRAINBPF_SIM_GPU"]), period, quarters)
     step_env = dict(nvml_env, LD_PRELOAD=str(shim), TRAINBPF_TEST_WALL_STEP_NS=str(5 * MS),
                     TRAINBPF_TEST_WALL_STEP_AFTER_NS=str(500 * MS))
-    code = "from trainbpf.tracer.clock import wall_minus_mono_ns\noffset_at_start = wall_minus_mono_ns()\n" + \
+    code = "from trainbpf.tracer.samplers.clock import wall_minus_mono_ns\noffset_at_start = wall_minus_mono_ns()\n" + \
         SAMPLER.replace('{"meta"', '{"step_seen": wall_minus_mono_ns() - offset_at_start, "meta"')
     out = run_nvml(step_env, code)
     assert abs(out["step_seen"] - 5 * MS) < MS / 10  # the shim did step the clock

@@ -1,6 +1,6 @@
 """What took the CPU from the trainer: the sched probe counts each traced thread's
 preemptions per task that ran instead (probes/sched.bpf.c), the recorder drains them at
-each flush into `preempted_by` rows (tracer/sched.py), and a cpu_contention finding names
+each flush into `preempted_by` rows (tracer/collectors/sched.py), and a cpu_contention finding names
 those tasks in its evidence, its culprits and the text report."""
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import pytest
 from kernel_env import require_root
 from recording import record_workload
 from synth import TRAINER, WORKER, Synth, periodic, t
-from trainbpf.analyzers import analyze
-from trainbpf.report import build_report, run_analyze
-from trainbpf.asuser import Invoker
-from trainbpf.tracer import access, sched
-from trainbpf.tracer.collector import Settings
-from trainbpf.tracefile import read_trace
+from trainbpf.analyzers.pipeline import analyze
+from trainbpf.reports.document import build_report, run_analyze
+from trainbpf.trace.asuser import Invoker
+from trainbpf.tracer import access
+from trainbpf.tracer.collectors import sched
+from trainbpf.tracer.settings import Settings
+from trainbpf.trace.reader import read_trace
 
 KEY = np.dtype([("tid", "<u4"), ("next_tid", "<u4")])
 COUNT = np.dtype([("count", "<u8"), ("pid", "<u4"), ("pad", "<u4"), ("comm", "S1", (16,))])

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 
 from trainbpf.tracer import loader
-from trainbpf.tracer.collector import PROBE_IDS, Settings
+from trainbpf.tracer.collector import PROBE_IDS
+from trainbpf.tracer.settings import Settings
 
 REQUIRED = re.compile(r'^#ifndef (\w+)\n#error "\1 must be defined by the loader"\n#endif$', re.M)
 

@@ -14,7 +14,7 @@ import pytest
 
 from kernel_env import dirty_limits, memory_cgroup, require_root
 from recording import record_workload
-from trainbpf.tracer.collector import Settings
+from trainbpf.tracer.settings import Settings
 
 pytestmark = pytest.mark.kernel
 
@@ -186,7 +186,7 @@ def test_stacks_are_symbolised(basic):
 
 
 def test_a_forked_worker_that_exits_before_the_stop_is_named(tmp_path):
-    """User stacks are named after the stop (tracer/stacks.py), from the maps and files
+    """User stacks are named after the stop (tracer/symbols/stacks.py), from the maps and files
     kept when the worker's stacks were first seen: the worker is gone by then."""
     require_root()
     rec = record_workload(tmp_path / "trace.parquet", "forked_worker", "2.5")
@@ -265,7 +265,7 @@ def test_decoded_event_sizes_match_the_c_structs():
     from bcc.table import _get_event_class
 
     from trainbpf.tracer import loader
-    from trainbpf.tracer.collector import Settings
+    from trainbpf.tracer.settings import Settings
 
     settings = Settings(min_block_ns=1000, min_futex_ns=1000, oncpu_hz=999)
     collectors = loader.select(None, settings)
@@ -311,8 +311,8 @@ def test_decoded_event_sizes_match_the_c_structs():
 
 def test_system_wide_recording_sees_other_processes_but_not_itself(tmp_path):
     require_root()
-    from trainbpf.tracefile import read_trace
-    from trainbpf.tracer.collector import Settings
+    from trainbpf.trace.reader import read_trace
+    from trainbpf.tracer.settings import Settings
     from trainbpf.tracer.record import record
 
     other = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.005)"])
@@ -335,7 +335,7 @@ def test_system_wide_recording_sees_other_processes_but_not_itself(tmp_path):
 def test_a_thread_blocked_for_the_whole_recording_is_blocked_not_running(tmp_path):
     """Waits that began before the recording, or never ended, are off-CPU time too."""
     require_root()
-    from trainbpf.tracefile import read_trace
+    from trainbpf.trace.reader import read_trace
     from trainbpf.tracer.record import record
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -362,7 +362,7 @@ def test_short_waits_past_the_maps_size_are_counted_as_lost(tmp_path, monkeypatc
     (thread, state) pair: the others of each second are counted as the sched probe's
     lost events, not dropped unseen."""
     require_root()
-    from trainbpf.tracer import sched
+    from trainbpf.tracer.collectors import sched
 
     monkeypatch.setattr(sched, "SHORT_WAIT_ENTRIES", 1)
     rec = record_workload(tmp_path / "trace.parquet", "basic", probes=["sched"],
@@ -411,7 +411,7 @@ def test_threads_past_the_per_thread_maps_size_are_counted_as_lost(tmp_path, mon
     sched_threads and futex_waiting; with room for four, the threads past them are
     counted as the probes' lost events, not dropped unseen."""
     require_root()
-    from trainbpf.tracefile import read_trace
+    from trainbpf.trace.reader import read_trace
     from trainbpf.tracer import loader
     from trainbpf.tracer.record import record
 

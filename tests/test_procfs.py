@@ -1,4 +1,4 @@
-"""vmstat and PSI sampling (tracer/procfs.py ProcSampler) against this machine's /proc,
+"""vmstat and PSI sampling (tracer/samplers/procfs.py ProcSampler) against this machine's /proc,
 and the parsing of both files' text."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainbpf.tracer import procfs
+from trainbpf.tracer.samplers import procfs
 
 
 def test_vmstat_text_keeps_the_stall_counters_and_negative_gauges():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.kernel_env import PYTHON_VERSIONS, python_interpreter, require_root
-from trainbpf.tracer import pycode, pyruntime
+from trainbpf.tracer.symbols import pycode, pyruntime
 
 # Threads parked at known places: a lock wait in a nested function (GIL released), a
 # method in time.sleep, a generator frame, and the main thread in a loop, reporting on

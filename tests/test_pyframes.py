@@ -15,12 +15,12 @@ import pytest
 
 from tests.kernel_env import PYTHON_VERSIONS, python_interpreter, require_root
 from tests.recording import record_workload
-from trainbpf.analyzers import analyze
-from trainbpf.report import Report
-from trainbpf.text_report import render_text
-from trainbpf.tracer import pystacks, pyruntime
-from trainbpf.tracefile import read_trace
-from trainbpf.tracer.collector import Settings
+from trainbpf.analyzers.pipeline import analyze
+from trainbpf.reports.document import Report
+from trainbpf.reports.text import render_text
+from trainbpf.tracer.symbols import pystacks, pyruntime
+from trainbpf.trace.reader import read_trace
+from trainbpf.tracer.settings import Settings
 from trainbpf.tracer.record import record
 
 WORKLOAD = Path(__file__).with_name("pyframes_workload.py")

@@ -11,14 +11,14 @@ import pytest
 
 from report_contract import validate_report
 from synth import DIRTY_STACK, FAULT_STACK, FUTEX_STACK, SLEEP_STACK, TRAINER, WORKER, Synth, input_pipeline, periodic
-from trainbpf.analyzers import analyze
-from trainbpf.analyzers.stacks import merge_frames, python_frame
-from trainbpf.perfetto import trace_events
-from trainbpf.python_frames import python_line, shown_frame
-from trainbpf.report import Report, render_json, run_analyze
-from trainbpf.html_report import render_html
-from trainbpf.text_report import render_text
-from trainbpf.tracefile import read_trace
+from trainbpf.analyzers.pipeline import analyze
+from trainbpf.analyzers.causes.stack_reading import merge_frames, python_frame
+from trainbpf.reports.perfetto import trace_events
+from trainbpf.reports.python_frames import python_line, shown_frame
+from trainbpf.reports.document import Report, render_json, run_analyze
+from trainbpf.reports.html import render_html
+from trainbpf.reports.text import render_text
+from trainbpf.trace.reader import read_trace
 
 # The trainer blocks in next(loader) -> Queue.get at train.py:54; the worker decodes in
 # data.py:31 and hands the batch over with Queue.put.
@@ -111,7 +111,7 @@ def test_reports_show_the_frames(tmp_path):
     report = Report.of(analyze(read_trace(path)))
     doc = json.loads(render_json(report))
     validate_report(doc)
-    assert doc["schema"] == "trainbpf.report/3"
+    assert doc["schema"] == "trainbpf.reports.document/3"
     frames = doc["findings"][0]["evidence"]["python_frames"]
     assert frames["waiter"][2] == {"function": "train_step", "file": "/srv/job/train.py", "line": 54}
     assert frames["producer"][0] == {"function": "decode_batch", "file": "/srv/job/data.py", "line": 31}

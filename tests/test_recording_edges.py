@@ -18,8 +18,8 @@ import pandas as pd
 import pytest
 
 from kernel_env import require_root
-from trainbpf.errors import EnvironmentCheckError, UsageError
-from trainbpf.tracefile import read_trace
+from trainbpf.trace.errors import EnvironmentCheckError, UsageError
+from trainbpf.trace.reader import read_trace
 from trainbpf.tracer.record import record
 
 TRAINBPF = str(Path(sys.executable).with_name("trainbpf"))
@@ -286,7 +286,7 @@ def test_an_open_interval_woken_after_the_stop_is_still_blocked():
     """open_intervals reads the maps after taking end_ns: a waking stamped after it came
     after the stop, so the interval has no waker and no run-queue time (never a negative
     one, which the trace reader refuses)."""
-    from trainbpf.tracer.sched import SchedCollector
+    from trainbpf.tracer.collectors.sched import SchedCollector
     from trainbpf.tracer.settings import Settings
 
     # sched.bpf.c's struct sched_thread: each thread's last switch-out and wake-up

@@ -30,7 +30,7 @@ from reliability_env import (
     wait_for,
     wait_until_detached,
 )
-from trainbpf.errors import (
+from trainbpf.trace.errors import (
     EnvironmentCheckError,
     NotRootError,
     OutputError,
@@ -39,7 +39,7 @@ from trainbpf.errors import (
     TraceSchemaError,
     UsageError,
 )
-from trainbpf.tracefile import read_trace
+from trainbpf.trace.reader import read_trace
 
 
 # -- 1. SIGKILL at a random moment ----------------------------------------------------
@@ -72,7 +72,7 @@ def test_sigkill_leaves_a_readable_spool_missing_at_most_2s(tmp_path):
     assert wait_until_detached(ours) == set(), "the kernel must drop our programs when the recorder dies"
     res = cli("analyze", str(spool), "--format", "json")
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["schema"] == "trainbpf.report/3"
+    assert json.loads(res.stdout)["schema"] == "trainbpf.reports.document/3"
     res = cli("recover", str(spool))
     assert res.returncode == 0, res.stderr
     assert read_trace(out).table.num_rows == trace.table.num_rows
@@ -307,7 +307,7 @@ def test_detach_survives_a_perf_event_already_closed():
     retried the close, failed on EBADF and kept the rest attached)."""
     require_root()
     from trainbpf.tracer import loader
-    from trainbpf.tracer.collector import Settings
+    from trainbpf.tracer.settings import Settings
 
     before = held_program_ids(os.getpid())
     settings = Settings()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kernel_env import require_root
 from reliability_env import PROJECT, TRAINBPF, cli, start_target, stop, wait_for
-from trainbpf.tracefile import read_trace
+from trainbpf.trace.reader import read_trace
 
 
 # -- 4. lost events are counted and reported -------------------------------------------

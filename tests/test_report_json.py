@@ -9,8 +9,8 @@ import pytest
 
 from report_contract import validate_report
 from synth import TRAINER, WORKER, Synth, healthy, input_pipeline
-from trainbpf.report import build_report, run_analyze
-from trainbpf.analyzers import analyze
+from trainbpf.reports.document import build_report, run_analyze
+from trainbpf.analyzers.pipeline import analyze
 
 
 def empty() -> Synth:

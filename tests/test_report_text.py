@@ -7,10 +7,10 @@ import re
 import pytest
 
 from synth import TRAINER, Synth, healthy, input_pipeline
-from trainbpf.analyze_options import Window
-from trainbpf.errors import TraceReadError, UsageError
-from trainbpf.report import run_analyze
-from trainbpf.tracefile import SpoolWriter, make_batch, spool_path_for
+from trainbpf.analyzers.options import Window
+from trainbpf.trace.errors import TraceReadError, UsageError
+from trainbpf.reports.document import run_analyze
+from trainbpf.trace.spool import SpoolWriter, make_batch, spool_path_for
 
 
 def test_text_report_ranks_findings(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from trainbpf.analyzers.roles import pick_trainer
+from trainbpf.analyzers.threads.roles import pick_trainer
 
 S = 1_000_000_000
 

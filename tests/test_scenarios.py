@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainbpf.tracefile import read_trace
+from trainbpf.trace.reader import read_trace
 
 from kernel_env import require_module
 from scenario_harness import (

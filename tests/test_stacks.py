@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from trainbpf.tracer.stacks import StackSymbolizer
+from trainbpf.tracer.symbols.stacks import StackSymbolizer
 
 
 class FakeStackTable:
@@ -98,8 +98,8 @@ def test_frames_are_named_as_bcc_names_them():
     same address (libc exports aliases)."""
     from bcc import BPF  # the recorder's dependency; named on the CPU, no program loaded
 
-    from trainbpf.tracer.addrs import ProcMaps
-    from trainbpf.tracer.stacks import MappedFiles
+    from trainbpf.tracer.symbols.addrs import ProcMaps
+    from trainbpf.tracer.symbols.stacks import MappedFiles
 
     index = ProcMaps().of(os.getpid())
     files = MappedFiles()
@@ -139,8 +139,8 @@ def test_a_flushs_stack_references_leave_out_nulls_failures_and_interrupt_wakers
     that shows what woke the thread."""
     import pyarrow as pa
 
-    from trainbpf.tracefile import make_batch
-    from trainbpf.tracer.stacks import drop_irq_wakers, kernel_refs, user_refs
+    from trainbpf.trace.spool import make_batch
+    from trainbpf.tracer.symbols.stacks import drop_irq_wakers, kernel_refs, user_refs
 
     def ids(values):
         return pa.array(values, type=pa.int32())

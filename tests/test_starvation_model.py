@@ -1,4 +1,4 @@
-"""The partial-utilisation starvation model (analyzers/gpu.py, docs/findings.md
+"""The partial-utilisation starvation model (analyzers/timeline/starvation.py, docs/findings.md
 "Starved time from partial utilisation"): fully idle, fully busy and partial windows,
 sample periods from 100 ms to 1 s, several GPUs, GPU waits, and the error bound, on
 hand-built frames and synthetic traces."""
@@ -12,10 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from synth import FUTEX_STACK, TRAINER, WORKER, Synth, periodic
-from trainbpf.analyzers import analyze
-from trainbpf.analyzers.attribution import RunSplit
+from trainbpf.analyzers.pipeline import analyze
+from trainbpf.analyzers.causes.attribution import RunSplit
 from trainbpf.analyzers.vocab import FUTEX_CLASS_DTYPE, RUN_CLASSES, STATE_DTYPE
-from trainbpf.analyzers.gpu import gpu_utilisation, idle_fraction, sample_windows, starved_pieces
+from trainbpf.analyzers.timeline.starvation import (
+    gpu_utilisation,
+    idle_fraction,
+    sample_windows,
+    starved_pieces,
+)
 from trainbpf.analyzers.intervals import Span
 
 MS = 1_000_000
@@ -224,7 +229,7 @@ def test_cuda_waits_make_gpu_bound_time_exact():
     """With the CUDA probe's waits, the worked example's sleep inside a synchronisation
     (80-100 ms) is GPU-bound: neither starved nor "not counted".  A sleep outside any
     wait is then no GPU wait but a stall: a 10 ms timer sleep at 40-50 ms counts."""
-    from trainbpf.analyzers.cuda import split_at_waits
+    from trainbpf.analyzers.timeline.cuda_calls import split_at_waits
 
     timer = states((0, 40, "running", -1), (40, 50, "sleep", -1), (50, 75, "futex", WORKER),
                    (75, 80, "runnable", -1), (80, 100, "sleep", -1))
@@ -249,7 +254,7 @@ def test_launch_gaps_lift_a_windows_idle_to_the_stalls_inside_them():
     the trainer's exact launch gaps, a window's idle time is at least its named stalls
     inside them: a 30 ms data wait inside a gap counts whole in a window sampled 90 %
     busy (I = 10 ms), while a wait outside any gap stays capped."""
-    from trainbpf.analyzers.cuda import split_at_waits
+    from trainbpf.analyzers.timeline.cuda_calls import split_at_waits
 
     trainer = states((0, 10, "running", -1), (10, 40, "futex", WORKER), (40, 60, "running", -1),
                      (60, 100, "sleep", -1), (100, 110, "running", -1), (110, 140, "futex", WORKER),

@@ -15,8 +15,9 @@ import pytest
 
 from file_safety_env import TRAINBPF, attacker, base, cli, one_line_error, wait_for  # noqa: F401 (fixtures)
 from kernel_env import require_root
-from trainbpf.errors import TargetError
-from trainbpf.tracefile import read_trace, spool_path_for
+from trainbpf.trace.errors import TargetError
+from trainbpf.trace.reader import read_trace
+from trainbpf.trace.spool import spool_path_for
 
 pytestmark = pytest.mark.kernel
 

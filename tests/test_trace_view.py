@@ -1,5 +1,5 @@
 """Meaningful column names per kind (Trace.view, schema.KIND_NAMES) and the category
-registry (analyzers/categories.py): one record per category, every other table derived."""
+registry (analyzers/findings/categories.py): one record per category, every other table derived."""
 
 from __future__ import annotations
 
@@ -8,11 +8,23 @@ from pathlib import Path
 import pytest
 
 from synth import Synth, d, t
-from trainbpf.analyzers.categories import (
-    BY_NAME, CATEGORIES, CHECK_CATEGORY, FUTEX_CATEGORY, REGISTRY, RUN_CATEGORY, STATE_CATEGORY,
+from trainbpf.analyzers.findings.categories import (
+    BY_NAME,
+    CATEGORIES,
+    CHECK_CATEGORY,
+    FUTEX_CATEGORY,
+    REGISTRY,
+    RUN_CATEGORY,
+    STATE_CATEGORY,
 )
 from trainbpf.analyzers.vocab import RUN_CLASSES, STATES
-from trainbpf.schema import KIND_COLUMNS, KIND_NAMES, named_frame, storage_column, view_columns
+from trainbpf.trace.schema import (
+    KIND_COLUMNS,
+    KIND_NAMES,
+    named_frame,
+    storage_column,
+    view_columns,
+)
 
 
 def test_kind_names_rename_only_a_kinds_own_columns_to_distinct_names():
@@ -67,8 +79,8 @@ def test_a_version_1_trace_reads_the_python_stack_columns_as_null():
     """tests/data/small-trace.parquet predates the Python stack columns (schema v1)."""
     import pyarrow.parquet as pq
 
-    from trainbpf.schema import V2_COLUMNS
-    from trainbpf.tracefile import read_trace
+    from trainbpf.trace.schema import V2_COLUMNS
+    from trainbpf.trace.reader import read_trace
 
     path = Path(__file__).with_name("data") / "small-trace.parquet"
     assert not set(V2_COLUMNS) & set(pq.read_schema(path).names)

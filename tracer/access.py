@@ -28,9 +28,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trainbpf.errors import TargetError, UsageError
-from trainbpf.asuser import Invoker
-from trainbpf.tracefile import make_batch
+from trainbpf.trace.errors import TargetError, UsageError
+from trainbpf.trace.asuser import Invoker
+from trainbpf.trace.spool import make_batch
 from trainbpf.tracer import loader
 from trainbpf.tracer.collector import ThreadTable
 from trainbpf.tracer.proctree import ThreadInfo

@@ -17,8 +17,8 @@ from typing import Callable, ClassVar
 import numpy as np
 import pyarrow as pa
 
-from trainbpf.tracefile import make_batch
-from trainbpf.tracer.settings import Settings  # noqa: F401 (collectors take it from here)
+from trainbpf.trace.spool import make_batch
+from trainbpf.tracer.settings import Settings
 
 # Index of each probe's lost-event counter in the BPF `lost` array: declared here only,
 # the loader passes them to the C as -D PROBE_<NAME> and PROBE_COUNT (probes/common.h).

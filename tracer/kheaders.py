@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainbpf.errors import EnvironmentCheckError
+from trainbpf.trace.errors import EnvironmentCheckError
 
 SRC_ROOT = Path("/usr/src")
 MODULES_ROOT = Path("/lib/modules")

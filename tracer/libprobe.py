@@ -15,7 +15,13 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trainbpf.tracer.addrs import FUNCTION_KINDS, ElfSymbols, Mapping, open_mapped, parse_maps
+from trainbpf.tracer.symbols.addrs import (
+    FUNCTION_KINDS,
+    ElfSymbols,
+    Mapping,
+    open_mapped,
+    parse_maps,
+)
 from trainbpf.tracer.collector import Collector, ThreadTable
 
 

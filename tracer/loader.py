@@ -16,19 +16,26 @@ import os
 import subprocess
 from pathlib import Path
 
-from trainbpf.errors import EnvironmentCheckError
-from trainbpf.schema import PY_STACK_ID_BASE
-from trainbpf.tracer.block import BlockCollector
-from trainbpf.tracer.collector import PROBE_IDS, Collector, Settings, ctypes_to_dtype, delete_keys, probe_defines
-from trainbpf.tracer.cuda import CudaCollector
-from trainbpf.tracer.faults import FaultsCollector
-from trainbpf.tracer.futex import FutexCollector
+from trainbpf.trace.errors import EnvironmentCheckError
+from trainbpf.trace.schema import PY_STACK_ID_BASE
+from trainbpf.tracer.collectors.block import BlockCollector
+from trainbpf.tracer.collector import (
+    PROBE_IDS,
+    Collector,
+    ctypes_to_dtype,
+    delete_keys,
+    probe_defines,
+)
+from trainbpf.tracer.settings import Settings
+from trainbpf.tracer.collectors.cuda import CudaCollector
+from trainbpf.tracer.collectors.faults import FaultsCollector
+from trainbpf.tracer.collectors.futex import FutexCollector
 from trainbpf.tracer.kheaders import use_headers
-from trainbpf.tracer.mm import MmCollector
-from trainbpf.tracer.nccl import NcclCollector
-from trainbpf.tracer.oncpu import OnCpuCollector
-from trainbpf.tracer.sched import SchedCollector
-from trainbpf.tracer.writeback import WritebackCollector
+from trainbpf.tracer.collectors.mm import MmCollector
+from trainbpf.tracer.collectors.nccl import NcclCollector
+from trainbpf.tracer.collectors.oncpu import OnCpuCollector
+from trainbpf.tracer.collectors.sched import SchedCollector
+from trainbpf.tracer.collectors.writeback import WritebackCollector
 
 ALL_COLLECTORS: tuple[type[Collector], ...] = (
     SchedCollector, FutexCollector, FaultsCollector, OnCpuCollector, MmCollector,
@@ -97,7 +104,7 @@ def select(names: list[str] | None, settings: Settings) -> list[Collector]:
         return [c(settings) for c in ALL_COLLECTORS]
     unknown = sorted(set(names) - set(PROBE_NAMES))
     if unknown:
-        from trainbpf.errors import UsageError
+        from trainbpf.trace.errors import UsageError
 
         raise UsageError(f"unknown probe(s) {', '.join(unknown)}; choose from {', '.join(PROBE_NAMES)}")
     chosen = [c(settings) for c in ALL_COLLECTORS if c.name in names]

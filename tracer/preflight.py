@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainbpf.errors import EnvironmentCheckError, NotRootError, TrainbpfError
+from trainbpf.trace.errors import EnvironmentCheckError, NotRootError, TrainbpfError
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39

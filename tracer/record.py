@@ -15,21 +15,24 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
-from trainbpf.errors import OutputError, TargetError, UsageError
-from trainbpf.schema import SCHEMA_ID
-from trainbpf.asuser import Invoker
-from trainbpf.safefile import OutputFile
-from trainbpf.tracefile import SpoolWriter, combine, finalize, make_batch
-from trainbpf.tracer import access, jobenv, loader, preflight, proctree, procfs, taskstats
-from trainbpf.tracer.addrs import AddressDescriber, ProcMaps, futex_pairs
-from trainbpf.tracer.collector import Collector, Settings, ThreadTable
+from trainbpf.trace.errors import OutputError, TargetError, UsageError
+from trainbpf.trace.schema import SCHEMA_ID
+from trainbpf.trace.asuser import Invoker
+from trainbpf.trace.safefile import OutputFile
+from trainbpf.trace.spool import SpoolWriter, combine, finalize, make_batch
+from trainbpf.tracer import access, loader, preflight, proctree
+from trainbpf.tracer.collectors import jobenv
+from trainbpf.tracer.samplers import procfs, taskstats
+from trainbpf.tracer.symbols.addrs import AddressDescriber, ProcMaps, futex_pairs
+from trainbpf.tracer.collector import Collector, ThreadTable
+from trainbpf.tracer.settings import Settings
 from trainbpf.tracer.drain import DrainLoop
-from trainbpf.tracer.clock import wall_minus_mono_ns
-from trainbpf.tracer.gpu import GpuSampler
-from trainbpf.tracer.pystacks import PythonStacks
+from trainbpf.tracer.samplers.clock import wall_minus_mono_ns
+from trainbpf.tracer.samplers.gpu import GpuSampler
+from trainbpf.tracer.symbols.pystacks import PythonStacks
 from trainbpf.tracer.record_output import RecordResult, check_output
 from trainbpf.tracer.ringbuf import open_rings
-from trainbpf.tracer.stacks import StackSymbolizer, drop_irq_wakers, kernel_refs, user_refs
+from trainbpf.tracer.symbols.stacks import StackSymbolizer, drop_irq_wakers, kernel_refs, user_refs
 
 # vmstat and PSI are summed over the recording: sampled this often, and at the stop.
 PROC_SAMPLE_S = 5.0
@@ -228,7 +231,7 @@ class Recorder(DrainLoop):
             if batch is not None:
                 self.writer.add(batch)
         self.writer.flush()
-        named = self.symbolizer.finish(self.end_ns)  # user stacks are named after the stop (tracer/stacks.py)
+        named = self.symbolizer.finish(self.end_ns)  # user stacks are named after the stop (tracer/symbols/stacks.py)
         if named is not None:
             self.writer.add(named)
             self.writer.flush()
@@ -327,7 +330,7 @@ class Recorder(DrainLoop):
             "name": ["seed"] * len(new),
         }))
         gone = [t for t in new if t.state in ("Z", "X")]  # a main thread that called pthread_exit
-        if gone:  # exited before the recording: observed for no time (analyzers/roles.py)
+        if gone:  # exited before the recording: observed for no time (analyzers/threads/roles.py)
             self.writer.add(make_batch("exit", {
                 "ts_ns": np.full(len(gone), now, dtype=np.int64), "comm": [t.comm for t in gone],
                 "tid": np.array([t.tid for t in gone], dtype=np.int32),

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainbpf.safefile import OutputFile, check_output as safe_check_output
-from trainbpf.tracefile import check_spool_free, spool_path_for
+from trainbpf.trace.safefile import OutputFile, check_output as safe_check_output
+from trainbpf.trace.spool import check_spool_free, spool_path_for
 
 
 @dataclass

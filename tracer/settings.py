@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, NoReturn
 
-from trainbpf.errors import UsageError
+from trainbpf.trace.errors import UsageError
 
-# How the recorder samples GPUs (trainbpf.tracer.gpu): auto = NVML, else nvidia-smi.
+# How the recorder samples GPUs (trainbpf.tracer.samplers.gpu): auto = NVML, else nvidia-smi.
 GPU_MODES = ("auto", "nvml", "nvidia-smi", "off")
 
 

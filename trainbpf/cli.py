@@ -1,6 +1,6 @@
 """The command line: typer commands parse options and forward to keyword-only library
 functions.  Only here do the project's exceptions become one-line messages and exit
-codes (trainbpf.errors); nothing below prints a traceback for a user's mistake."""
+codes (trainbpf.trace.errors); nothing below prints a traceback for a user's mistake."""
 
 from __future__ import annotations
 
@@ -12,9 +12,15 @@ from typing import Callable, Optional
 
 import typer
 
-from trainbpf.analyze_options import GPU_IDLE_THRESHOLD, GPU_IDLE_THRESHOLD_MAX, GPU_IDLE_THRESHOLD_MIN, ReportFormat, Window
-from trainbpf.errors import TrainbpfError
-from trainbpf.printable import printable, printable_lines
+from trainbpf.analyzers.options import (
+    GPU_IDLE_THRESHOLD,
+    GPU_IDLE_THRESHOLD_MAX,
+    GPU_IDLE_THRESHOLD_MIN,
+    ReportFormat,
+    Window,
+)
+from trainbpf.trace.errors import TrainbpfError
+from trainbpf.trace.printable import printable, printable_lines
 from trainbpf.tracer.settings import GPU_MODES, Settings
 
 # typer (>= 0.29) vendors click; click's usage errors derive from the public TyperException.
@@ -96,10 +102,10 @@ def record(
     force: bool = typer.Option(False, "--force", help="Replace an existing trace file (never a symlink, a device, or a file the sudo user could not write)."),
 ) -> None:
     """Record what a training process tree waits on into one trace file (needs root)."""
-    from trainbpf.errors import UsageError
-    from trainbpf.tracer.collector import Settings
+    from trainbpf.trace.errors import UsageError
+    from trainbpf.tracer.settings import Settings
     from trainbpf.tracer.record import record as do_record
-    from trainbpf.asuser import invoker
+    from trainbpf.trace.asuser import invoker
 
     try:
         if pid is None and not system_wide:
@@ -146,7 +152,8 @@ def doctor(
     pid: Optional[int] = typer.Option(None, "--pid", "-p", help="Also list the CUDA libraries each process of this process's tree maps, and the probed symbols they export."),
 ) -> None:
     """Check that this machine can record, with a fix for everything that is missing."""
-    from trainbpf.doctor import FAIL, cuda_report, render, run_checks
+    from trainbpf.doctor import cuda_report, render, run_checks
+    from trainbpf.tracer.preflight import FAIL
 
     try:
         cuda = cuda_report(pid) if pid is not None else None
@@ -178,7 +185,7 @@ def analyze(
         if len(trace) > 1:
             text = _analyze_traces(trace, format, output, trainer_tid, gpu_idle_threshold, window, force, memory_check)
         else:
-            from trainbpf.report import run_analyze
+            from trainbpf.reports.document import run_analyze
 
             text = run_analyze(
                 path=trace[0], fmt=format, output=output, trainer_tid=trainer_tid,
@@ -199,8 +206,8 @@ PROGRESS_MIN_TRACES = 8
 def _analyze_traces(traces: list[Path], fmt: ReportFormat, output: Optional[Path], trainer_tid: Optional[int],
                     gpu_idle_threshold: float, window: Optional[str], force: bool, memory_check: bool) -> str:
     """`analyze` of several traces of one job: progress and clock warnings on stderr."""
-    from trainbpf.errors import UsageError
-    from trainbpf.traces_report import run_analyze_traces
+    from trainbpf.trace.errors import UsageError
+    from trainbpf.reports.traces import run_analyze_traces
 
     for name, value in (("--trainer-tid", trainer_tid), ("--window", window)):
         if value is not None:
@@ -237,7 +244,7 @@ def export(
     memory_check: bool = typer.Option(True, "--memory-check/--no-memory-check", help=MEMORY_CHECK_HELP),
 ) -> None:
     """Export a trace as a timeline that ui.perfetto.dev opens."""
-    from trainbpf.perfetto import run_export
+    from trainbpf.reports.perfetto import run_export
 
     try:
         path = run_export(path=trace, output=output, force=force, memory_check=memory_check)
@@ -253,7 +260,7 @@ def recover(
     force: bool = typer.Option(False, "--force", help="Replace an existing trace file (never a symlink, a device, or a file the sudo user could not write)."),
 ) -> None:
     """Turn the spool of an interrupted recording into a trace file."""
-    from trainbpf.tracefile import recover as do_recover
+    from trainbpf.trace.spool import recover as do_recover
 
     try:
         path = do_recover(spool, output, force=force)
@@ -271,7 +278,9 @@ def health(
     config: Optional[Path] = typer.Option(None, "--config", help="TOML config (default: the system-wide one, when present); see docs/health.md."),
 ) -> None:
     """Scheduled node health check: short record + analyze; exit 0 ok, 1 warning, 2 critical, 3 could not check."""
-    from trainbpf.health import UNKNOWN, health_config, render_summary, run_health
+    from trainbpf.health.config import UNKNOWN, health_config
+    from trainbpf.health.outputs import render_summary
+    from trainbpf.health.run import run_health
 
     try:
         result = run_health(config=health_config(

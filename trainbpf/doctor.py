@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 from typing import Callable
 
-from trainbpf.errors import TargetError, TrainbpfError
+from trainbpf.trace.errors import TargetError, TrainbpfError
 from trainbpf.tracer.preflight import (
     CAP_BPF,
     CAP_SYS_ADMIN,
@@ -46,7 +46,12 @@ def check_bpf_syscall() -> Check:
 
 
 def check_tracepoints() -> list[Check]:
-    from trainbpf.tracer.loader import ALL_COLLECTORS, TRACEFS, raw_tracepoint_exists, tracepoint_exists
+    from trainbpf.tracer.loader import (
+        ALL_COLLECTORS,
+        TRACEFS,
+        raw_tracepoint_exists,
+        tracepoint_exists,
+    )
 
     out = []
     for c in ALL_COLLECTORS:
@@ -70,10 +75,10 @@ def check_tracepoints() -> list[Check]:
 
 def check_fault_counters() -> Check:
     """The faults probe reads each thread's counters in /proc and takes a thread's last
-    ones from its taskstats exit message (tracer/faults.py)."""
+    ones from its taskstats exit message (tracer/collectors/faults.py)."""
     import threading
 
-    from trainbpf.tracer.faults import ExitListener, read_faults
+    from trainbpf.tracer.collectors.faults import ExitListener, read_faults
 
     if read_faults(f"/proc/self/task/{threading.get_native_id()}/stat") is None:
         return Check("fault counters", FAIL, "per-thread fault counters unreadable in /proc/PID/task/TID/stat",
@@ -111,7 +116,7 @@ def check_uprobe_attach(bpf) -> Check:
 
 
 def check_gpu() -> Check:
-    from trainbpf.tracer.nvml import NvmlSource
+    from trainbpf.tracer.samplers.nvml import NvmlSource
 
     # pynvml is always installed; NVML answers only where the driver's library loads.
     nvml = NvmlSource()
@@ -128,7 +133,7 @@ def check_gpu() -> Check:
 
 
 def check_delayacct() -> Check:
-    from trainbpf.tracer.taskstats import delayacct_enabled
+    from trainbpf.tracer.samplers.taskstats import delayacct_enabled
 
     if delayacct_enabled():
         return Check("delay accounting", OK, "kernel.task_delayacct=1")
@@ -147,7 +152,7 @@ def check_probes_load() -> list[Check]:
     if os.geteuid() != 0:
         return [Check("probes load", WARN, "not tried without root", "run doctor with sudo")]
     from trainbpf.tracer import loader
-    from trainbpf.tracer.collector import Settings
+    from trainbpf.tracer.settings import Settings
 
     try:
         bpf = loader.load(loader.select(None, Settings()), Settings())
@@ -216,8 +221,8 @@ def process_cuda(pid: int, probed: dict[tuple[str, int], Exported] | None = None
     exports (tracer.cuda.exported_calls, read through the mapped file itself as `record`
     does: addrs.open_mapped) or why they could not be read; or why the maps could not be
     read.  `probed` caches the symbols per library file (device, inode) across processes."""
-    from trainbpf.tracer.addrs import open_mapped
-    from trainbpf.tracer.cuda import cuda_mappings, exported_calls
+    from trainbpf.tracer.symbols.addrs import open_mapped
+    from trainbpf.tracer.collectors.cuda import cuda_mappings, exported_calls
 
     probed = {} if probed is None else probed
     try:
@@ -242,7 +247,7 @@ def process_cuda(pid: int, probed: dict[tuple[str, int], Exported] | None = None
 def cuda_report(pid: int) -> str:
     """Per process of `pid`'s tree: the CUDA libraries it maps and the probed symbols each
     exports, or that it maps none.  Raises TargetError when `pid` does not run."""
-    from trainbpf.tracer.cuda import CALLS
+    from trainbpf.tracer.collectors.cuda import CALLS
     from trainbpf.tracer.proctree import is_alive, process_tree
 
     if pid <= 0 or not is_alive(pid):

@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from trainbpf.documents import load_json
-from trainbpf.errors import UsageError
-from trainbpf.health import HEALTH_SCHEMA
-from trainbpf.printable import printable
-from trainbpf.safefile import OutputFile, check_output, read_small, write_new
+from trainbpf.trace.documents import load_json
+from trainbpf.trace.errors import UsageError
+from trainbpf.health.outputs import HEALTH_SCHEMA
+from trainbpf.trace.printable import printable
+from trainbpf.trace.safefile import OutputFile, check_output, read_small, write_new
 
 FLEET_SCHEMA = "trainbpf.fleet/1"
 FORMATS = ("text", "json", "csv")

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainbpf.schema import SCHEMA_ID
-from trainbpf.tracefile import SpoolWriter, finalize, make_batch, spool_path_for
+from trainbpf.trace.schema import SCHEMA_ID
+from trainbpf.trace.spool import SpoolWriter, finalize, make_batch, spool_path_for
 
 MS = 1_000_000
 NS = 1_000_000_000

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from trainbpf.tracer.collector import Settings
+from trainbpf.tracer.settings import Settings
 from trainbpf.tracer.record import record
 
 
@@ -40,7 +40,7 @@ def _meta(path: str) -> dict:
     """The trace's metadata (what a revision without some key simply lacks)."""
     import pyarrow.parquet as pq
 
-    from trainbpf.trace_meta import decode_meta
+    from trainbpf.trace.meta import decode_meta
 
     return decode_meta(pq.read_schema(path).metadata, Path(path))
 

@@ -6,7 +6,7 @@ processes holding a GPU device file open or whose command line matches a launche
 pattern), records one short trace (the targets' common process tree, or the whole
 machine when there is no target or the targets share no tree), analyses it per target
 (`trainbpf analyze`'s report) and for the node (run-queue latency, reclaim, dirty
-throttling, PSI, NUMA: trainbpf.analyzers.node), grades every value against
+throttling, PSI, NUMA: trainbpf.analyzers.causes.node), grades every value against
 warning/critical thresholds and writes a Prometheus textfile and a JSON document, each
 atomically.  The status is the exit code: 0 ok, 1 warning, 2 critical, 3 could not
 check.  A hard time limit bounds the run; probes never outlive it (bcc detaches them in
@@ -21,63 +21,3 @@ The modules, in the order a run uses them:
            traced), HealthResult and the grading.
 - outputs: the Prometheus textfile, the JSON document, the summary.
 """
-
-from trainbpf.analyzers.node import node_check_values, node_metrics, weighted_quantile
-from trainbpf.health.config import (
-    CHECK_CATEGORY,
-    CONFIG_KEYS,
-    CRITICAL,
-    DEFAULT_CONFIG_PATH,
-    DEFAULT_THRESHOLDS,
-    GPU_MODES,
-    NODE_CHECKS,
-    OK,
-    STATUS_NAMES,
-    TARGET_CHECKS,
-    TEXTFILE_NAME,
-    UNKNOWN,
-    WARNING,
-    HealthConfig,
-    Threshold,
-    config_from_mapping,
-    health_config,
-    load_config,
-    validate_config,
-)
-from trainbpf.health.outputs import (
-    HEALTH_SCHEMA,
-    METRICS,
-    STEP_METRICS,
-    health_document,
-    metric_samples,
-    render_summary,
-    render_textfile,
-    steps_document,
-    steps_summary,
-    write_atomic,
-    write_outputs,
-)
-from trainbpf.health.results import (
-    Check, HealthResult, StepMetrics, TargetResult, grade, make_check, overall_status, step_metrics,
-)
-from trainbpf.health.run import (
-    CheckInterrupted,
-    CheckTimeout,
-    HealthBusy,
-    assess,
-    exclusive_lock,
-    remove_stale_temp_dirs,
-    run_health,
-    time_limit,
-)
-from trainbpf.health.targets import (
-    Process,
-    Target,
-    ancestry,
-    choose_targets,
-    given_targets,
-    recording_root,
-    scan_processes,
-    tree_pids,
-    tree_tids,
-)

@@ -10,12 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-# The stall category a failing node check points at: each category names its checks.
-from trainbpf.analyzers.categories import CHECK_CATEGORY  # noqa: F401 (part of this module's API)
-from trainbpf.documents import TooDeep, load_toml
-from trainbpf.errors import UsageError
-from trainbpf.safefile import read_small
-from trainbpf.tracer.settings import GPU_MODES  # noqa: F401 (the config key gpu takes these)
+from trainbpf.trace.documents import TooDeep, load_toml
+from trainbpf.trace.errors import UsageError
+from trainbpf.trace.safefile import read_small
+from trainbpf.tracer.settings import GPU_MODES
 
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
 STATUS_NAMES = {OK: "ok", WARNING: "warning", CRITICAL: "critical", UNKNOWN: "unknown"}

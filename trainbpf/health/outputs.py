@@ -15,8 +15,8 @@ from prometheus_client.metrics_core import Metric
 
 from trainbpf.health.config import CRITICAL, STATUS_NAMES, TEXTFILE_NAME, HealthConfig
 from trainbpf.health.results import HealthResult, StepMetrics
-from trainbpf.job_report import straggler_sentence
-from trainbpf.safefile import write_new
+from trainbpf.reports.job import straggler_sentence
+from trainbpf.trace.safefile import write_new
 
 HEALTH_SCHEMA = "trainbpf.health/1"
 
@@ -205,7 +205,7 @@ def write_atomic(path: Path, text: str, *, mode: int = 0o644) -> None:
     """Write `text` out of sight (an unnamed file, or a random name node_exporter
     ignores), then rename it over `path`: readers see the old file or the new one,
     never half.  A symlink or other non-regular file at `path` is refused, not replaced
-    or written through (trainbpf.safefile)."""
+    or written through (trainbpf.trace.safefile)."""
     write_new(path, lambda fh: fh.write(text.encode()), mode=mode, force=True)
 
 

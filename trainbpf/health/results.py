@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from trainbpf.health.config import CHECK_CATEGORY, CRITICAL, OK, UNKNOWN, WARNING, HealthConfig, Threshold
+from trainbpf.analyzers.findings.categories import CHECK_CATEGORY
+from trainbpf.health.config import CRITICAL, OK, UNKNOWN, WARNING, HealthConfig, Threshold
 from trainbpf.health.targets import Target
 
 
@@ -98,7 +99,7 @@ class TargetResult:
 
 def grade_report(target: Target, report: Mapping[str, Any], *, tids: set[int],
                  thresholds: Mapping[str, Threshold], steps: StepMetrics | None = None) -> TargetResult:
-    """Grade one target from its `trainbpf analyze` report (trainbpf.report.build_report,
+    """Grade one target from its `trainbpf analyze` report (trainbpf.reports.document.build_report,
     the JSON contract); `tids` are the threads of its process tree, `steps` its trainer's
     steps (step_metrics).  Only the starved ratio grades: step time and host-bound share
     are reported, never graded (docs/health.md).  A job's report (a launcher's target)

@@ -20,21 +20,40 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
-from trainbpf.analyzers.node import node_check_values, node_metrics
-from trainbpf.errors import OutputError, TrainbpfError
-from trainbpf.health.config import DEFAULT_LOCK_FILE, TEXTFILE_NAME, UNKNOWN, HealthConfig, Threshold
+from trainbpf.analyzers.causes.node import node_check_values, node_metrics
+from trainbpf.trace.errors import OutputError, TrainbpfError
+from trainbpf.health.config import (
+    DEFAULT_LOCK_FILE,
+    TEXTFILE_NAME,
+    UNKNOWN,
+    HealthConfig,
+    Threshold,
+)
 from trainbpf.health.outputs import write_outputs
 from trainbpf.health.results import (
-    HealthResult, TargetResult, failed_result, grade_report, make_check, overall_status, step_metrics,
+    HealthResult,
+    TargetResult,
+    failed_result,
+    grade_report,
+    make_check,
+    overall_status,
+    step_metrics,
 )
-from trainbpf.health.targets import Target, find_targets, recording_root, scan_processes, target_trees, tree_tids
-from trainbpf.asuser import as_root, files
-from trainbpf.safefile import check_output
+from trainbpf.health.targets import (
+    Target,
+    find_targets,
+    recording_root,
+    scan_processes,
+    target_trees,
+    tree_tids,
+)
+from trainbpf.trace.asuser import as_root, files
+from trainbpf.trace.safefile import check_output
 from trainbpf.tracer.preflight import check_privileges, require
 from trainbpf.tracer.proctree import is_alive
 
 if TYPE_CHECKING:
-    from trainbpf.report import Report
+    from trainbpf.reports.document import Report
 
 # The hard backstop fires this long after the time limit when the soft stop did not
 # end the run (the main thread stuck where signals cannot reach it, e.g. a compile).
@@ -66,9 +85,9 @@ def _analysis_error(what: str, exc: Exception) -> str:
 
 def analyze_job(trace: Any) -> Report | None:
     """The trace analysed as `trainbpf analyze` does without `--trainer-tid`, when that
-    finds a job of several ranks (analyzers/job.py); None for one process."""
-    from trainbpf.analyzers import analyze
-    from trainbpf.report import Report
+    finds a job of several ranks (analyzers/job/rank_analysis.py); None for one process."""
+    from trainbpf.analyzers.pipeline import analyze
+    from trainbpf.reports.document import Report
 
     analysis = analyze(trace)
     return Report.of(analysis) if analysis.job is not None else None
@@ -80,8 +99,8 @@ def analyze_target(*, trace: Any, target: Target, tids: set[int], thresholds: Ma
     target's main thread as the trainer; `tids` are the threads of its process tree.  A
     target whose tree holds two or more ranks of `job` (a launcher) is graded from the
     job's report instead."""
-    from trainbpf.analyzers import analyze
-    from trainbpf.report import Report
+    from trainbpf.analyzers.pipeline import analyze
+    from trainbpf.reports.document import Report
 
     try:
         if job is not None and len(tids & set(job.analysis.job.ranks["pid"].tolist())) >= 2:
@@ -99,7 +118,7 @@ def assess(*, trace_path: Path, targets: list[Target], trees: Mapping[int, tuple
     """Grade a recorded trace, read once: the job it holds (when it holds several ranks),
     every target, then the node.  `trees` maps a target to the (process ids, thread ids)
     of its tree when it was chosen."""
-    from trainbpf.tracefile import read_trace
+    from trainbpf.trace.reader import read_trace
 
     trace = read_trace(trace_path)
     node = node_metrics(trace)
@@ -246,7 +265,7 @@ def remove_stale_temp_dirs(folder: str | None = None) -> list[str]:
 
 
 def _record(*, root: int | None, output: Path, config: HealthConfig, expired: threading.Event) -> None:
-    from trainbpf.tracer.collector import Settings
+    from trainbpf.tracer.settings import Settings
     from trainbpf.tracer.record import record
 
     # No Python frames: a node-wide check would attach to every Python process on the node.
@@ -273,7 +292,7 @@ def _check(config: HealthConfig, *, started: float, host: str, expired: threadin
     with contextlib.ExitStack() as stack:
         if config.trace_file is not None:
             trace_path = config.trace_file
-            from trainbpf.tracefile import discard_stale_spool, spool_path_for
+            from trainbpf.trace.spool import discard_stale_spool, spool_path_for
 
             discard_stale_spool(spool_path_for(trace_path))  # a killed run's scratch
         else:

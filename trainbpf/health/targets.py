@@ -12,7 +12,7 @@ from typing import Mapping
 
 import pandas as pd
 
-from trainbpf.errors import TargetError, UsageError
+from trainbpf.trace.errors import TargetError, UsageError
 from trainbpf.tracer import proctree
 
 

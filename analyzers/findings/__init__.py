@@ -1,0 +1,1 @@
+"""Stage 4: attributed starved time ranked into findings with their evidence."""

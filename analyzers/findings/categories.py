@@ -1,0 +1,161 @@
+"""The finding categories: one record per category, in the order the design lists them
+(docs/design.md §Attribution model; docs/findings.md, "The categories").
+
+A record says everything that is particular to its category: which of the trainer's
+states, on-CPU stall classes and futex classes stand for it; the evidence it quotes (a
+builder in analyzers/findings/evidence.py, returning numbers); whether it can be critical; the
+node checks of `trainbpf health` that point at it; and, for the report layer, its summary
+template, recommendation and colour.  The analyzers compute with the names and the
+evidence; only the report layer (trainbpf/reports/document.py, reports/html.py) writes the
+sentences.  Every other table of categories is derived from these records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from trainbpf.analyzers.findings import evidence as ev
+from trainbpf.analyzers.causes import host
+from trainbpf.analyzers.vocab import HOST_CLASSES, RUN_CLASSES, STATES
+
+
+@dataclass(frozen=True)
+class Category:
+    """One finding category.  `summary` is formatted with `who` (the threads, named) and
+    `s` (its starved seconds); `unmeasured` (numa_remote only) is the summary of a
+    finding seen without starved time, formatted with `who` and `gpu_node`; `own_work`
+    (input_pipeline only) the summary of one that is mostly the trainer's own host work
+    of this category, formatted with `who`, `s`, `where` (its function) and `workers`."""
+
+    name: str
+    evidence: ev.Builder
+    summary: str
+    recommendation: str
+    colour: str
+    states: tuple[str, ...] = ()  # the trainer's own blocked states that mean it when not followed
+    run_class: str | None = None  # the on-CPU stall class (analyzers/causes/stack_reading.py) that means it
+    futex_class: str | None = None  # futex waits of this class mean it (never followed to a waker)
+    critical: bool = True  # can be critical
+    # The share of the analysed window it must explain to be critical (default: findings.CRITICAL_MIN_IMPACT).
+    critical_min_impact: float | None = None
+    host_class: str | None = None  # the trainer's host-bound running time of this class (vocab.HOST_CLASSES) means it
+    health_checks: tuple[str, ...] = ()  # `trainbpf health` node checks that point at it
+    unmeasured: str | None = None
+    own_work: str | None = None
+
+
+REGISTRY: tuple[Category, ...] = (
+    Category(
+        "input_pipeline", host.input_pipeline, "The trainer waited {s:.2f} s for data that {who} was still producing",
+        "The trainer waits for data that is still being produced: add data-loader workers (num_workers > 0, "
+        "persistent_workers=True) so batches are decoded off the trainer's thread, make decoding cheaper or move it "
+        "off the critical path (pre-decode, cache decoded samples), and prefetch more batches (prefetch_factor, "
+        "pin_memory).",
+        "#1f77b4", run_class="user", host_class="loading",
+        own_work="{who} decoded its own batches for {s:.2f} s ({where}): {workers}"),
+    Category(
+        "cpu_contention", ev.cpu_contention, "{who} waited {s:.2f} s runnable for a CPU while the GPU starved",
+        "Threads are runnable but get no CPU: run fewer threads (torch.set_num_threads, OMP_NUM_THREADS, fewer "
+        "workers), isolate cores for the trainer, and pin threads (taskset, sched_setaffinity) so data workers do "
+        "not preempt it.",
+        "#f29d38", states=("runnable",), health_checks=("runqueue_latency_p99_seconds", "cpu_pressure_ratio")),
+    Category(
+        "lock_contention", ev.futex_class_waits("lock"), "{who} waited {s:.2f} s on a contended lock",
+        "Threads queue on a shared lock: reduce sharing (per-thread queues and buffers); if the lock is the "
+        "allocator's (malloc/arena frames in the stack) use a thread-caching allocator (tcmalloc or jemalloc via "
+        "LD_PRELOAD) or tune MALLOC_ARENA_MAX; or run fewer threads.",
+        "#8e6bd1", futex_class="lock"),
+    Category(
+        "gil_contention", ev.futex_class_waits("gil"), "{who} waited {s:.2f} s for the Python GIL",
+        "Python threads fight for the GIL: move CPU-heavy work to processes (DataLoader workers) or to code that "
+        "releases the GIL (numpy, torch ops), and cut the number of Python threads.",
+        "#6a3d9a", futex_class="gil"),
+    Category(
+        "allocator_churn", ev.allocator_churn,
+        "{who} lost {s:.2f} s to faults on freshly mapped memory amid mmap/munmap churn",
+        "Memory is mapped and unmapped over and over, and every fresh page faults: pool and reuse buffers "
+        "(size-class pools, caching allocators), raise the mmap threshold (MALLOC_MMAP_THRESHOLD_/"
+        "MALLOC_TRIM_THRESHOLD_, or tcmalloc/jemalloc), and use huge pages.",
+        "#b15928", run_class="allocator_churn"),
+    Category(
+        "page_faults", ev.page_faults, "{who} lost {s:.2f} s in the page-fault path",
+        "Time goes to page faults: pre-fault or pin buffers once (MAP_POPULATE, mlock, touching them at start), "
+        "reuse pooled memory, and use huge pages (fewer faults and TLB misses).",
+        "#d64545", states=("page_faults",), run_class="page_faults"),
+    Category(
+        "mmap_lock", ev.mmap_lock, "{who} waited {s:.2f} s for the mmap_lock",
+        "Threads wait for the process's mmap_lock: make fewer mmap/munmap/mprotect calls while other threads "
+        "fault (pool buffers, allocate up front, batch unmaps).",
+        "#a0522d", states=("mmap_lock",), run_class="mmap_lock"),
+    Category(
+        "memory_reclaim", ev.memory_reclaim, "{who} lost {s:.2f} s to direct memory reclaim and compaction",
+        "Allocations wait for the kernel to reclaim or compact memory: raise or remove the memory limit (cgroup "
+        "memory.max/memory.high), reduce page-cache pressure (drop caches, O_DIRECT for big reads) and "
+        "pre-allocate memory before training.",
+        "#c2389a", states=("memory_reclaim",), run_class="memory_reclaim",
+        health_checks=("reclaim_ratio", "memory_pressure_ratio")),
+    Category(
+        "dirty_throttling", ev.dirty_throttling,
+        "{who} was throttled {s:.2f} s writing dirty pages (balance_dirty_pages)",
+        "Writers are throttled for dirty pages (balance_dirty_pages): write checkpoints with O_DIRECT or "
+        "io_uring, lower or tune vm.dirty_bytes/dirty_background_bytes, put the writer in its own cgroup/io "
+        "class, or stream checkpoints to object storage.",
+        "#e8702a", states=("dirty_throttling",), run_class="dirty_throttling", health_checks=("dirty_throttle_ratio",)),
+    Category(
+        "block_io", ev.block_io, "{who} waited {s:.2f} s for block I/O",
+        "Threads wait for block I/O: use faster storage or a local cache, prefetch and read ahead, and warm the "
+        "page cache before training.",
+        "#2f6db5", states=("block_io",), run_class="block_io", health_checks=("io_pressure_ratio",)),
+    Category(
+        "numa_remote", ev.numa_remote, "{who} produced data on a NUMA node other than the GPU's, costing {s:.2f} s",
+        "Data-loading threads run on a NUMA node other than the GPU's: bind them and their memory to the GPU's "
+        "node (numactl --cpunodebind/--membind, sched_setaffinity in worker_init_fn).",
+        "#17becf", health_checks=("numa_remote_ratio",),
+        unmeasured="{who} ran mostly on a NUMA node other than the GPU's (node {gpu_node}), "
+        "without measurable starved time"),
+    Category(
+        "host_compute", host.host_compute,
+        "{who} was busy on the CPU for {s:.2f} s while the GPU idled ({where})",
+        "The GPU waits for the trainer's own CPU work between launches (an optimizer step on the CPU, Python "
+        "overhead, logging or metrics): move that work to the GPU or vectorise it (a fused or foreach optimizer, "
+        "torch.compile or graph capture for launch overhead), do it less often or asynchronously (log every N steps), "
+        "and overlap it with GPU work.",
+        "#bcbd22", host_class="compute", critical_min_impact=0.1),
+    Category(
+        "collective", ev.collective,
+        "{who} waited {s:.2f} s inside collectives for no traced rank's lateness (the collective's own "
+        "communication, or ranks this trace does not hold)",
+        "The collectives themselves take this time (or ranks this trace does not hold were late): record the "
+        "launcher's pid to trace every rank; overlap communication with computation (DDP gradient bucketing, "
+        "no_sync with gradient accumulation), make fewer and larger collectives, and check the interconnect "
+        "(NCCL_DEBUG=INFO, nccl-tests) before changing the training code.",
+        # Data-parallel training spends some time in its all-reduces by design.
+        "#7f7f7f", critical_min_impact=0.1),
+    Category(
+        "other", ev.unexplained, "{s:.2f} s of starved time has no cause the trace can name",
+        "Time the trace cannot attribute (timer sleeps, short waits, untraced wakers): record with more probes "
+        "(futex, faults, mm, writeback, block) or a lower --min-block-us to see more.",
+        "#4d4d4d", states=("futex", "sleep", "uninterruptible", "short_wait", "other"), critical=False),
+)
+
+BY_NAME: dict[str, Category] = {c.name: c for c in REGISTRY}
+CATEGORIES: tuple[str, ...] = tuple(BY_NAME)
+CATEGORY_DTYPE = pd.CategoricalDtype(CATEGORIES)
+CATEGORY_CODE: dict[str, int] = {name: i for i, name in enumerate(CATEGORIES)}
+
+# What the trainer's own blocked state means when it is not followed to a waker.
+STATE_CATEGORY: dict[str, str] = {state: c.name for c in REGISTRY for state in c.states}
+# Running stall classes, as categories.
+RUN_CATEGORY: dict[str, str] = {c.run_class: c.name for c in REGISTRY if c.run_class}
+# Futex classes that are a category of their own (handoffs: never followed to a waker).
+FUTEX_CATEGORY: dict[str, str] = {c.futex_class: c.name for c in REGISTRY if c.futex_class}
+# The trainer's host work classes, as categories.
+HOST_CATEGORY: dict[str, str] = {c.host_class: c.name for c in REGISTRY if c.host_class}
+# The category a failing `trainbpf health` node check points at.
+CHECK_CATEGORY: dict[str, str] = {check: c.name for c in REGISTRY for check in c.health_checks}
+
+if (set(STATE_CATEGORY) != set(STATES) - {"running"} or set(RUN_CATEGORY) != set(RUN_CLASSES)
+        or set(HOST_CATEGORY) != set(HOST_CLASSES)):
+    raise RuntimeError("analyzers/findings/categories.py: every blocked state, run class and host class needs a category")

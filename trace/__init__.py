@@ -1,0 +1,1 @@
+"""trainbpf.trace: the trace contract, the ground floor every other folder may import and that imports nothing of ours above it: the schema of rows, writing (spool) and reading (reader) trace files, the metadata document, safe file creation, and the project's exceptions."""

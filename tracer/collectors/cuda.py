@@ -1,0 +1,136 @@
+"""Collector for probes/cuda.bpf.c: CUDA runtime/driver launches (counted), waits,
+copies and allocations (streamed), from uprobes on the libcudart/libcuda files the
+traced processes map (found and attached as tracer/libprobe.py finds them)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pyarrow as pa
+
+from trainbpf.trace.spool import make_batch
+from trainbpf.tracer.symbols.addrs import Mapping
+from trainbpf.tracer.collector import array_values, bucket_batches, drain_hash, stack_ids
+from trainbpf.tracer.libprobe import LibraryCalls, LibraryCollector
+
+LAYERS = ("runtime", "driver")
+KINDS = ("launch", "wait", "copy", "alloc", "free")
+# (symbol, layer, kind); the position is the call code.  The probe compiles an entry and a
+# return program for each (CUDA_CALLS, call_list()).
+CALLS: tuple[tuple[str, int, int], ...] = (
+    ("cudaLaunchKernel", 0, 0), ("cudaLaunchKernelExC", 0, 0), ("cudaLaunchCooperativeKernel", 0, 0),
+    ("cudaGraphLaunch", 0, 0), ("cudaStreamSynchronize", 0, 1), ("cudaDeviceSynchronize", 0, 1),
+    ("cudaEventSynchronize", 0, 1), ("cudaMemcpy", 0, 2), ("cudaMemcpyAsync", 0, 2), ("cudaMalloc", 0, 3),
+    ("cudaFree", 0, 4),
+    ("cuLaunchKernel", 1, 0), ("cuLaunchKernelEx", 1, 0), ("cuGraphLaunch", 1, 0),
+    ("cuStreamSynchronize", 1, 1), ("cuCtxSynchronize", 1, 1), ("cuEventSynchronize", 1, 1),
+    ("cuMemcpy", 1, 2), ("cuMemcpyAsync", 1, 2), ("cuMemcpyHtoD", 1, 2), ("cuMemcpyHtoDAsync", 1, 2),
+    ("cuMemcpyDtoH", 1, 2), ("cuMemcpyDtoHAsync", 1, 2), ("cuMemcpyDtoD", 1, 2), ("cuMemcpyDtoDAsync", 1, 2),
+    ("cuMemAlloc", 1, 3), ("cuMemAllocAsync", 1, 3), ("cuMemAllocHost", 1, 3), ("cuMemAllocManaged", 1, 3),
+    ("cuMemFree", 1, 4), ("cuMemFreeHost", 1, 4), ("cuMemFreeAsync", 1, 4),
+)
+# The slots of a thread's current bucket in the probe (cuda_thread): (name, layer, nested).
+LAUNCH_SLOTS = (("runtime", 0, 0), ("driver", 1, 0), ("nested", 1, 1))
+CALL_INDEX = {name: i for i, (name, _, _) in enumerate(CALLS)}
+# A base name and any exported versioned aliases of it.
+SYMBOL_RE = r"^(" + "|".join(n for n, _, _ in CALLS) + r")((_v2|_v3)?(_ptsz|_ptds)?)$"
+LIBRARY_RE = re.compile(r"/lib(cudart|cuda)\.so(\.\d+)*$")
+CUDA_LIBRARIES = LibraryCalls(LIBRARY_RE, "/libcud", SYMBOL_RE)
+
+
+def call_list() -> str:
+    """CALLS as the probe's CUDA_CALLS define: CALL(symbol,code,layer,kind) for each."""
+    return "".join(f"CALL({name},{code},{layer},{kind})" for code, (name, layer, kind) in enumerate(CALLS))
+
+
+def base_name(symbol: str) -> str | None:
+    return CUDA_LIBRARIES.base_name(symbol)
+
+
+def cuda_mappings(maps_text: str) -> list[Mapping]:
+    """The first mapping of each libcudart/libcuda file (device, inode) mapped."""
+    return CUDA_LIBRARIES.mappings(maps_text)
+
+
+def cuda_libraries(maps_text: str) -> list[tuple[str, tuple[str, int]]]:
+    """(path, (device, inode)) of each libcudart/libcuda mapped, once each."""
+    return [(m.path, m.file) for m in cuda_mappings(maps_text)]
+
+
+def thread_buckets(records: np.ndarray, width: int) -> list[tuple]:
+    """The bucket each thread is counting (probes/cuda.bpf.c cuda_threads: its records,
+    owner 0 for a record never used) as cuda_launches rows: (bucket, tid, pid, launches,
+    first_ns, layer, nested) for each slot with launches.  A bucket is moved out of its
+    record only when the thread launches in a later one, so the last is read here, at
+    the stop."""
+    rows = []
+    used = records[records["tid"] != 0]
+    for end_ns, tid, pid, launches, first_ns in zip(*(used[f].tolist() for f in (
+            "end_ns", "tid", "pid", "launches", "first_ns"))):
+        for slot, (_, layer, nested) in enumerate(LAUNCH_SLOTS):
+            if launches[slot]:
+                rows.append((end_ns // width - 1, tid, pid, launches[slot], first_ns[slot], layer, nested))
+    return rows
+
+
+def exported_calls(path: str) -> list[tuple[str, str]]:
+    """(symbol, base name) of the probed calls a CUDA library exports, one per address."""
+    return CUDA_LIBRARIES.exported(path)
+
+
+class CudaCollector(LibraryCollector):
+    name = "cuda"
+    source = "cuda.bpf.c"
+    ringbufs = ("cuda_events",)
+    calls = CUDA_LIBRARIES
+
+    def defines(self) -> dict[str, int | str]:
+        return {"MIN_CUDA_NS": self.settings.min_cuda_ns, "CUDA_BUCKET_NS": self.settings.cuda_bucket_ns,
+                "CUDA_THREAD_RECORDS": self.settings.cuda_thread_records,
+                # a runtime launch's mark waits this many ticks for its driver launch: the
+                # thread can be preempted between the two probes (4 ms was seen too short)
+                "CUDA_NEST_JIFFIES": max(1, self.settings.hz // 10),
+                **{f"LAYER_{layer.upper()}": i for i, layer in enumerate(LAYERS)},
+                **{f"CUDA_{kind.upper()}": i for i, kind in enumerate(KINDS)},
+                "CUDA_CALLS": call_list(), "CUDA_SLOTS": len(LAUNCH_SLOTS),
+                **{f"CUDA_SLOT_{name.upper()}": i for i, (name, _, _) in enumerate(LAUNCH_SLOTS)}}
+
+    def attach_call(self, bpf, opened: str, sym: str, base: str) -> None:
+        bpf.attach_uprobe(name=opened, sym=sym, fn_name=f"enter_{base}")
+        if KINDS[CALLS[CALL_INDEX[base]][2]] != "launch":  # launches are only counted, at entry
+            bpf.attach_uretprobe(name=opened, sym=sym, fn_name=f"return_{base}")
+
+    def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
+        names = [CALLS[c][0] for c in r["call"].tolist()]
+        kinds = [KINDS[CALLS[c][2]] for c in r["call"].tolist()]
+        return [
+            make_batch(
+                "cuda_call",
+                {
+                    "ts_ns": r["ts_ns"].astype(np.int64),
+                    "dur_ns": r["dur_ns"].astype(np.int64),
+                    "tid": r["tid"].astype(np.int32),
+                    "pid": r["pid"].astype(np.int32),
+                    "name": names,
+                    "state": kinds,
+                    "op": r["nested"].astype(np.int32),
+                    "addr": r["arg"],
+                    "size": r["bytes"].astype(np.int64),
+                    "count": r["ret"].astype(np.int64),
+                    "ustack_id": stack_ids(r["ustack_id"]),
+                },
+            )
+        ]
+
+    def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
+        super().drain(bpf, now_ns, final=final)  # libraries mapped since
+        keys, launches = drain_hash(bpf["cuda_launches"])
+        counts = list(zip(*(a.tolist() for a in (keys["bucket"], keys["tid"], keys["pid"], launches["launches"],
+                                                  launches["first_ns"], keys["layer"], keys["nested"]))))
+        if final:  # each thread's last bucket, still in its record
+            counts += thread_buckets(array_values(bpf["cuda_threads"]), self.settings.cuda_bucket_ns)
+        return bucket_batches("cuda_launch", counts, self.settings.cuda_bucket_ns, first_ns=True, extra={
+            "name": lambda layer: [LAYERS[x] for x in layer.tolist()],
+            "op": lambda nested: nested.astype(np.int32),
+        })

@@ -1,0 +1,67 @@
+"""Collector for probes/nccl.bpf.c: every NCCL collective, point-to-point call and
+ncclGroupEnd of the traced threads, entry to return, from uprobes on the libnccl files
+the traced processes map (pip wheels' site-packages/nvidia/nccl/lib/libnccl.so.2
+included; found and attached as tracer/libprobe.py finds them)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pyarrow as pa
+
+from trainbpf.trace.spool import make_batch
+from trainbpf.tracer.collector import delete_keys
+from trainbpf.tracer.libprobe import LibraryCalls, LibraryCollector
+
+# The calls probed; the position is the call code.  The probe compiles an entry and a
+# return program for each (NCCL_CALLS, call_list()).  ncclGroupEnd is where calls made
+# between ncclGroupStart and it run (and wait).
+CALLS = ("ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather", "ncclReduceScatter",
+         "ncclSend", "ncclRecv", "ncclGroupEnd")
+# A call, or its profiling alias pnccl* (the same function in NCCL's builds).
+SYMBOL_RE = r"^p?(" + "|".join(CALLS) + r")$"
+# libnccl.so, libnccl.so.2, libnccl.so.2.21.5; not plugins such as libnccl-net.so.
+LIBRARY_RE = re.compile(r"/libnccl\.so(\.\d+)*$")
+NCCL_LIBRARIES = LibraryCalls(LIBRARY_RE, "/libnccl", SYMBOL_RE)
+
+
+def call_list() -> str:
+    """CALLS as the probe's NCCL_CALLS define: NCCL_CALL(symbol,code) for each."""
+    return "".join(f"NCCL_CALL({name},{code})" for code, name in enumerate(CALLS))
+
+
+class NcclCollector(LibraryCollector):
+    name = "nccl"
+    source = "nccl.bpf.c"
+    ringbufs = ("nccl_events",)
+    calls = NCCL_LIBRARIES
+
+    def defines(self) -> dict[str, int | str]:
+        return {"NCCL_CALLS": call_list()}
+
+    def attach_call(self, bpf, opened: str, sym: str, base: str) -> None:
+        bpf.attach_uprobe(name=opened, sym=sym, fn_name=f"enter_{base}")
+        bpf.attach_uretprobe(name=opened, sym=sym, fn_name=f"return_{base}")
+
+    def forget(self, bpf, tids: list[int]) -> None:
+        """An exited thread's entry (its call count and the call it was in)."""
+        delete_keys(bpf["nccl_threads"], tids)
+
+    def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
+        return [
+            make_batch(
+                "collective",
+                {
+                    "ts_ns": r["ts_ns"].astype(np.int64),
+                    "dur_ns": r["dur_ns"].astype(np.int64),
+                    "tid": r["tid"].astype(np.int32),
+                    "pid": r["pid"].astype(np.int32),
+                    "name": [CALLS[c] for c in r["call"].tolist()],
+                    "op": r["seq"].astype(np.int32),
+                    "addr": r["comm"],
+                    "size": r["elements"].astype(np.int64),
+                    "count": r["ret"].astype(np.int64),
+                },
+            )
+        ]

@@ -1,0 +1,1 @@
+"""Naming what the probes saw: native stacks and addresses (ELF symbols, memory regions) and CPython frames."""

@@ -1,0 +1,327 @@
+"""The report layer: the JSON contract (docs/design.md §Trace contract), the sentences
+of the findings (from the category registry, analyzers/findings/categories.py), and `run_analyze`,
+which `trainbpf analyze` calls.  Every renderer takes one `Report`: the analysis and its
+JSON document, built once (reports/text.py, reports/html.py, `render_json` here)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from trainbpf.analyzers.options import (
+    GPU_IDLE_THRESHOLD,
+    ReportFormat,
+    Window,
+    check_gpu_idle_threshold,
+)
+from trainbpf.analyzers.pipeline import Analysis, analyze
+from trainbpf.analyzers.findings.categories import BY_NAME
+from trainbpf.analyzers.intervals import NS_PER_S
+from trainbpf.analyzers.threads.states import state_seconds
+from trainbpf.analyzers.vocab import ROLES
+from trainbpf.reports.html import render_html
+from trainbpf.reports.job import job_summary, rank_culprits, ranks_section, straggler_section
+from trainbpf.trace.memory import read_for_analysis
+from trainbpf.reports.python_frames import frame_label
+from trainbpf.trace.safefile import OutputFile, check_output, write_new
+from trainbpf.reports.text import render_text
+
+REPORT_SCHEMA = "trainbpf.reports.document/3"
+_ROLE_ORDER = {role: i for i, role in enumerate(ROLES)}
+
+
+def plain(obj: Any) -> Any:
+    """JSON-safe plain Python values: numpy scalars unwrapped, floats to 6 decimals,
+    NaN/inf as null."""
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, np.ndarray)):
+        return [plain(v) for v in obj]
+    if isinstance(obj, (bool, np.bool_)):
+        return bool(obj)
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        value = float(obj)
+        return round(value, 6) if math.isfinite(value) else None
+    if obj is None or isinstance(obj, str):
+        return obj
+    return str(obj)
+
+
+def _share(value: float) -> float:
+    """Shares rounded down, so rounding never lifts their sum above 1."""
+    return math.floor(float(value) * 1e6) / 1e6
+
+
+def _seconds(value: float) -> float:
+    return round(float(value), 6)
+
+
+def findings_section(findings: Any, *, pids: Mapping[int, int], trainers: Mapping[int, int],
+                     trainer_tid: int | None) -> list[dict[str, Any]]:
+    """The report's `findings` (findings.FINDING_COLUMNS rows), largest share first.
+    `pids`: tid -> pid where a finding's threads do not carry theirs; `trainers`: rank ->
+    its trainer's tid, in a job (a finding's trainer is its rank's), else `trainer_tid`."""
+    out = []
+    for f in findings.itertuples(index=False):
+        trainer = trainers.get(f.evidence["rank"], trainer_tid) if "rank" in f.evidence else trainer_tid
+        out.append({
+            "category": str(f.category),
+            "share": _share(f.share),
+            "seconds": _seconds(f.seconds),
+            "severity": str(f.severity),
+            "threads": [{"tid": int(t["tid"]), "comm": str(t["comm"]), "role": str(t["role"])} for t in f.threads],
+            "chain": [{"tid": int(c["tid"]), "role": str(c["role"]), "state": str(c["state"]),
+                       **({"rank": int(c["rank"])} if "rank" in c else {})} for c in f.chain],
+            "culprits": culprits(str(f.category), f.threads, f.evidence, pids=pids, trainer_tid=trainer),
+            "summary": job_summary(f.evidence, f.share, f.seconds, finding_summary(
+                str(f.category), f.share, f.seconds, f.threads, f.evidence,
+                own_seconds=_own_seconds(f.evidence, f.seconds))),
+            "evidence": plain(f.evidence),
+            "recommendation": BY_NAME[str(f.category)].recommendation,
+            "launch_gap_s": None if math.isnan(f.launch_gap_s) else _seconds(f.launch_gap_s),
+        })
+    return sorted(out, key=lambda f: (-f["share"], -f["seconds"]))
+
+
+def build_report(analysis: Analysis) -> dict[str, Any]:
+    """The `--format json` document, exactly the contract (docs/design.md §Trace contract)."""
+    job = analysis.job
+    findings = findings_section(
+        analysis.findings, pids=dict(zip(analysis.threads["tid"].tolist(), analysis.threads["pid"].tolist())),
+        trainers=dict(zip(job.ranks["rank"].tolist(), job.ranks["trainer_tid"].tolist())) if job else {},
+        trainer_tid=analysis.trainer_tid)
+    seconds = state_seconds(analysis.totals)
+    threads = analysis.threads.assign(order=analysis.threads["role"].astype(str).map(_ROLE_ORDER))
+    rows = []
+    for th in threads.sort_values(["order", "tid"], kind="stable").itertuples(index=False):
+        rows.append({
+            "tid": int(th.tid), "comm": str(th.comm), "role": str(th.role),
+            "seconds": {k: _seconds(v) for k, v in seconds.get(int(th.tid), {}).items()},
+        })
+    pid = analysis.meta.get("target_pid")
+    return {
+        "schema": REPORT_SCHEMA,
+        "trace": {
+            "path": analysis.path,
+            "duration_s": _seconds(analysis.window.seconds),
+            "pid": int(pid) if pid is not None else None,
+            "lost_events": int(sum(analysis.lost.values())),
+        },
+        "gpu": {
+            "source": analysis.gpu_source,
+            "samples": analysis.gpu_samples,
+            "idle_fraction": None if analysis.idle_fraction is None else _seconds(analysis.idle_fraction),
+        },
+        "starved_s": _seconds(analysis.starved_ns / NS_PER_S),
+        "host_bound_s": _seconds(analysis.host_bound_ns / NS_PER_S),
+        "ranks": ranks_section(job),
+        "straggler": straggler_section(job),
+        "findings": findings,
+        "threads": rows,
+        "cuda": cuda_section(analysis),
+        "traces": None,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else _seconds(seconds * 1e3)
+
+
+def cuda_section(analysis: Analysis) -> dict[str, Any] | None:
+    """The report's `cuda` section (docs/design.md, "The JSON report"): the trainer's
+    GPU-bound and launch-gap seconds and step rhythm, and each CUDA thread's launches and
+    waits over the window; None when the trace holds no CUDA rows."""
+    cuda = analysis.cuda
+    if cuda is None:
+        return None
+    comm = dict(zip(analysis.threads["tid"].tolist(), analysis.threads["comm"].astype(str).tolist()))
+    th = cuda.threads
+    st = analysis.cuda_steps or {}
+    origin = analysis.span.start_ns
+    return {
+        "gpu_bound_s": _seconds(analysis.gpu_bound_ns / NS_PER_S),
+        "launch_gap_s": _seconds(th.loc[th["tid"] == analysis.trainer_tid, "gap_ns"].sum() / NS_PER_S),
+        "steps": {
+            "count": int(st.get("steps", 0)),
+            "per_s": _seconds(st.get("steps_per_s", 0.0)),
+            "p50_ms": _ms(st.get("step_p50_s")),
+            "p99_ms": _ms(st.get("step_p99_s")),
+            "host_bound_share": None if st.get("host_bound_share") is None else _seconds(st["host_bound_share"]),
+            "worst": [{"tid": int(w["tid"]), "at_s": _seconds((w["start_ns"] - origin) / NS_PER_S),
+                       "step_ms": _ms(w["step_s"]), "host_ms": _ms(w["host_s"]), "gpu_wait_ms": _ms(w["gpu_wait_s"]),
+                       "host_share": _seconds(w["host_share"])} for w in st.get("worst", [])],
+        },
+        "threads": [{"tid": int(r.tid), "comm": comm.get(int(r.tid), ""), "launches": int(r.launches),
+                     "waits": int(r.waits), "wait_s": _seconds(r.wait_ns / NS_PER_S),
+                     "launch_gap_s": _seconds(r.gap_ns / NS_PER_S)} for r in th.itertuples(index=False)],
+    }
+
+
+def culprits(category: str, threads: list[dict[str, Any]], evidence: dict[str, Any], *,
+             pids: Mapping[int, int], trainer_tid: int | None) -> list[dict[str, Any]]:
+    """What the finding blames (docs/findings.md, "Outputs"): its threads, as producers
+    ({kind: "thread", name, tid, pid}: a thread's own `pid`, else `pids`'); for the
+    trainer's host work with the seconds of it and the function that took most of them;
+    the tasks that preempted them ({kind: "process"}); in a job, the ranks its time was
+    spent on."""
+    own = evidence.get("trainer_loading") if category == "input_pipeline" else evidence
+    producers = {int(p["tid"]): float(p["seconds"]) for p in evidence.get("producers", [])}
+    out = []
+    for t in threads:
+        tid = int(t["tid"])
+        row: dict[str, Any] = {"kind": "thread", "name": str(t["comm"]), "tid": tid, "pid": t.get("pid", pids.get(tid))}
+        if tid in producers:
+            row["seconds"] = _seconds(producers[tid])
+        if tid == trainer_tid and own and own.get("functions"):
+            row["function"] = _function_label(own["functions"][0])
+            row.setdefault("seconds", _seconds(sum(f["seconds"] for f in own["functions"])))
+        out.append(row)
+    return out + _preempting(evidence) + _lock_culprits(evidence, pids) + rank_culprits(evidence)
+
+
+def _preempting(evidence: dict[str, Any]) -> list[dict[str, Any]]:
+    """A CPU-contention finding's tasks that took the CPU from its threads (its
+    evidence's `preempted_by`), with the preemptions of each."""
+    return [{"kind": "process", "name": str(p["comm"]), "pid": p["pid"], "tid": int(p["tid"]),
+             "count": int(p["preemptions"])} for p in evidence.get("preempted_by", [])]
+
+
+def _lock_culprits(evidence: dict[str, Any], pids: dict[int, int]) -> list[dict[str, Any]]:
+    """A lock or GIL finding's lock (its busiest address, named where the recorder could)
+    and its holders: the threads whose release ended the trainer's waits."""
+    if "holders" not in evidence:
+        return []
+    out = []
+    for address, name in zip(evidence.get("addresses", [])[:1], evidence.get("address_names", [])[:1]):
+        out.append({"kind": "lock", "name": name or address, "address": address})
+    for h in evidence["holders"]:
+        out.append({"kind": "thread", "name": str(h["comm"]), "tid": int(h["tid"]), "pid": pids.get(int(h["tid"])),
+                    "seconds": _seconds(h["seconds"]), "holder": True})
+    return out
+
+
+def _own_seconds(evidence: dict[str, Any], seconds: float) -> float | None:
+    """In a job, the seconds the finding's rank itself spent in it (its evidence's), at
+    most the starved seconds the finding explains (a rank's timer sleeps in its GPU steps
+    are its time, not starved time); None for one process."""
+    if "starved_ranks" not in evidence or "starved_s" not in evidence:
+        return None
+    return min(float(evidence["starved_s"]), float(seconds))
+
+
+def finding_summary(category: str, share: float, seconds: float, threads: list[dict[str, Any]],
+                    evidence: dict[str, Any], *, own_seconds: float | None = None) -> str:
+    """A finding in one sentence, from its category's summary template; a finding without
+    starved time (numa_remote placement alone) from the `unmeasured` one; one that is
+    mostly the trainer loading its own data from the `own_work` one.  `own_seconds`: in a
+    job, the time the finding's rank spent (the sentence says that, not the job's sum)."""
+    record = BY_NAME[category]
+    seconds = seconds if own_seconds is None else own_seconds
+    who = _who(threads)
+    if seconds == 0 and record.unmeasured:
+        return record.unmeasured.format(who=who, gpu_node=evidence.get("gpu_node"))
+    own = evidence.get("trainer_loading")
+    if record.own_work and own and own["seconds"] >= 0.5 * seconds:
+        trainer = next((t for t in threads if t["role"] == "trainer"), threads[0] if threads else None)
+        workers = own["dataloader_threads"]
+        text = record.own_work.format(
+            who=_who([trainer] if trainer else []), s=own["seconds"], where=_where(own.get("functions")),
+            workers="the DataLoader has no workers" if not workers else
+            f"{workers} data-loader thread{'s' if workers > 1 else ''} did not take it off the trainer")
+        return text + f" ({share:.0%} of starved time)"
+    return record.summary.format(s=seconds, who=who, where=_where(evidence.get("functions"))) + \
+        f" ({share:.0%} of starved time)"
+
+
+def _where(functions: list[dict[str, Any]] | None) -> str:
+    """The function most host time went to ("data.py:31 decode_batch"), or why none is named."""
+    if not functions:
+        return "no on-CPU sample names the function"
+    return _function_label(functions[0])
+
+
+def _function_label(frame: dict[str, Any]) -> str:
+    """A Python frame as "data.py:31 decode_batch"; a native one by its symbol alone."""
+    return frame_label(frame) if frame.get("file") else str(frame["function"])
+
+
+def _who(threads: list[dict[str, Any]]) -> str:
+    if not threads:
+        return "Threads"
+    first = threads[0]
+    name = f"{first['role']} {first['comm'] or '?'} ({first['tid']})"
+    more = len(threads) - 1
+    return name + (f" and {more} more thread{'s' if more > 1 else ''}" if more else "")
+
+
+@dataclass(frozen=True)
+class Report:
+    """What every renderer takes: an analysis and its JSON document (build_report)."""
+
+    analysis: Analysis
+    doc: dict[str, Any]
+
+    @classmethod
+    def of(cls, analysis: Analysis) -> "Report":
+        return cls(analysis, build_report(analysis))
+
+
+def render_json(report: Report) -> str:
+    return json.dumps(report.doc, indent=2) + "\n"
+
+
+RENDERERS = {ReportFormat.text: render_text, ReportFormat.json: render_json, ReportFormat.html: render_html}
+
+
+def _write(output: str | os.PathLike | OutputFile, text: str, *, force: bool = False) -> None:
+    """Write a report privately (it names threads and addresses, like the trace)."""
+    write_new(output, lambda fh: fh.write(text.encode("utf-8")), force=force)
+
+
+def run_analyze(
+    *,
+    path: str | os.PathLike,
+    fmt: ReportFormat | str = ReportFormat.text,
+    output: str | os.PathLike | None = None,
+    trainer_tid: int | None = None,
+    gpu_idle_threshold: float = GPU_IDLE_THRESHOLD,
+    window: Window | tuple[float | None, float | None] | str | None = None,
+    force: bool = False,
+    memory_check: bool = True,
+) -> str:
+    """Analyse a trace and render it as `fmt` (text, json, html); write it to `output`
+    when given (an existing file only with `force`); return the text.  A trace too large
+    for the memory available is refused unless `memory_check` is off.  Values the CLI has
+    parsed (a ReportFormat, a Window) pass as they are; others are checked here.  Raises
+    trainbpf.trace.errors exceptions only."""
+    renderer = RENDERERS[ReportFormat.of(fmt)]
+    threshold = check_gpu_idle_threshold(gpu_idle_threshold)
+    window = Window.of(window)
+
+    def render() -> str:
+        trace = read_for_analysis(path, memory_check=memory_check)
+        return renderer(Report.of(analyze(trace, trainer_tid=trainer_tid, gpu_idle_threshold=threshold, window=window)))
+
+    return write_report(output, render, force=force)
+
+
+def write_report(output: str | os.PathLike | None, render: Callable[[], str], *, force: bool = False) -> str:
+    """The text `render()` makes, written to `output` when given (an existing file only
+    with `force`); the output is checked before the work, not after it, and written
+    into the folder checked then."""
+    out = check_output(output, force=force) if output is not None else None
+    try:
+        text = render()
+        if out is not None:
+            _write(out, text)
+    finally:
+        if out is not None:
+            out.close()
+    return text
