@@ -29,7 +29,7 @@ from trainbpf.analyzers.timeline.cuda_calls import (
     steps,
     timeline,
 )
-from trainbpf.analyzers.findings.evidence import EvidenceContext
+from trainbpf.analyzers.causes.evidence import EvidenceContext
 from trainbpf.analyzers.findings.ranking import attribute_starved
 from trainbpf.analyzers.timeline.starvation import (
     gpu_utilisation,

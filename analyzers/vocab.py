@@ -1,7 +1,7 @@
 """The fixed vocabularies of thread states, futex classes, roles and on-CPU stall classes
 that every analyzer and every output shares (docs/design.md §Attribution model).  The
 finding categories, and what each state or class means as one, are the registry in
-analyzers/findings/categories.py."""
+analyzers/causes/categories.py."""
 
 from __future__ import annotations
 

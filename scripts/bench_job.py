@@ -9,7 +9,7 @@ samples), then, each in a process of its own:
 
 - one trace alone: `trainbpf analyze NODE0 --format json` (its wall time and peak RSS);
 - every trace together, as `trainbpf analyze NODE0 NODE1 ... --format json` runs it
-  (trainbpf.analyzers.job.traces.analyze_traces and the JSON report), in-process in a child of
+  (trainbpf.analyzers.job_traces.analyze_traces and the JSON report), in-process in a child of
   this script, so that its own peak RSS (the parent's) and its workers' (RUSAGE_CHILDREN:
   the largest one's) are its alone.
 
@@ -52,7 +52,7 @@ def one_trace(trace: Path) -> tuple[float, float]:
 def measure(paths: list[str]) -> dict:
     """In this process: every trace analysed together and the JSON report built; wall
     seconds, this process's peak RSS and its largest worker's, and the straggler."""
-    from trainbpf.analyzers.job.traces import analyze_traces
+    from trainbpf.analyzers.job_traces import analyze_traces
     from trainbpf.reports.traces import build_traces_report
 
     analysed = [0.0]  # when the last trace came back

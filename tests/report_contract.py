@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from trainbpf.analyzers.findings.categories import CATEGORIES
+from trainbpf.analyzers.causes.categories import CATEGORIES
 from trainbpf.analyzers.vocab import ROLES, STATES
 
 TOP_KEYS = {"schema", "trace", "gpu", "starved_s", "host_bound_s", "ranks", "straggler", "findings", "threads", "cuda",

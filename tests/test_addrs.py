@@ -10,7 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from trainbpf.tracer.symbols.addrs import AddressDescriber, parse_maps
+from trainbpf.tracer.symbols.addrs import AddressDescriber
+from trainbpf.tracer.symbols.maps import parse_maps
 
 
 def describe(*addrs: int) -> list[tuple[str, str]]:
@@ -80,7 +81,7 @@ def test_a_truncated_or_malformed_elf_file_raises_elf_error_only(tmp_path):
     """Issue 34 item 6: a 4-byte file `\\x7fELF` named libpython3.11.so raised IndexError
     in the recorder.  Every ELF reader (data symbols, functions, CUDA exports) shares one
     parser: a file that does not hold what its headers say raises ElfError, nothing else."""
-    from trainbpf.tracer.symbols.addrs import FUNCTION_KINDS, ElfSymbols
+    from trainbpf.tracer.symbols.elf import FUNCTION_KINDS, ElfSymbols
     from trainbpf.tracer.collectors.cuda import exported_calls
 
     bad = tmp_path / "libpython3.11.so"

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from report_contract import validate_report
-from trainbpf.analyzers.findings.categories import CATEGORIES
+from trainbpf.analyzers.causes.categories import CATEGORIES
 from trainbpf.analyzers.pipeline import analyze, observed_ns
 from trainbpf.analyzers.findings.ranking import MIN_FINDING_NS
 from trainbpf.reports.document import Report, build_report

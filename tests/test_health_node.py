@@ -1,4 +1,4 @@
-"""The node-level values of a trace (trainbpf.analyzers.causes.node) and how `trainbpf health`
+"""The node-level values of a trace (trainbpf.analyzers.timeline.node) and how `trainbpf health`
 grades values, checks and targets."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from synth import Synth
-from trainbpf.analyzers.findings.categories import CATEGORIES
-from trainbpf.analyzers.causes.node import node_check_values, node_metrics, weighted_quantile
-from trainbpf.analyzers.findings.categories import CHECK_CATEGORY
+from trainbpf.analyzers.causes.categories import CATEGORIES
+from trainbpf.analyzers.timeline.node import node_check_values, node_metrics, weighted_quantile
+from trainbpf.analyzers.causes.categories import CHECK_CATEGORY
 from trainbpf.health.config import CRITICAL, DEFAULT_THRESHOLDS, OK, UNKNOWN, WARNING, Threshold
 from trainbpf.health.results import Check, TargetResult, grade, overall_status
 from trainbpf.health.targets import Target

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.findings.categories import CATEGORY_DTYPE
+from trainbpf.analyzers.causes.categories import CATEGORY_DTYPE
 from trainbpf.analyzers.job.charge import charge
 from trainbpf.analyzers.job.collectives import (
     MIN_LEAD_NS,

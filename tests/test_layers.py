@@ -9,6 +9,8 @@ tracer/ and analyzers/ share a floor and never import each other: a trace file i
 that passes between recording and analysis.  Inside tracer/, the collectors, symbolisers
 and samplers never import the session that runs them (tracer/record.py and its loop).
 
+Inside analyzers/, the stages are ordered too (STAGES): a stage imports only earlier ones.
+
 Imports inside functions count too: a lazy import is still a dependency."""
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ FOLDERS = {"trace": "trainbpf.trace", "tracer": "trainbpf.tracer", "analyzers": 
 FLOOR = {"trainbpf.trace": 0, "trainbpf.probes": 0, "trainbpf.tracer": 1, "trainbpf.analyzers": 1, "trainbpf": 2}
 # the recorder's session: what runs the sources, which the sources never import
 SESSION = ("trainbpf.tracer.record", "trainbpf.tracer.drain", "trainbpf.tracer.record_output")
+# analyzers/ in pipeline order: the shared base, then each stage; a module's stage is its
+# longest matching prefix
+STAGES = ("trainbpf.analyzers.vocab trainbpf.analyzers.options trainbpf.analyzers.intervals",
+          "trainbpf.analyzers.threads", "trainbpf.analyzers.causes", "trainbpf.analyzers.timeline",
+          "trainbpf.analyzers.findings", "trainbpf.analyzers.trainer", "trainbpf.analyzers.job",
+          "trainbpf.analyzers.pipeline", "trainbpf.analyzers.job_traces")
 SOURCE_FOLDERS = ("trainbpf.tracer.collectors", "trainbpf.tracer.symbols", "trainbpf.tracer.samplers")
 
 
@@ -72,6 +80,37 @@ def layer_violations(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
             elif name.startswith(SOURCE_FOLDERS) and target.startswith(SESSION):
                 bad.append(f"{where} (a source imports the session that runs it)")
     return bad
+
+
+def stage_of(module: str) -> int | None:
+    for i, names in enumerate(STAGES):
+        if any(module == n or module.startswith(n + ".") for n in names.split()):
+            return i
+    return None
+
+
+def stage_violations(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
+    bad = []
+    for name, path in sorted(modules.items()):
+        here = stage_of(name)
+        for line, target in imported_modules(path):
+            there = stage_of(target)
+            if here is not None and there is not None and there > here:
+                bad.append(f"{path.relative_to(root)}:{line} imports {target} (a later stage)")
+    return bad
+
+
+def test_every_analyzers_module_has_a_stage():
+    modules = [m for m in project_modules() if m.startswith("trainbpf.analyzers.")]
+    assert [m for m in modules if stage_of(m) is None] == []
+
+
+def test_no_stage_imports_a_later_one(tmp_path):
+    assert stage_violations(project_modules()) == []
+    planted = tmp_path / "trainbpf.analyzers.causes.planted.py"
+    planted.write_text("from trainbpf.analyzers.findings.ranking import build_findings\n")
+    assert stage_violations({"trainbpf.analyzers.causes.planted": planted}, tmp_path) == [
+        "trainbpf.analyzers.causes.planted.py:1 imports trainbpf.analyzers.findings.ranking (a later stage)"]
 
 
 def test_no_floor_imports_a_higher_one():

@@ -60,7 +60,7 @@ def read_everything(path: Path, tmp: Path) -> list[int]:
     """analyze (text, json), export and the health check's node metrics over `path`."""
     codes = [run("analyze", str(path))[0], run("analyze", str(path), "--format", "json")[0],
              run("export", str(path), "-o", str(tmp / "out.json"))[0]]
-    from trainbpf.analyzers.causes.node import node_metrics
+    from trainbpf.analyzers.timeline.node import node_metrics
     from trainbpf.trace.reader import read_trace
 
     try:

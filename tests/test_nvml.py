@@ -21,7 +21,7 @@ from kernel_env import require_root
 from scenario_harness import ROOT, fake_nvml_env, trainbpf_cli
 from test_fake_nvidia_smi import smi
 from synth import healthy, t
-from trainbpf.analyzers.causes.node import node_metrics
+from trainbpf.analyzers.timeline.node import node_metrics
 from trainbpf.reports.perfetto import run_export
 from trainbpf.reports.document import run_analyze
 from trainbpf.trace.reader import read_trace

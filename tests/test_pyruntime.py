@@ -12,7 +12,7 @@ import pytest
 
 from tests.kernel_env import PYENV, PYTHON_VERSIONS, python_interpreter, require_root
 from trainbpf.tracer.symbols import pyruntime
-from trainbpf.tracer.symbols.addrs import ElfSymbols
+from trainbpf.tracer.symbols.elf import ElfSymbols
 
 # A main thread in time.sleep (GIL released) and a second thread, so the list has two.
 WORKLOAD = ("import threading, time\n"

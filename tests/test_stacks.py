@@ -98,7 +98,7 @@ def test_frames_are_named_as_bcc_names_them():
     same address (libc exports aliases)."""
     from bcc import BPF  # the recorder's dependency; named on the CPU, no program loaded
 
-    from trainbpf.tracer.symbols.addrs import ProcMaps
+    from trainbpf.tracer.symbols.maps import ProcMaps
     from trainbpf.tracer.symbols.stacks import MappedFiles
 
     index = ProcMaps().of(os.getpid())

@@ -1,5 +1,5 @@
 """Meaningful column names per kind (Trace.view, schema.KIND_NAMES) and the category
-registry (analyzers/findings/categories.py): one record per category, every other table derived."""
+registry (analyzers/causes/categories.py): one record per category, every other table derived."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from synth import Synth, d, t
-from trainbpf.analyzers.findings.categories import (
+from trainbpf.analyzers.causes.categories import (
     BY_NAME,
     CATEGORIES,
     CHECK_CATEGORY,

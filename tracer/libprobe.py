@@ -15,13 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trainbpf.tracer.symbols.addrs import (
-    FUNCTION_KINDS,
-    ElfSymbols,
-    Mapping,
-    open_mapped,
-    parse_maps,
-)
+from trainbpf.tracer.symbols.elf import FUNCTION_KINDS, ElfSymbols
+from trainbpf.tracer.symbols.maps import Mapping, open_mapped, parse_maps
 from trainbpf.tracer.collector import Collector, ThreadTable
 
 

@@ -23,7 +23,8 @@ from trainbpf.trace.spool import SpoolWriter, combine, finalize, make_batch
 from trainbpf.tracer import access, loader, preflight, proctree
 from trainbpf.tracer.collectors import jobenv
 from trainbpf.tracer.samplers import procfs, taskstats
-from trainbpf.tracer.symbols.addrs import AddressDescriber, ProcMaps, futex_pairs
+from trainbpf.tracer.symbols.addrs import AddressDescriber, futex_pairs
+from trainbpf.tracer.symbols.maps import ProcMaps
 from trainbpf.tracer.collector import Collector, ThreadTable
 from trainbpf.tracer.settings import Settings
 from trainbpf.tracer.drain import DrainLoop

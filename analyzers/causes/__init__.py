@@ -1,1 +1,1 @@
-"""Stage 2: why a thread was not doing useful work: the cause of each blocked interval, wake-up chains, host work, NUMA placement and node pressure."""
+"""Stage 2 of the analysis: the cause of each stall.  The category registry (each cause a finding can name, with the evidence it quotes), attribution of blocked intervals, wake-up chains, the trainer's host work, NUMA placement."""

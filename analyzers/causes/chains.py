@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.causes.attribution import RunSplit
-from trainbpf.analyzers.findings.categories import (
+from trainbpf.analyzers.causes.categories import (
     CATEGORIES,
     CATEGORY_DTYPE,
     FUTEX_CATEGORY,

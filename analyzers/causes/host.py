@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.findings import evidence as ev
+from trainbpf.analyzers.causes import evidence as ev
 from trainbpf.analyzers.intervals import NS_PER_S, as_int64
 from trainbpf.analyzers.threads.states import clipped_lengths as clipped
 from trainbpf.analyzers.causes.stack_reading import (

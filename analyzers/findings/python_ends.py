@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.findings.categories import RUN_CATEGORY
+from trainbpf.analyzers.causes.categories import RUN_CATEGORY
 from trainbpf.analyzers.intervals import intersect
 from trainbpf.analyzers.causes.stack_reading import python_frame, stack_frames
 
 if TYPE_CHECKING:
-    from trainbpf.analyzers.findings.evidence import EvidenceContext
+    from trainbpf.analyzers.causes.evidence import EvidenceContext
 
 # Python frames a finding's evidence names at each end, leaf first (the recorder takes
 # at most 16).

@@ -8,7 +8,7 @@ mostly ran on a node other than the GPU's is (in that proportion) remote NUMA.
 
 A finding is numbers and names (share, seconds, severity, threads, chain, evidence, and
 with the CUDA probe's rows the seconds of launch gap it explains); the report layer writes its summary and recommendation from the category's record
-(analyzers/findings/categories.py).
+(analyzers/causes/categories.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.findings.categories import (
+from trainbpf.analyzers.causes.categories import (
     BY_NAME,
     CATEGORIES,
     CATEGORY_CODE,
@@ -29,7 +29,7 @@ from trainbpf.analyzers.findings.categories import (
 )
 from trainbpf.analyzers.causes.chains import interval_category_codes, is_followed
 from trainbpf.analyzers.timeline.cuda_calls import in_gaps_ns
-from trainbpf.analyzers.findings.evidence import (
+from trainbpf.analyzers.causes.evidence import (
     MAX_THREADS,
     EvidenceContext,
     contenders,

@@ -1,1 +1,1 @@
-"""Stage 5: a job of several ranks analysed as one: ranks, collectives, the straggler and the charge of waits to it, several traces joined."""
+"""Stage 6 (after one trainer's analysis, analyzers/trainer.py): a job of several ranks analysed as one: ranks, collectives, the straggler and the charge of waits to it, the join of ranks from one trace or several."""

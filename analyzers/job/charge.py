@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.findings.categories import CATEGORIES, CATEGORY_DTYPE
+from trainbpf.analyzers.causes.categories import CATEGORIES, CATEGORY_DTYPE
 from trainbpf.analyzers.findings.ranking import ATTRIBUTED_COLUMNS
 from trainbpf.analyzers.vocab import codes
 

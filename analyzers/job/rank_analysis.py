@@ -10,7 +10,7 @@ every rank, so the slow rank's cause explains the starved time of all of them.
 
 Here a trace's ranks are analysed and cut down to the small tables a join needs
 (join.RankTables); analyzers/job/join.py joins them, for one trace's ranks as for several
-traces' (analyzers/job/traces.py)."""
+traces' (analyzers/job_traces.py)."""
 
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-"""Stage 3: the GPU side: the host-side GPU timeline from CUDA calls and the GPU-starvation timeline against the GPU samples."""
+"""Stage 3: over time: the host-side GPU timeline from CUDA calls, the GPU-starvation timeline against the GPU samples, and the node-level values the health check grades."""

@@ -38,7 +38,7 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.causes.attribution import RunSplit
-from trainbpf.analyzers.findings.categories import CATEGORY_CODE
+from trainbpf.analyzers.causes.categories import CATEGORY_CODE
 from trainbpf.analyzers.causes.chains import interval_category_codes, is_followed
 from trainbpf.analyzers.timeline.cuda_calls import in_gaps_ns
 from trainbpf.analyzers.causes.host import HostSplit

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf.trace.spool import make_batch
-from trainbpf.tracer.symbols.addrs import Mapping
+from trainbpf.tracer.symbols.maps import Mapping
 from trainbpf.tracer.collector import array_values, bucket_batches, drain_hash, stack_ids
 from trainbpf.tracer.libprobe import LibraryCalls, LibraryCollector
 

@@ -43,7 +43,7 @@ def parse_psi(resource: str, text: bytes) -> dict[str, int]:
 class ProcSampler:
     """vmstat and PSI, as deltas since the previous sample (gauges as values), every
     `interval_ns` and at the stop.  The analysis sums them over the recording
-    (analyzers/causes/node.py), so a sample a second would only cost more: each costs ~0.2 ms
+    (analyzers/timeline/node.py), so a sample a second would only cost more: each costs ~0.2 ms
     of CPU with the caches cold.  The files stay open and are re-read from offset 0 (a
     /proc file is generated afresh on each read from the start), which halves that."""
 

@@ -22,7 +22,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainbpf.tracer.symbols.addrs import ElfError, ElfSymbols, open_mapped, parse_maps
+from trainbpf.tracer.symbols.elf import ElfError, ElfSymbols
+from trainbpf.tracer.symbols.maps import open_mapped, parse_maps
 
 DEBUG_COOKIE = b"xdebugpy"
 # Field order of _Py_DebugOffsets in 3.13 (Include/internal/pycore_runtime.h), each a

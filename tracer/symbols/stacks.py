@@ -17,14 +17,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trainbpf.trace.spool import make_batch
-from trainbpf.tracer.symbols.addrs import (
-    FUNCTION_KINDS,
-    ElfSymbols,
-    MapsIndex,
-    Mapping,
-    ProcMaps,
-    open_mapped,
-)
+from trainbpf.tracer.symbols.elf import FUNCTION_KINDS, ElfSymbols
+from trainbpf.tracer.symbols.maps import MapsIndex, Mapping, ProcMaps, open_mapped
 
 MAX_CACHED_NAMES = 65536
 MAX_HELD_FILES = 512  # descriptors kept open; beyond, a file is reopened by path after the stop

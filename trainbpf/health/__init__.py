@@ -6,7 +6,7 @@ processes holding a GPU device file open or whose command line matches a launche
 pattern), records one short trace (the targets' common process tree, or the whole
 machine when there is no target or the targets share no tree), analyses it per target
 (`trainbpf analyze`'s report) and for the node (run-queue latency, reclaim, dirty
-throttling, PSI, NUMA: trainbpf.analyzers.causes.node), grades every value against
+throttling, PSI, NUMA: trainbpf.analyzers.timeline.node), grades every value against
 warning/critical thresholds and writes a Prometheus textfile and a JSON document, each
 atomically.  The status is the exit code: 0 ok, 1 warning, 2 critical, 3 could not
 check.  A hard time limit bounds the run; probes never outlive it (bcc detaches them in

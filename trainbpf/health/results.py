@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from trainbpf.analyzers.findings.categories import CHECK_CATEGORY
+from trainbpf.analyzers.causes.categories import CHECK_CATEGORY
 from trainbpf.health.config import CRITICAL, OK, UNKNOWN, WARNING, HealthConfig, Threshold
 from trainbpf.health.targets import Target
 

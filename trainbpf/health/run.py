@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
-from trainbpf.analyzers.causes.node import node_check_values, node_metrics
+from trainbpf.analyzers.timeline.node import node_check_values, node_metrics
 from trainbpf.trace.errors import OutputError, TrainbpfError
 from trainbpf.health.config import (
     DEFAULT_LOCK_FILE,

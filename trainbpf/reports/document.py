@@ -1,5 +1,5 @@
 """The report layer: the JSON contract (docs/design.md §Trace contract), the sentences
-of the findings (from the category registry, analyzers/findings/categories.py), and `run_analyze`,
+of the findings (from the category registry, analyzers/causes/categories.py), and `run_analyze`,
 which `trainbpf analyze` calls.  Every renderer takes one `Report`: the analysis and its
 JSON document, built once (reports/text.py, reports/html.py, `render_json` here)."""
 
@@ -20,7 +20,7 @@ from trainbpf.analyzers.options import (
     check_gpu_idle_threshold,
 )
 from trainbpf.analyzers.pipeline import Analysis, analyze
-from trainbpf.analyzers.findings.categories import BY_NAME
+from trainbpf.analyzers.causes.categories import BY_NAME
 from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.threads.states import state_seconds
 from trainbpf.analyzers.vocab import ROLES

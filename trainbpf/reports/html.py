@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.pipeline import Analysis, observed_ns
-from trainbpf.analyzers.findings.categories import HOST_CATEGORY, REGISTRY
+from trainbpf.analyzers.causes.categories import HOST_CATEGORY, REGISTRY
 from trainbpf.analyzers.intervals import NS_PER_S, ClassTime, intersect
 from trainbpf.analyzers.vocab import STATES
 from trainbpf.reports.html_job import Lane, rank_section, trainer_lanes

@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.pipeline import Analysis, analyze
-from trainbpf.analyzers.findings.categories import CATEGORIES
+from trainbpf.analyzers.causes.categories import CATEGORIES
 from trainbpf.analyzers.job.join import JobResult
 from trainbpf.trace.memory import read_for_analysis
 from trainbpf.trace.safefile import OutputFile, check_output, write_new

@@ -1,4 +1,4 @@
-"""The report of several traces of one job (analyzers/job/traces.py): the JSON contract
+"""The report of several traces of one job (analyzers/job_traces.py): the JSON contract
 with the keys of one trace's report (docs/findings.md, "Several nodes") and the text
 report, from the same parts as one trace's (document.py, text.py, job.py here).
 `run_analyze_traces` is what `trainbpf analyze NODE0 NODE1 ...` calls."""
@@ -13,7 +13,7 @@ from trainbpf.analyzers.options import GPU_IDLE_THRESHOLD, ReportFormat, check_g
 from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.trace.errors import UsageError
 from trainbpf.reports.job import rank_lines, ranks_section, straggler_section
-from trainbpf.analyzers.job.traces import JobTraces, analyze_traces
+from trainbpf.analyzers.job_traces import JobTraces, analyze_traces
 from trainbpf.reports.document import REPORT_SCHEMA, findings_section, write_report
 from trainbpf.reports.text import as_text, finding_lines, starved_lines
 

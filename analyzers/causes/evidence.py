@@ -1,5 +1,5 @@
 """What findings quote as evidence: one builder per finding category (the registry in
-analyzers/findings/categories.py names each category's), each `(ctx, pieces, roots) -> dict` of
+analyzers/causes/categories.py names each category's), each `(ctx, pieces, roots) -> dict` of
 plain numbers, lists and names read from the trace frames (under their meaningful column
 names, trainbpf.trace.schema.KIND_NAMES) and the analyzer tables, over the analysed window."""
 
@@ -89,7 +89,7 @@ class EvidenceContext:
         return dict(self._named.get(int(tid)) or {"tid": int(tid), "comm": "", "role": "other"})
 
 
-# What each category's record names as its evidence (analyzers/findings/categories.py).
+# What each category's record names as its evidence (analyzers/causes/categories.py).
 Builder = Callable[[EvidenceContext, pd.DataFrame, list[int]], dict[str, Any]]
 
 

@@ -3,7 +3,7 @@
 
 A record says everything that is particular to its category: which of the trainer's
 states, on-CPU stall classes and futex classes stand for it; the evidence it quotes (a
-builder in analyzers/findings/evidence.py, returning numbers); whether it can be critical; the
+builder in analyzers/causes/evidence.py, returning numbers); whether it can be critical; the
 node checks of `trainbpf health` that point at it; and, for the report layer, its summary
 template, recommendation and colour.  The analyzers compute with the names and the
 evidence; only the report layer (trainbpf/reports/document.py, reports/html.py) writes the
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from trainbpf.analyzers.findings import evidence as ev
+from trainbpf.analyzers.causes import evidence as ev
 from trainbpf.analyzers.causes import host
 from trainbpf.analyzers.vocab import HOST_CLASSES, RUN_CLASSES, STATES
 
@@ -158,4 +158,4 @@ CHECK_CATEGORY: dict[str, str] = {check: c.name for c in REGISTRY for check in c
 
 if (set(STATE_CATEGORY) != set(STATES) - {"running"} or set(RUN_CATEGORY) != set(RUN_CLASSES)
         or set(HOST_CATEGORY) != set(HOST_CLASSES)):
-    raise RuntimeError("analyzers/findings/categories.py: every blocked state, run class and host class needs a category")
+    raise RuntimeError("analyzers/causes/categories.py: every blocked state, run class and host class needs a category")
