@@ -194,3 +194,13 @@ def test_the_check_sees_a_second_address(tmp_path):
         modules[name].write_text(text)
     assert second_addresses(modules, tmp_path) == [
         "trainbpf.tracer.user.py:1 takes make_batch from trainbpf.trace.face"]
+
+
+def test_pyproject_installs_every_folder_and_nothing_else():
+    """A folder missing from pyproject's packages is left out of a wheel (an editable
+    install would not show it); a listed one that is not a folder stops the install."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {module_name(init) for top in FOLDERS for init in (ROOT / top).rglob("__init__.py")}
+    assert listed == folders
