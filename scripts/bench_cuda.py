@@ -27,11 +27,14 @@ import time
 from pathlib import Path
 
 from trainbpf.tracer import loader
+from trainbpf.tracer.collector import ThreadTable
 from trainbpf.tracer.collectors.cuda import CudaCollector
 from trainbpf.tracer.settings import Settings
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+import benchlib as bl  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-BPF_STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
 
 
 class Dim3(ctypes.Structure):
@@ -46,20 +49,9 @@ def build_standin(out: Path) -> tuple[ctypes.CDLL, ctypes.CDLL]:
     return ctypes.CDLL(str(runtime)), ctypes.CDLL(str(runtime.parent / "../../cuda_driver/lib/libcuda.so.1"))
 
 
-def program_stats() -> tuple[int, int]:
-    """(run_time_ns, run_cnt) summed over this process's BPF programs."""
-    ns = runs = 0
-    for fd in os.listdir("/proc/self/fdinfo"):
-        try:
-            text = Path(f"/proc/self/fdinfo/{fd}").read_text()
-        except OSError:
-            continue
-        if "prog_type" not in text:
-            continue
-        fields = dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
-        ns += int(fields.get("run_time_ns", 0))
-        runs += int(fields.get("run_cnt", 0))
-    return ns, runs
+def bpf_run_ns() -> int:
+    """run_time_ns summed over this process's BPF programs."""
+    return sum(ns for _, ns in bl.program_stats(os.getpid()).values())
 
 
 def launch_rate(call, n: int) -> float:
@@ -67,6 +59,67 @@ def launch_rate(call, n: int) -> float:
     for _ in range(n):
         call()
     return n / (time.perf_counter() - t0)
+
+
+def measure_launches(kinds: dict, untraced: dict[str, float], launches: int, rounds: int) -> dict[str, float]:
+    """Each kind's in-kernel ns per launch (median of `rounds`), one printed row a kind."""
+    print(f"{'kind':36} {'untraced /s':>12} {'traced /s':>10} {'ratio':>6} {'in-kernel ns/launch':>20} "
+          f"{'range':>10}")
+    per_launch = {}
+    for name, call in kinds.items():
+        costs, rates = [], []
+        for _ in range(rounds):
+            ns0 = bpf_run_ns()
+            rates.append(launch_rate(call, launches))
+            costs.append((bpf_run_ns() - ns0) / launches)
+        per_launch[name] = statistics.median(costs)
+        rate = statistics.median(rates)
+        print(f"{name:36} {untraced[name]:12.0f} {rate:10.0f} {rate / untraced[name]:6.2f} "
+              f"{per_launch[name]:20.0f} {min(costs):5.0f}-{max(costs):.0f}")
+    return per_launch
+
+
+def stream_waits(bpf, rt: ctypes.CDLL, threads: int, per_thread: int) -> tuple[float, int]:
+    """`threads` threads each launching and synchronising `per_thread` times while the ring
+    buffer is drained as the recorder does: (seconds taken, events that arrived)."""
+    seen = 0
+    one, null = Dim3(1, 1, 1), ctypes.c_size_t(0)
+
+    def arrived(_ctx, _data, _size) -> None:
+        nonlocal seen
+        seen += 1
+
+    bpf["cuda_events"].open_ring_buffer(arrived)
+    stop, go = threading.Event(), threading.Event()
+
+    def drain() -> None:
+        while not stop.is_set():
+            bpf.ring_buffer_poll(100)
+
+    def synchronise(n: int) -> None:
+        loader.set_traced(bpf, threading.get_native_id(), os.getpid())
+        stream = ctypes.c_void_p(0x5151 + threading.get_native_id())
+        go.wait()
+        for _ in range(n):
+            rt.cudaLaunchKernel(None, one, one, None, null, stream)
+            rt.cudaStreamSynchronize(stream)
+
+    poller = threading.Thread(target=drain)
+    poller.start()
+    workers = [threading.Thread(target=synchronise, args=(per_thread,)) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    time.sleep(0.1)
+    t0 = time.perf_counter()
+    go.set()
+    for w in workers:
+        w.join()
+    wall = time.perf_counter() - t0
+    time.sleep(0.3)
+    stop.set()
+    poller.join()
+    bpf.ring_buffer_consume()
+    return wall, seen
 
 
 def main() -> int:
@@ -91,88 +144,37 @@ def main() -> int:
 
     settings = Settings(min_cuda_ns=0)  # every synchronisation streams, however short
     collector = CudaCollector(settings)
-    stats_before = BPF_STATS.read_text().strip()
-    BPF_STATS.write_text("1")
-    bpf = loader.load([collector], settings)
-    try:
-        loader.set_traced(bpf, threading.get_native_id(), os.getpid())
-        collector.scan(bpf)
-        print(f"machine: {os.uname().release}, {os.cpu_count()} CPUs; {args.launches} launches per kind, "
-              f"{args.rounds} rounds")
-        print(f"{'kind':36} {'untraced /s':>12} {'traced /s':>10} {'ratio':>6} {'in-kernel ns/launch':>20} "
-              f"{'range':>10}")
-        per_launch = {}
-        for name, call in kinds.items():
-            costs, rates = [], []
-            for _ in range(args.rounds):
-                ns0, _ = program_stats()
-                rates.append(launch_rate(call, args.launches))
-                ns1, _ = program_stats()
-                costs.append((ns1 - ns0) / args.launches)
-            per_launch[name] = statistics.median(costs)
-            rate = statistics.median(rates)
-            print(f"{name:36} {untraced[name]:12.0f} {rate:10.0f} {rate / untraced[name]:6.2f} "
-                  f"{per_launch[name]:20.0f} {min(costs):5.0f}-{max(costs):.0f}")
-        issued = 2 * args.launches * args.rounds
-        batches = collector.drain(bpf, 0, final=True)
-        counted, nested = (sum(int(b.column("count").to_numpy()[b.column("op").to_numpy() == op].sum())
-                               for b in batches) for op in (0, 1))
-        exact = counted == issued and nested == issued // 2  # one nested driver launch per runtime launch
-        print(f"launches issued {issued}, counted {counted} (+{nested} nested): {'exact' if exact else 'NOT exact'}")
-
-        seen = 0
-
-        def arrived(_ctx, _data, _size) -> None:
-            nonlocal seen
-            seen += 1
-
-        bpf["cuda_events"].open_ring_buffer(arrived)
-        stop = threading.Event()
-
-        def drain() -> None:
-            while not stop.is_set():
-                bpf.ring_buffer_poll(100)
-
-        poller = threading.Thread(target=drain)
-        poller.start()
-        drv.fakecuda_set_kernel_ns(ctypes.c_uint64(int(args.wait_us * 1000)))
-        per_thread = args.waits // args.threads
-        args.waits = per_thread * args.threads
-
-        def synchronise(n: int) -> None:
+    with bl.bpf_stats():
+        bpf = loader.load([collector], settings)
+        try:
             loader.set_traced(bpf, threading.get_native_id(), os.getpid())
-            stream = ctypes.c_void_p(0x5151 + threading.get_native_id())
-            go.wait()
-            for _ in range(n):
-                rt.cudaLaunchKernel(None, one, one, None, null, stream)
-                rt.cudaStreamSynchronize(stream)
-
-        go = threading.Event()
-        workers = [threading.Thread(target=synchronise, args=(per_thread,)) for _ in range(args.threads)]
-        for w in workers:
-            w.start()
-        time.sleep(0.1)
-        t0 = time.perf_counter()
-        go.set()
-        for w in workers:
-            w.join()
-        wall = time.perf_counter() - t0
-        time.sleep(0.3)
-        stop.set()
-        poller.join()
-        bpf.ring_buffer_consume()
-        lost = loader.lost_counts(bpf).get("cuda", 0)
-        # each synchronisation is streamed twice: the runtime call and the driver call inside it
-        print(f"waits: {args.waits} at {args.waits / wall:.0f}/s; events streamed {seen} of {2 * args.waits}, lost {lost}")
-        worst = max(per_launch.values())
-        print(f"summary: in-kernel cost per launch {' / '.join(f'{v:.0f}' for v in per_launch.values())} ns "
-              f"(driver / runtime, medians; target <= 300: {'met' if worst <= 300 else 'not met'}); "
-              f"waits at {args.waits / wall:.0f}/s "
-              f"({'>=' if args.waits / wall >= 10_000 else 'below'} 10k/s): "
-              f"{'none lost' if seen == 2 * args.waits and lost == 0 else 'EVENTS MISSING'}")
-    finally:
-        loader.detach(bpf)
-        BPF_STATS.write_text(stats_before)
+            threads = ThreadTable()  # the recorder's table, which the collector's scan reads the pids from
+            threads.tgid[threading.get_native_id()] = os.getpid()
+            collector.seeded(bpf, [], threads, 0)
+            print(f"machine: {os.uname().release}, {os.cpu_count()} CPUs; {args.launches} launches per kind, "
+                  f"{args.rounds} rounds")
+            per_launch = measure_launches(kinds, untraced, args.launches, args.rounds)
+            issued = 2 * args.launches * args.rounds
+            batches = collector.drain(bpf, 0, final=True)
+            counted, nested = (sum(int(b.column("count").to_numpy()[b.column("op").to_numpy() == op].sum())
+                                   for b in batches) for op in (0, 1))
+            exact = counted == issued and nested == issued // 2  # one nested driver launch per runtime launch
+            print(f"launches issued {issued}, counted {counted} (+{nested} nested): "
+                  f"{'exact' if exact else 'NOT exact'}")
+            drv.fakecuda_set_kernel_ns(ctypes.c_uint64(int(args.wait_us * 1000)))
+            per_thread = args.waits // args.threads
+            waits = per_thread * args.threads
+            wall, seen = stream_waits(bpf, rt, args.threads, per_thread)
+            lost = loader.lost_counts(bpf).get("cuda", 0)
+        finally:
+            loader.detach(bpf)
+    # each synchronisation is streamed twice: the runtime call and the driver call inside it
+    print(f"waits: {waits} at {waits / wall:.0f}/s; events streamed {seen} of {2 * waits}, lost {lost}")
+    worst = max(per_launch.values())
+    print(f"summary: in-kernel cost per launch {' / '.join(f'{v:.0f}' for v in per_launch.values())} ns "
+          f"(driver / runtime, medians; target <= 300: {'met' if worst <= 300 else 'not met'}); "
+          f"waits at {waits / wall:.0f}/s ({'>=' if waits / wall >= 10_000 else 'below'} 10k/s): "
+          f"{'none lost' if seen == 2 * waits and lost == 0 else 'EVENTS MISSING'}")
     return 0
 
 

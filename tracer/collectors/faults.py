@@ -5,7 +5,7 @@ The kernel counts every fault a task takes (minflt and majflt, fields 10 and 12 
 each thread's increase as a `faults` row spanning the time since the last read.  No
 program runs on a fault: a probe on page_fault_user cost each of the ~10^5 faults a
 second a training step takes 80-140 ns, more than any other probe on the benchmark
-trainer (docs/performance.md §1); reading a thread's counters costs ~3 µs.
+trainer (docs/performance.md, "Costs the code is shaped by"); reading a thread's counters costs ~3 µs.
 
 The counters hold faults taken from user space and those the kernel takes on user memory
 for the thread (a read() into a fresh buffer).  A thread born while recording starts
