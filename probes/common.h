@@ -3,14 +3,16 @@
  * Probes read only tracepoint fields and stable helpers, never kernel struct layouts:
  * bcc compiles against whatever headers are at hand (often older than the running
  * kernel), and a struct read through mismatched headers returns garbage.
- * Settings arrive as -D defines; the defaults below apply when a define is absent. */
+ * Settings and sizes arrive as -D defines from the loader (tracer/settings.py Settings,
+ * tracer/loader.py cflags); there are no defaults here, a missing one stops the build. */
 #ifndef TRAINBPF_COMMON_H
 #define TRAINBPF_COMMON_H
 
 #include <uapi/linux/ptrace.h>
 
+/* Threads traced at once: the size of every per-thread map (tracer/loader.py). */
 #ifndef MAX_THREADS
-#define MAX_THREADS 65536
+#error "MAX_THREADS must be defined by the loader"
 #endif
 /* Stacks: frames kept per stack and map entries (Settings.stack_frames, stack_entries).
  * The kernel walks no deeper than the map's value holds, so 32 frames instead of bcc's
@@ -18,21 +20,22 @@
  * give four times the entries: ids are never reused, so a stack whose hash lands on an
  * occupied bucket is lost (-EEXIST) for the whole recording, and fewer stacks collide. */
 #ifndef STACK_FRAMES
-#define STACK_FRAMES 32
+#error "STACK_FRAMES must be defined by the loader"
 #endif
 #ifndef STACK_ENTRIES
-#define STACK_ENTRIES 65536
+#error "STACK_ENTRIES must be defined by the loader"
 #endif
+/* Each probe's ring buffer, in pages: a power of two (Settings.ringbuf_pages). */
 #ifndef RINGBUF_PAGES
-#define RINGBUF_PAGES 512 /* per probe, must be a power of two */
+#error "RINGBUF_PAGES must be defined by the loader"
 #endif
 /* 1: every thread on the machine is traced (node-wide health check), except the
  * recorder's own process SELF_TGID. */
 #ifndef TRACE_ALL
-#define TRACE_ALL 0
+#error "TRACE_ALL must be defined by the loader"
 #endif
 #ifndef SELF_TGID
-#define SELF_TGID 0
+#error "SELF_TGID must be defined by the loader"
 #endif
 
 /* Index into `lost` of each probe (PROBE_SCHED, ...) and their number: declared once in

@@ -14,20 +14,21 @@
  * Launches have no return probe (a uretprobe costs several times the uprobe): a runtime
  * launch leaves a mark that the driver launch it makes within CUDA_NEST_JIFFIES consumes. */
 #ifndef MIN_CUDA_NS
-#define MIN_CUDA_NS 20000
+#error "MIN_CUDA_NS must be defined by the loader"
 #endif
 #ifndef CUDA_BUCKET_NS
-#define CUDA_BUCKET_NS 10000000
+#error "CUDA_BUCKET_NS must be defined by the loader"
 #endif
 #ifndef CUDA_NEST_JIFFIES
-#define CUDA_NEST_JIFFIES 25 /* tracer/collectors/cuda.py: a tenth of a second; a preemption between the probes is no new launch */
+#error "CUDA_NEST_JIFFIES must be defined by the loader"
 #endif
 #ifndef CUDA_LAUNCH_ENTRIES
-#define CUDA_LAUNCH_ENTRIES 65536
+#error "CUDA_LAUNCH_ENTRIES must be defined by the loader"
 #endif
 
 /* Layers (LAYER_RUNTIME, LAYER_DRIVER), call kinds (CUDA_LAUNCH, ...) and the calls
- * (CUDA_CALLS) come from tracer/collectors/cuda.py LAYERS, KINDS and CALLS. */
+ * (CUDA_CALLS, with where each one's arguments are) come from tracer/collectors/cuda.py LAYERS,
+ * KINDS and CALLS; the sizes and thresholds above from Settings and tracer/collectors/cuda.py. */
 #ifndef PROBE_CUDA
 #error "PROBE_CUDA must be defined by the loader"
 #endif
@@ -124,7 +125,7 @@ struct cuda_thread {
  * owner's bucket out (counts stay exact; two such threads launching on two CPUs at the
  * same moment could lose a count to the race). */
 #ifndef CUDA_THREAD_RECORDS
-#define CUDA_THREAD_RECORDS 16384 /* a power of two */
+#error "CUDA_THREAD_RECORDS must be defined by the loader"
 #endif
 BPF_ARRAY(cuda_threads, struct cuda_thread, CUDA_THREAD_RECORDS);
 
@@ -249,46 +250,10 @@ static __always_inline int cuda_return(struct pt_regs *ctx, u32 layer)
     return 0;
 }
 
-/* Where each call's stream (or pointer) and byte count are: ARGS_<symbol> gives the
- * argument numbers of both, 0 = none.  A symbol of CALLS without them fails to compile. */
-#define ARGS_cudaLaunchKernel 0, 0
-#define ARGS_cudaLaunchKernelExC 0, 0
-#define ARGS_cudaLaunchCooperativeKernel 0, 0
-#define ARGS_cudaGraphLaunch 0, 0
-#define ARGS_cudaStreamSynchronize 1, 0
-#define ARGS_cudaDeviceSynchronize 0, 0
-#define ARGS_cudaEventSynchronize 1, 0
-#define ARGS_cudaMemcpy 0, 3
-#define ARGS_cudaMemcpyAsync 5, 3
-#define ARGS_cudaMalloc 0, 2
-#define ARGS_cudaFree 1, 0
-#define ARGS_cuLaunchKernel 0, 0
-#define ARGS_cuLaunchKernelEx 0, 0
-#define ARGS_cuGraphLaunch 0, 0
-#define ARGS_cuStreamSynchronize 1, 0
-#define ARGS_cuCtxSynchronize 0, 0
-#define ARGS_cuEventSynchronize 1, 0
-#define ARGS_cuMemcpy 0, 3
-#define ARGS_cuMemcpyAsync 4, 3
-#define ARGS_cuMemcpyHtoD 0, 3
-#define ARGS_cuMemcpyHtoDAsync 4, 3
-#define ARGS_cuMemcpyDtoH 0, 3
-#define ARGS_cuMemcpyDtoHAsync 4, 3
-#define ARGS_cuMemcpyDtoD 0, 3
-#define ARGS_cuMemcpyDtoDAsync 4, 3
-#define ARGS_cuMemAlloc 0, 2
-#define ARGS_cuMemAllocAsync 3, 2
-#define ARGS_cuMemAllocHost 0, 2
-#define ARGS_cuMemAllocManaged 0, 2
-#define ARGS_cuMemFree 1, 0
-#define ARGS_cuMemFreeHost 1, 0
-#define ARGS_cuMemFreeAsync 2, 0
-
-/* One entry/return pair per call: CUDA_CALLS is CALL(symbol, call code, layer, kind) for
- * each, the call code being its position in CALLS. */
-#define CALL(sym, call, layer, kind) CALL_ARGS(sym, call, layer, kind, ARGS_##sym)
-#define CALL_ARGS(...) CALL_PAIR(__VA_ARGS__)
-#define CALL_PAIR(sym, call, layer, kind, arg_n, bytes_n)                                     \
+/* One entry/return pair per call: CUDA_CALLS is CALL(symbol, call code, layer, kind,
+ * stream argument, bytes argument) for each, from tracer/collectors/cuda.py CALLS (the call code
+ * being its position there; an argument number 0 reads nothing). */
+#define CALL(sym, call, layer, kind, arg_n, bytes_n)                                           \
     int enter_##sym(struct pt_regs *ctx)                                                       \
     {                                                                                          \
         return cuda_enter(ctx, call, layer, kind, uprobe_arg(ctx, arg_n), uprobe_arg(ctx, bytes_n)); \

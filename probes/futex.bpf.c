@@ -7,7 +7,7 @@
 #error "PROBE_FUTEX must be defined by the loader"
 #endif
 #ifndef MIN_FUTEX_NS
-#define MIN_FUTEX_NS 20000
+#error "MIN_FUTEX_NS must be defined by the loader"
 #endif
 
 #define FUTEX_CMD_MASK 0x7f

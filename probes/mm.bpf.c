@@ -3,7 +3,7 @@
  *   direct and memcg reclaim, compaction, NUMA task moves and page migrations,
  *   mmap/munmap/brk/madvise/mremap calls with sizes and durations. */
 #ifndef MIN_LOCK_NS
-#define MIN_LOCK_NS 10000
+#error "MIN_LOCK_NS must be defined by the loader"
 #endif
 
 /* The MM_* codes of mm_event.what, from tracer/collectors/mm.py WHAT. */

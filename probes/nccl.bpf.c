@@ -90,23 +90,10 @@ static __always_inline int nccl_return(struct pt_regs *ctx)
     return 0;
 }
 
-/* Where each call's communicator and element count are (nccl.h): ARGS_<symbol> gives
- * their argument numbers (common.h uprobe_arg; ncclReduce's comm is its 7th, on the
- * stack), 0 = none.  A symbol of CALLS without them fails to compile. */
-#define ARGS_ncclAllReduce 6, 3
-#define ARGS_ncclBroadcast 6, 3
-#define ARGS_ncclReduce 7, 3
-#define ARGS_ncclAllGather 5, 3
-#define ARGS_ncclReduceScatter 6, 3
-#define ARGS_ncclSend 5, 2
-#define ARGS_ncclRecv 5, 2
-#define ARGS_ncclGroupEnd 0, 0
-
-/* One entry/return pair per call: NCCL_CALLS is NCCL_CALL(symbol, call code) for each,
- * the call code being its position in CALLS. */
-#define NCCL_CALL(sym, call) NCCL_CALL_ARGS(sym, call, ARGS_##sym)
-#define NCCL_CALL_ARGS(...) NCCL_CALL_PAIR(__VA_ARGS__)
-#define NCCL_CALL_PAIR(sym, call, comm_n, elements_n)                                         \
+/* One entry/return pair per call: NCCL_CALLS is NCCL_CALL(symbol, call code, comm
+ * argument, element-count argument) for each, from tracer/collectors/nccl.py CALLS (the call code
+ * being its position there; arguments read with common.h uprobe_arg, 0 = none). */
+#define NCCL_CALL(sym, call, comm_n, elements_n)                                              \
     int enter_##sym(struct pt_regs *ctx)                                                      \
     {                                                                                         \
         return nccl_enter(call, uprobe_arg(ctx, comm_n), uprobe_arg(ctx, elements_n));        \

@@ -19,16 +19,18 @@
 #define TRAINBPF_PYFRAMES_H
 
 #ifndef PYTHON_FRAMES
-#define PYTHON_FRAMES 0
+#error "PYTHON_FRAMES must be defined by the loader"
 #endif
 #define PY_STACK_NONE -1
 
+/* The walk's sizes come from tracer/symbols/pystacks.py (PY_MAX_FRAMES, a power of two;
+ * PY_PROCESSES; PY_FRAME_BYTES) and the loader (PY_STACK_ENTRIES, PY_CPUS). */
 #if PYTHON_FRAMES
 #ifndef PY_MAX_FRAMES
-#define PY_MAX_FRAMES 16
+#error "PY_MAX_FRAMES must be defined by the loader"
 #endif
 #ifndef PY_STACK_ENTRIES
-#define PY_STACK_ENTRIES 16384
+#error "PY_STACK_ENTRIES must be defined by the loader"
 #endif
 #ifndef PY_CPUS
 #error "PY_CPUS must be defined by the loader"
@@ -37,11 +39,13 @@
 #error "PY_STACK_ID_BASE must be defined by the loader"
 #endif
 #ifndef PY_PROCESSES
-#define PY_PROCESSES 1024
+#error "PY_PROCESSES must be defined by the loader"
 #endif
-/* One read of this many bytes per frame holds every field the walk needs (the largest
- * offset + 8 is < 128 in 3.10 to 3.13); a power of two, so offsets can be masked. */
-#define PY_FRAME_BYTES 128
+/* Bytes read per frame, holding every field the walk needs; a power of two, so offsets
+ * can be masked (tracer/symbols/pystacks.py FRAME_WINDOW). */
+#ifndef PY_FRAME_BYTES
+#error "PY_FRAME_BYTES must be defined by the loader"
+#endif
 /* Entry frames owned by the C stack (3.12+) hold no Python code. */
 #define PY_FRAME_OWNED_BY_CSTACK 3
 

@@ -15,11 +15,12 @@
  * in a per-CPU slot; sched_exit_tp, next on that CPU, adds the stacks and emits it.
  * Elsewhere the stacks are taken at every switch-out. */
 #ifndef MIN_BLOCK_NS
-#define MIN_BLOCK_NS 20000
+#error "MIN_BLOCK_NS must be defined by the loader"
 #endif
 
+/* task_events' ring buffer, in pages (tracer/collectors/sched.py TASK_RINGBUF_PAGES). */
 #ifndef TASK_RINGBUF_PAGES
-#define TASK_RINGBUF_PAGES 64
+#error "TASK_RINGBUF_PAGES must be defined by the loader"
 #endif
 
 /* From tracer/collectors/sched.py: STATE_PREEMPTED (TASK_REPORT_MAX: switched out while runnable),
@@ -144,7 +145,7 @@ BPF_HASH(sched_threads, u32, struct sched_thread, MAX_THREADS);
 /* Drained whole at every flush, and a drain walks every bucket (~5 ns each, used or not):
  * sized by the loader for what one second can hold (SchedCollector.defines). */
 #ifndef SHORT_WAIT_ENTRIES
-#define SHORT_WAIT_ENTRIES MAX_THREADS
+#error "SHORT_WAIT_ENTRIES must be defined by the loader"
 #endif
 BPF_HASH(short_waits, struct short_key, struct short_sum, SHORT_WAIT_ENTRIES);
 /* Drained whole at every flush, like short_waits. */

@@ -53,17 +53,18 @@ def test_libraries_found_in_maps_once_per_file():
 
 def test_call_table_matches_the_probe():
     """The probe compiles CALLS as the loader passes them (CUDA_CALLS: each symbol with its
-    position as call code, its layer and kind, in the codes LAYER_* and CUDA_* name), and
-    knows where the arguments of exactly those symbols are (ARGS_<symbol>)."""
+    position as call code, its layer and kind, in the codes LAYER_* and CUDA_* name, and
+    where its arguments are), and keeps no table of its own."""
     defines = CudaCollector(Settings()).defines()
-    calls = re.findall(r"CALL\((\w+),(\d+),(\d+),(\d+)\)", str(defines["CUDA_CALLS"]))
+    calls = re.findall(r"CALL\((\w+),(\d+),(\d+),(\d+),(\d+),(\d+)\)", str(defines["CUDA_CALLS"]))
     layer_of = {defines[f"LAYER_{layer.upper()}"]: layer for layer in LAYERS}
     kind_of = {defines[f"CUDA_{kind.upper()}"]: kind for kind in KINDS}
-    assert [(name, int(code), layer_of[int(layer)], kind_of[int(kind)]) for name, code, layer, kind in calls] == [
-        (name, i, LAYERS[layer], KINDS[kind]) for i, (name, layer, kind) in enumerate(CALLS)
+    assert [(name, int(code), layer_of[int(layer)], kind_of[int(kind)], int(arg), int(size))
+            for name, code, layer, kind, arg, size in calls] == [
+        (c.name, i, LAYERS[c.layer], KINDS[c.kind], c.arg, c.bytes) for i, c in enumerate(CALLS)
     ]
     text = PROBE.read_text()
-    assert re.findall(r"^#define ARGS_(\w+) \d, \d$", text, re.M) == [name for name, _, _ in CALLS]
+    assert not re.findall(r"^#define ARGS_", text, re.M), "the argument table lives in tracer/collectors/cuda.py CALLS"
     assert re.search(r"^CUDA_CALLS$", text, re.M) and '#error "CUDA_CALLS must be defined by the loader"' in text
 
 

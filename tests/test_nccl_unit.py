@@ -12,7 +12,7 @@ import pyarrow as pa
 from standins import build_standin
 from trainbpf.trace.schema import KIND_NAMES, view_columns
 from trainbpf.tracer.settings import Settings
-from trainbpf.tracer.collectors.nccl import CALLS, NCCL_LIBRARIES, NcclCollector
+from trainbpf.tracer.collectors.nccl import CALL_INDEX, CALLS, NCCL_LIBRARIES, NcclCollector
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "probes" / "nccl.bpf.c"
@@ -48,25 +48,26 @@ def test_stand_in_exports_each_call_once(tmp_path):
     """NCCL's builds export every call twice, nccl* and pnccl* at one address: one probe
     each, under the base name, or every call would be counted twice."""
     library = build_standin("fake-nccl", tmp_path / "wheel")
-    assert NCCL_LIBRARIES.exported(str(library)) == sorted((name, name) for name in CALLS)
+    assert NCCL_LIBRARIES.exported(str(library)) == sorted((c.name, c.name) for c in CALLS)
 
 
 def test_call_table_matches_the_probe():
     """The probe compiles CALLS as the loader passes them (NCCL_CALLS: each symbol with its
-    position as call code) and knows where the arguments of exactly those symbols are."""
+    position as call code and where its arguments are), and keeps no table of its own."""
     defines = NcclCollector(Settings()).defines()
-    calls = re.findall(r"NCCL_CALL\((\w+),(\d+)\)", str(defines["NCCL_CALLS"]))
-    assert [(name, int(code)) for name, code in calls] == [(name, i) for i, name in enumerate(CALLS)]
+    calls = re.findall(r"NCCL_CALL\((\w+),(\d+),(\d+),(\d+)\)", str(defines["NCCL_CALLS"]))
+    assert [(name, *map(int, numbers)) for name, *numbers in calls] == [
+        (c.name, i, c.comm, c.elements) for i, c in enumerate(CALLS)]
     text = PROBE.read_text()
-    assert re.findall(r"^#define ARGS_(\w+) \d, \d$", text, re.M) == list(CALLS)
+    assert not re.findall(r"^#define ARGS_", text, re.M), "the argument table lives in tracer/collectors/nccl.py CALLS"
     assert re.search(r"^NCCL_CALLS$", text, re.M)
 
 
 def test_records_become_collective_rows():
     dtype = np.dtype([("ts_ns", "<u8"), ("dur_ns", "<u8"), ("seq", "<u8"), ("comm", "<u8"), ("elements", "<u8"),
                       ("ret", "<i8"), ("tid", "<u4"), ("pid", "<u4"), ("call", "<u4"), ("pad", "<u4")])
-    records = np.array([(100, 5_000_000, 0, 0x7f00dead0000, 1024, 0, 11, 10, CALLS.index("ncclAllReduce"), 0),
-                        (6_000_000, 40, 1, 0, 0, 5, 11, 10, CALLS.index("ncclGroupEnd"), 0)], dtype=dtype)
+    records = np.array([(100, 5_000_000, 0, 0x7f00dead0000, 1024, 0, 11, 10, CALL_INDEX["ncclAllReduce"], 0),
+                        (6_000_000, 40, 1, 0, 0, 5, 11, 10, CALL_INDEX["ncclGroupEnd"], 0)], dtype=dtype)
     (batch,) = NcclCollector(Settings()).decode("nccl_events", records)
     rows = pa.Table.from_batches([batch]).to_pylist()
     assert {r["kind"] for r in rows} == {"collective"}

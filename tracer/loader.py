@@ -27,6 +27,7 @@ from trainbpf.tracer.collector import (
     probe_defines,
 )
 from trainbpf.tracer.settings import Settings
+from trainbpf.tracer.symbols import pystacks
 from trainbpf.tracer.collectors.cuda import CudaCollector
 from trainbpf.tracer.collectors.faults import FaultsCollector
 from trainbpf.tracer.collectors.futex import FutexCollector
@@ -48,6 +49,9 @@ BTF_VMLINUX = Path("/sys/kernel/btf/vmlinux")
 KALLSYMS = Path("/proc/kallsyms")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 MAX_RECORD_BYTES = 128  # the largest event struct plus the ring buffer's 8-byte header, rounded up
+# Threads one recording traces at once: every per-thread map (the traced set, the probes'
+# entries in flight) holds this many, preallocated.
+MAX_THREADS = 65536
 
 
 def probes_dir() -> Path:
@@ -153,12 +157,10 @@ def cflags(collectors: list[Collector], settings: Settings, tracefs: Path) -> li
     py_cpus, py_stack_entries = py_stack_table()
     defines: dict[str, int | str] = {
         **probe_defines(),
-        "RINGBUF_PAGES": settings.ringbuf_pages,
-        "TRACE_ALL": int(settings.trace_all),
+        **settings.defines(),
+        "MAX_THREADS": MAX_THREADS,
         "SELF_TGID": os.getpid(),
-        "STACK_FRAMES": settings.stack_frames,
-        "STACK_ENTRIES": settings.stack_entries,
-        "PYTHON_FRAMES": int(settings.python_frames),
+        **pystacks.probe_defines(),
         "PY_CPUS": py_cpus,
         "PY_STACK_ENTRIES": py_stack_entries,
         "PY_STACK_ID_BASE": PY_STACK_ID_BASE,

@@ -1,11 +1,11 @@
 """What a recording can be told, each default declared once: the probes' thresholds and
-sizes (each becomes a -D define) and the GPU sampling modes.  Light to import: the CLI
-reads its option defaults from here."""
+sizes (those the probes take reach them as -D defines, Settings.defines) and the GPU
+sampling modes.  Light to import: the CLI reads its option defaults from here."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, NoReturn
 
 from trainbpf.trace.errors import UsageError
@@ -78,25 +78,40 @@ LIMITS = {
 }
 
 
+def _number(default: int, define: str = "") -> Any:
+    """A setting the trace's metadata records under `thresholds`; `define`: the -D name the
+    probes take it by ("" where only the collector reads it)."""
+    return field(default=default, metadata={"threshold": True, "define": define})
+
+
+def _switch(default: bool, define: str) -> Any:
+    """An on/off setting the probes take as -D `define` (0 or 1)."""
+    return field(default=default, metadata={"define": define})
+
+
 @dataclass(frozen=True)
 class Settings:
-    """Recording thresholds and sizes; each becomes a -D define for the probes."""
+    """Recording thresholds and sizes; each the probes use becomes a -D define."""
 
-    min_block_ns: int = 20_000
-    min_futex_ns: int = 20_000
-    min_lock_ns: int = 10_000
-    oncpu_hz: int = 199
-    fault_bucket_ns: int = 100_000_000
-    min_cuda_ns: int = 20_000  # CUDA waits, copies and allocations streamed from this long
-    cuda_bucket_ns: int = 10_000_000  # CUDA launches counted per thread and bucket this wide
-    cuda_thread_records: int = 16384  # launching threads' current buckets, at tid % this (a power of two)
-    ringbuf_pages: int = 512
-    stack_frames: int = 32  # frames kept per stack: the kernel walks no deeper (probes/common.h)
-    stack_entries: int = 65536  # stacks the kernel's stack map holds
-    hz: int = 250
-    trace_all: bool = False
-    python_frames: bool = True  # walk CPython frames where user stacks are taken (probes/pyframes.h)
-    exec_leaves: bool = False  # under sudo: an exec takes a process out of the traced set (tracer/access.py)
+    min_block_ns: int = _number(20_000, "MIN_BLOCK_NS")
+    min_futex_ns: int = _number(20_000, "MIN_FUTEX_NS")
+    min_lock_ns: int = _number(10_000, "MIN_LOCK_NS")
+    oncpu_hz: int = _number(199)  # the perf event's sampling frequency
+    fault_bucket_ns: int = _number(100_000_000)  # how often the collector reads fault counters
+    min_cuda_ns: int = _number(20_000, "MIN_CUDA_NS")  # CUDA waits, copies and allocations streamed from this long
+    cuda_bucket_ns: int = _number(10_000_000, "CUDA_BUCKET_NS")  # CUDA launches counted per thread and bucket this wide
+    # launching threads' current buckets, at tid % this (a power of two)
+    cuda_thread_records: int = _number(16384, "CUDA_THREAD_RECORDS")
+    ringbuf_pages: int = _number(512, "RINGBUF_PAGES")  # per probe's ring buffer
+    # frames kept per stack: the kernel walks no deeper (probes/common.h)
+    stack_frames: int = _number(32, "STACK_FRAMES")
+    stack_entries: int = _number(65536, "STACK_ENTRIES")  # stacks the kernel's stack map holds
+    hz: int = _number(250)  # the kernel's tick rate (CONFIG_HZ)
+    trace_all: bool = _switch(False, "TRACE_ALL")  # every thread on the machine (node-wide health check)
+    # walk CPython frames where user stacks are taken (probes/pyframes.h)
+    python_frames: bool = _switch(True, "PYTHON_FRAMES")
+    # under sudo: an exec takes a process out of the traced set (tracer/access.py)
+    exec_leaves: bool = _switch(False, "EXEC_LEAVES")
 
     def __post_init__(self) -> None:
         for name, limit in LIMITS.items():
@@ -119,17 +134,9 @@ class Settings:
         return cls(**values)
 
     def thresholds(self) -> dict[str, int]:
-        return {
-            "min_block_ns": self.min_block_ns,
-            "min_futex_ns": self.min_futex_ns,
-            "min_lock_ns": self.min_lock_ns,
-            "oncpu_hz": self.oncpu_hz,
-            "fault_bucket_ns": self.fault_bucket_ns,
-            "min_cuda_ns": self.min_cuda_ns,
-            "cuda_bucket_ns": self.cuda_bucket_ns,
-            "cuda_thread_records": self.cuda_thread_records,
-            "ringbuf_pages": self.ringbuf_pages,
-            "stack_frames": self.stack_frames,
-            "stack_entries": self.stack_entries,
-            "hz": self.hz,
-        }
+        """The numbers the trace's metadata records, in declaration order."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("threshold")}
+
+    def defines(self) -> dict[str, int]:
+        """The -D defines of the settings the probes take (booleans as 0 or 1)."""
+        return {f.metadata["define"]: int(getattr(self, f.name)) for f in fields(self) if f.metadata.get("define")}

@@ -5,6 +5,7 @@ traced processes map (found and attached as tracer/libprobe.py finds them)."""
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -16,32 +17,59 @@ from trainbpf.tracer.libprobe import LibraryCalls, LibraryCollector
 
 LAYERS = ("runtime", "driver")
 KINDS = ("launch", "wait", "copy", "alloc", "free")
-# (symbol, layer, kind); the position is the call code.  The probe compiles an entry and a
-# return program for each (CUDA_CALLS, call_list()).
-CALLS: tuple[tuple[str, int, int], ...] = (
-    ("cudaLaunchKernel", 0, 0), ("cudaLaunchKernelExC", 0, 0), ("cudaLaunchCooperativeKernel", 0, 0),
-    ("cudaGraphLaunch", 0, 0), ("cudaStreamSynchronize", 0, 1), ("cudaDeviceSynchronize", 0, 1),
-    ("cudaEventSynchronize", 0, 1), ("cudaMemcpy", 0, 2), ("cudaMemcpyAsync", 0, 2), ("cudaMalloc", 0, 3),
-    ("cudaFree", 0, 4),
-    ("cuLaunchKernel", 1, 0), ("cuLaunchKernelEx", 1, 0), ("cuGraphLaunch", 1, 0),
-    ("cuStreamSynchronize", 1, 1), ("cuCtxSynchronize", 1, 1), ("cuEventSynchronize", 1, 1),
-    ("cuMemcpy", 1, 2), ("cuMemcpyAsync", 1, 2), ("cuMemcpyHtoD", 1, 2), ("cuMemcpyHtoDAsync", 1, 2),
-    ("cuMemcpyDtoH", 1, 2), ("cuMemcpyDtoHAsync", 1, 2), ("cuMemcpyDtoD", 1, 2), ("cuMemcpyDtoDAsync", 1, 2),
-    ("cuMemAlloc", 1, 3), ("cuMemAllocAsync", 1, 3), ("cuMemAllocHost", 1, 3), ("cuMemAllocManaged", 1, 3),
-    ("cuMemFree", 1, 4), ("cuMemFreeHost", 1, 4), ("cuMemFreeAsync", 1, 4),
-)
+
+
+class CudaCall(NamedTuple):
+    """One probed call.  `arg` and `bytes` are the positions (from 1; 0: none) of its
+    stream (event for event waits, pointer for frees) and byte-count arguments."""
+
+    name: str
+    layer: int  # index into LAYERS
+    kind: int  # index into KINDS
+    arg: int
+    bytes: int
+
+
+# The calls probed, declared only here; the position is the call code.  The probe compiles
+# an entry and a return program for each from the CUDA_CALLS define (call_list()).
+# Launches read no argument (they are only counted; cuLaunchKernel's stream is the 9th).
+CALLS: tuple[CudaCall, ...] = tuple(CudaCall(*call) for call in (
+    ("cudaLaunchKernel", 0, 0, 0, 0), ("cudaLaunchKernelExC", 0, 0, 0, 0),
+    ("cudaLaunchCooperativeKernel", 0, 0, 0, 0), ("cudaGraphLaunch", 0, 0, 0, 0),
+    ("cudaStreamSynchronize", 0, 1, 1, 0), ("cudaDeviceSynchronize", 0, 1, 0, 0),
+    ("cudaEventSynchronize", 0, 1, 1, 0), ("cudaMemcpy", 0, 2, 0, 3), ("cudaMemcpyAsync", 0, 2, 5, 3),
+    ("cudaMalloc", 0, 3, 0, 2), ("cudaFree", 0, 4, 1, 0),
+    ("cuLaunchKernel", 1, 0, 0, 0), ("cuLaunchKernelEx", 1, 0, 0, 0), ("cuGraphLaunch", 1, 0, 0, 0),
+    ("cuStreamSynchronize", 1, 1, 1, 0), ("cuCtxSynchronize", 1, 1, 0, 0), ("cuEventSynchronize", 1, 1, 1, 0),
+    ("cuMemcpy", 1, 2, 0, 3), ("cuMemcpyAsync", 1, 2, 4, 3), ("cuMemcpyHtoD", 1, 2, 0, 3),
+    ("cuMemcpyHtoDAsync", 1, 2, 4, 3), ("cuMemcpyDtoH", 1, 2, 0, 3), ("cuMemcpyDtoHAsync", 1, 2, 4, 3),
+    ("cuMemcpyDtoD", 1, 2, 0, 3), ("cuMemcpyDtoDAsync", 1, 2, 4, 3),
+    ("cuMemAlloc", 1, 3, 0, 2), ("cuMemAllocAsync", 1, 3, 3, 2), ("cuMemAllocHost", 1, 3, 0, 2),
+    ("cuMemAllocManaged", 1, 3, 0, 2),
+    ("cuMemFree", 1, 4, 1, 0), ("cuMemFreeHost", 1, 4, 1, 0), ("cuMemFreeAsync", 1, 4, 2, 0),
+))
 # The slots of a thread's current bucket in the probe (cuda_thread): (name, layer, nested).
 LAUNCH_SLOTS = (("runtime", 0, 0), ("driver", 1, 0), ("nested", 1, 1))
-CALL_INDEX = {name: i for i, (name, _, _) in enumerate(CALLS)}
+# Finished (thread, bucket, layer, nesting) launch counts the probe's hash holds between two
+# drains: a hundred 10 ms buckets a second in three slots for each of ~200 launching threads.
+LAUNCH_ENTRIES = 65536
+CALL_INDEX = {call.name: i for i, call in enumerate(CALLS)}
 # A base name and any exported versioned aliases of it.
-SYMBOL_RE = r"^(" + "|".join(n for n, _, _ in CALLS) + r")((_v2|_v3)?(_ptsz|_ptds)?)$"
+SYMBOL_RE = r"^(" + "|".join(call.name for call in CALLS) + r")((_v2|_v3)?(_ptsz|_ptds)?)$"
 LIBRARY_RE = re.compile(r"/lib(cudart|cuda)\.so(\.\d+)*$")
 CUDA_LIBRARIES = LibraryCalls(LIBRARY_RE, "/libcud", SYMBOL_RE)
 
 
 def call_list() -> str:
-    """CALLS as the probe's CUDA_CALLS define: CALL(symbol,code,layer,kind) for each."""
-    return "".join(f"CALL({name},{code},{layer},{kind})" for code, (name, layer, kind) in enumerate(CALLS))
+    """CALLS as the probe's CUDA_CALLS define: CALL(symbol,code,layer,kind,arg,bytes) for each."""
+    return "".join(f"CALL({c.name},{code},{c.layer},{c.kind},{c.arg},{c.bytes})" for code, c in enumerate(CALLS))
+
+
+def nest_jiffies(hz: int) -> int:
+    """Kernel ticks a runtime launch's mark waits for the driver launch it makes (the
+    probe's CUDA_NEST_JIFFIES): a tenth of a second, as the thread can be preempted
+    between the two probes (4 ms was seen too short) and a preemption is no new launch."""
+    return max(1, hz // 10)
 
 
 def base_name(symbol: str) -> str | None:
@@ -86,11 +114,7 @@ class CudaCollector(LibraryCollector):
     calls = CUDA_LIBRARIES
 
     def defines(self) -> dict[str, int | str]:
-        return {"MIN_CUDA_NS": self.settings.min_cuda_ns, "CUDA_BUCKET_NS": self.settings.cuda_bucket_ns,
-                "CUDA_THREAD_RECORDS": self.settings.cuda_thread_records,
-                # a runtime launch's mark waits this many ticks for its driver launch: the
-                # thread can be preempted between the two probes (4 ms was seen too short)
-                "CUDA_NEST_JIFFIES": max(1, self.settings.hz // 10),
+        return {"CUDA_NEST_JIFFIES": nest_jiffies(self.settings.hz), "CUDA_LAUNCH_ENTRIES": LAUNCH_ENTRIES,
                 **{f"LAYER_{layer.upper()}": i for i, layer in enumerate(LAYERS)},
                 **{f"CUDA_{kind.upper()}": i for i, kind in enumerate(KINDS)},
                 "CUDA_CALLS": call_list(), "CUDA_SLOTS": len(LAUNCH_SLOTS),
@@ -98,12 +122,12 @@ class CudaCollector(LibraryCollector):
 
     def attach_call(self, bpf, opened: str, sym: str, base: str) -> None:
         bpf.attach_uprobe(name=opened, sym=sym, fn_name=f"enter_{base}")
-        if KINDS[CALLS[CALL_INDEX[base]][2]] != "launch":  # launches are only counted, at entry
+        if KINDS[CALLS[CALL_INDEX[base]].kind] != "launch":  # launches are only counted, at entry
             bpf.attach_uretprobe(name=opened, sym=sym, fn_name=f"return_{base}")
 
     def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
-        names = [CALLS[c][0] for c in r["call"].tolist()]
-        kinds = [KINDS[CALLS[c][2]] for c in r["call"].tolist()]
+        names = [CALLS[c].name for c in r["call"].tolist()]
+        kinds = [KINDS[CALLS[c].kind] for c in r["call"].tolist()]
         return [
             make_batch(
                 "cuda_call",

@@ -16,9 +16,6 @@ class FutexCollector(Collector):
     optional_tracepoints = ("syscalls:sys_enter_futex_wait", "syscalls:sys_enter_futex_waitv")
     ringbufs = ("futex_events",)
 
-    def defines(self) -> dict[str, int]:
-        return {"MIN_FUTEX_NS": self.settings.min_futex_ns}
-
     def forget(self, bpf, tids: list[int]) -> None:
         """An exited thread's entry (futex.bpf.c keeps one per thread)."""
         delete_keys(bpf["futex_waiting"], tids)

@@ -44,7 +44,7 @@ class MmCollector(Collector):
     ringbufs = ("mm_events",)
 
     def defines(self) -> dict[str, int]:
-        return {"MIN_LOCK_NS": self.settings.min_lock_ns, **{f"MM_{name}": code for name, code in WHAT.items()}}
+        return {f"MM_{name}": code for name, code in WHAT.items()}
 
     def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
         what = r["what"]

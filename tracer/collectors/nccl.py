@@ -6,6 +6,7 @@ included; found and attached as tracer/libprobe.py finds them)."""
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -14,21 +15,35 @@ from trainbpf.trace.spool import make_batch
 from trainbpf.tracer.collector import delete_keys
 from trainbpf.tracer.libprobe import LibraryCalls, LibraryCollector
 
-# The calls probed; the position is the call code.  The probe compiles an entry and a
-# return program for each (NCCL_CALLS, call_list()).  ncclGroupEnd is where calls made
-# between ncclGroupStart and it run (and wait).
-CALLS = ("ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather", "ncclReduceScatter",
-         "ncclSend", "ncclRecv", "ncclGroupEnd")
+
+
+class NcclCall(NamedTuple):
+    """One probed call: the positions (from 1; 0: none) of its ncclComm_t and element-count
+    arguments (nccl.h; ncclReduce's comm, the 7th, is read from the stack)."""
+
+    name: str
+    comm: int
+    elements: int
+
+
+# The calls probed, declared only here; the position is the call code.  The probe compiles
+# an entry and a return program for each from the NCCL_CALLS define (call_list()).
+# ncclGroupEnd is where calls made between ncclGroupStart and it run (and wait).
+CALLS: tuple[NcclCall, ...] = tuple(NcclCall(*call) for call in (
+    ("ncclAllReduce", 6, 3), ("ncclBroadcast", 6, 3), ("ncclReduce", 7, 3), ("ncclAllGather", 5, 3),
+    ("ncclReduceScatter", 6, 3), ("ncclSend", 5, 2), ("ncclRecv", 5, 2), ("ncclGroupEnd", 0, 0),
+))
+CALL_INDEX = {call.name: i for i, call in enumerate(CALLS)}
 # A call, or its profiling alias pnccl* (the same function in NCCL's builds).
-SYMBOL_RE = r"^p?(" + "|".join(CALLS) + r")$"
+SYMBOL_RE = r"^p?(" + "|".join(CALL_INDEX) + r")$"
 # libnccl.so, libnccl.so.2, libnccl.so.2.21.5; not plugins such as libnccl-net.so.
 LIBRARY_RE = re.compile(r"/libnccl\.so(\.\d+)*$")
 NCCL_LIBRARIES = LibraryCalls(LIBRARY_RE, "/libnccl", SYMBOL_RE)
 
 
 def call_list() -> str:
-    """CALLS as the probe's NCCL_CALLS define: NCCL_CALL(symbol,code) for each."""
-    return "".join(f"NCCL_CALL({name},{code})" for code, name in enumerate(CALLS))
+    """CALLS as the probe's NCCL_CALLS define: NCCL_CALL(symbol,code,comm,elements) for each."""
+    return "".join(f"NCCL_CALL({c.name},{code},{c.comm},{c.elements})" for code, c in enumerate(CALLS))
 
 
 class NcclCollector(LibraryCollector):
@@ -57,7 +72,7 @@ class NcclCollector(LibraryCollector):
                     "dur_ns": r["dur_ns"].astype(np.int64),
                     "tid": r["tid"].astype(np.int32),
                     "pid": r["pid"].astype(np.int32),
-                    "name": [CALLS[c] for c in r["call"].tolist()],
+                    "name": [CALLS[c].name for c in r["call"].tolist()],
                     "op": r["seq"].astype(np.int32),
                     "addr": r["comm"],
                     "size": r["elements"].astype(np.int64),

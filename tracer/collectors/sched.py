@@ -46,6 +46,9 @@ SHORT_WAIT_ENTRIES_NODE = 65536
 # preemptions), likewise drained whole at each flush; past it, preemptions count as lost.
 PREEMPTION_ENTRIES = 4096
 PREEMPTION_ENTRIES_NODE = 16384
+# task_events' ring buffer, in pages: forks, execs, renames and exits are few beside the
+# switches sched_events carries, and 256 KiB holds thousands between two flushes.
+TASK_RINGBUF_PAGES = 64
 
 # Live threads up to which open_intervals looks each one up rather than reading the maps
 # whole (a read walks all MAX_THREADS buckets; a lookup costs a few µs).
@@ -98,10 +101,9 @@ class SchedCollector(Collector):
         self.peer_tgids: dict[int, int] = {}
 
     def defines(self) -> dict[str, int]:
-        return {"MIN_BLOCK_NS": self.settings.min_block_ns, "STATE_PREEMPTED": STATE_PREEMPTED,
+        return {"STATE_PREEMPTED": STATE_PREEMPTED, "TASK_RINGBUF_PAGES": TASK_RINGBUF_PAGES,
                 "SHORT_WAIT_ENTRIES": SHORT_WAIT_ENTRIES_NODE if self.settings.trace_all else SHORT_WAIT_ENTRIES,
                 "PREEMPTION_ENTRIES": PREEMPTION_ENTRIES_NODE if self.settings.trace_all else PREEMPTION_ENTRIES,
-                "EXEC_LEAVES": int(self.settings.exec_leaves),
                 **{f"TASK_{what.upper()}": code for code, what in TASK_WHAT.items()}}
 
     def on_batch(self, ringbuf: str, records: np.ndarray, threads: ThreadTable) -> None:

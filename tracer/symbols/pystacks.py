@@ -27,7 +27,17 @@ from trainbpf.tracer.symbols.pycode import CodeNamer
 
 THREAD_LOOKS = 5  # flushes a thread is looked for in its interpreter's thread list
 ATTACH_TRIES = 3  # flushes a CPython whose layout was refused is tried again
-FRAME_WINDOW = 128  # probes/pyframes.h PY_FRAME_BYTES: one read per frame
+# The kernel walk's constants (probes/pyframes.h, passed as -D by the loader):
+# one read of FRAME_WINDOW bytes per frame holds every field the walk needs (the largest
+# offset + 8 is < 128 in 3.10 to 3.13); a power of two, so offsets can be masked.
+FRAME_WINDOW = 128
+MAX_FRAMES = 16  # Python frames kept per stack; a power of two, so the walk can mask its index
+PROCESSES = 1024  # Python processes whose frame layouts the kernel holds
+
+
+def probe_defines() -> dict[str, int]:
+    """The -D defines of the walk's constants: PY_FRAME_BYTES, PY_MAX_FRAMES, PY_PROCESSES."""
+    return {"PY_FRAME_BYTES": FRAME_WINDOW, "PY_MAX_FRAMES": MAX_FRAMES, "PY_PROCESSES": PROCESSES}
 
 
 def kernel_layout(proc: pyruntime.PyProcess, leaf) -> None:
