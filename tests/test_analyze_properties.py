@@ -11,9 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from report_contract import validate_report
+from trainbpf.analyze_options import Window
 from trainbpf.analyzers import CATEGORIES, analyze, observed_ns
 from trainbpf.analyzers.findings import MIN_FINDING_NS
-from trainbpf.report import Report, build_report, render_text
+from trainbpf.report import Report, build_report
+from trainbpf.text_report import render_text
 from trainbpf.schema import SCHEMA_ID, TRACE_SCHEMA
 from trainbpf.tracefile import Trace, make_batch
 
@@ -77,14 +79,13 @@ def build_trace(tables: dict, with_clock: bool, trainer: int | None) -> Trace:
     tables=TABLES,
     with_clock=st.booleans(),
     trainer=st.one_of(st.none(), st.sampled_from(TIDS)),
-    threshold=st.floats(0, 100),
-    window=st.one_of(st.none(), st.tuples(st.floats(0, 0.9), st.floats(1.0, 3.0))),
+    window=st.one_of(st.none(), st.builds(Window, st.floats(0, 0.9), st.floats(1.0, 3.0))),
 )
-def test_random_tables(tables, with_clock, trainer, threshold, window):
+def test_random_tables(tables, with_clock, trainer, window):
     trace = build_trace(tables, with_clock, trainer)
     if window is not None and not with_clock:
         window = None  # the span then depends on the rows; keep the window valid
-    a = analyze(trace, gpu_idle_threshold=threshold, window=window)
+    a = analyze(trace, window=window)
 
     shares = a.findings["share"].to_numpy()
     assert ((shares >= 0) & (shares <= 1)).all()

@@ -16,6 +16,7 @@ import pytest
 from kernel_env import require_root
 from trainbpf.analyzers.cuda import (BURST_COLUMNS, GAP_COLUMNS, STEP_COLUMNS, WAIT_COLUMNS, gpu_bound_ns,
                                      gpu_waits, launch_bursts, launch_gaps, split_at_waits, step_summary, steps)
+from trainbpf.analyze_options import Window
 from trainbpf.analyzers import analyze
 from trainbpf.analyzers.intervals import Span
 
@@ -263,7 +264,7 @@ def test_launch_gaps_filled_by_host_work_without_gpu_samples(tmp_path):
     trainer = truth["trainer"]
     whole = analyze(data, trainer_tid=trainer)
     lo, hi = truth["steps"][0][0], truth["steps"][-1][1]
-    a = analyze(data, trainer_tid=trainer, window=((lo - whole.span.start_ns) / 1e9, (hi - whole.span.start_ns) / 1e9))
+    a = analyze(data, trainer_tid=trainer, window=_seconds_window(whole, lo, hi))
     print(f"\nhost-bound s: truth {truth['host_ns'] / 1e9:.3f} measured {a.host_bound_ns / 1e9:.3f}; "
           f"starved s {a.starved_ns / 1e9:.3f}; findings {a.findings[['category', 'seconds']].values.tolist()}")
     assert a.basis == "trainer_not_running" and a.uses_cuda
@@ -322,8 +323,7 @@ def test_fine_grained_trainer_matches_the_truth(tmp_path):
     # The whole analysis over the steps: the estimator leaves the GPU waits out of the
     # starved time (GPU-bound) and counts the data waits against the samples' idle time.
     whole = analyze(data, trainer_tid=trainer)
-    analysis = analyze(data, trainer_tid=trainer,
-                       window=((lo - whole.span.start_ns) / 1e9, (hi - whole.span.start_ns) / 1e9))
+    analysis = analyze(data, trainer_tid=trainer, window=_seconds_window(whole, lo, hi))
     print(f"analysis: GPU-bound s {analysis.gpu_bound_ns / 1e9:.3f}, starved s {analysis.starved_ns / 1e9:.3f}, "
           f"steps {analysis.cuda_steps['steps']}, not counted s {analysis.unwoken_idle_ns / 1e9:.3f}")
     assert analysis.uses_cuda and analysis.unwoken_idle_ns == 0.0
@@ -332,15 +332,26 @@ def test_fine_grained_trainer_matches_the_truth(tmp_path):
     stalls = analysis.starved_ns - analysis.host_bound_ns
     assert _within(stalls, truth["data_wait_ns"]), (stalls, truth["data_wait_ns"])
     assert _within(analysis.cuda_steps["steps"], truth["step_count"])
+    _reports_count_the_trainers_cuda_calls(whole, analysis, truth)
 
-    # Every report carries it: the JSON `cuda` section, the text line, the HTML and
-    # Perfetto tracks count the trainer's launches and waits exactly.
+
+def _seconds_window(whole, lo: int, hi: int) -> Window:
+    """The window [lo, hi) (monotonic ns) in seconds from the start of the trace `whole` covers."""
+    return Window((lo - whole.span.start_ns) / 1e9, (hi - whole.span.start_ns) / 1e9)
+
+
+def _reports_count_the_trainers_cuda_calls(whole, analysis, truth) -> None:
+    """Every report carries it: the JSON `cuda` section, the text line, the HTML and
+    Perfetto tracks count the trainer's launches and waits exactly (`whole`: the trace's
+    analysis, `analysis`: its steps' window)."""
     from cuda_workloads import plan
     from report_contract import validate_report
     from trainbpf.html_report import render_html
     from trainbpf.perfetto import CUDA_TID_BASE, trace_events
-    from trainbpf.report import Report, render_text
+    from trainbpf.report import Report
+    from trainbpf.text_report import render_text
 
+    trainer = truth["trainer"]
     report = Report.of(whole)
     validate_report(report.doc)
     kernels, count = sum(k for _, _, k in plan(11, truth["step_count"])), truth["step_count"]

@@ -14,11 +14,14 @@ import pytest
 
 from report_contract import validate_report
 from synth import FUTEX_STACK, TRAINER, WORKER, Synth, d, input_pipeline, periodic, t
+from trainbpf.analyze_options import Window
 from trainbpf.analyzers import analyze
 from trainbpf.analyzers.cuda import CUDA_THREAD_COLUMNS, GAP_COLUMNS, cuda_threads, gpu_waits, in_gaps_ns, launch_bursts, launch_gaps
 from trainbpf.analyzers.intervals import Span
 from trainbpf.perfetto import CUDA_TID_BASE, GPU_PID, run_export
-from trainbpf.report import Report, build_report, render_text, run_analyze
+from trainbpf.render import run_analyze
+from trainbpf.report import Report, build_report
+from trainbpf.text_report import render_text
 
 MS = 1_000_000
 HELPER = 300  # a second thread that makes CUDA calls
@@ -118,7 +121,7 @@ def test_json_cuda_section(tmp_path):
     assert cuda["threads"] == [
         {"tid": TRAINER, "comm": "python", "launches": 400, "waits": 100, "wait_s": 5.0, "launch_gap_s": 3.96},
         {"tid": HELPER, "comm": "pt_helper", "launches": 14, "waits": 5, "wait_s": 0.1, "launch_gap_s": 0.48}]
-    windowed = json.loads(run_analyze(path=tmp_path / "trace.parquet", fmt="json", window="2:4"))
+    windowed = json.loads(run_analyze(path=tmp_path / "trace.parquet", fmt="json", window=Window.parse("2:4")))
     validate_report(windowed)
     assert [(t["launches"], t["waits"], t["launch_gap_s"]) for t in windowed["cuda"]["threads"]] == [(80, 20, 0.8), (0, 2, 0.0)]
     assert windowed["cuda"]["steps"]["count"] == 19  # the steps wholly inside 2.09-3.99 s

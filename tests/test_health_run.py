@@ -17,7 +17,7 @@ from synth import healthy, input_pipeline
 from trainbpf.health import (
     CRITICAL, OK, UNKNOWN, HealthBusy, HealthConfig, Target, assess, exclusive_lock, health_document, metric_samples,
 )
-from trainbpf.report import run_analyze
+from trainbpf.render import run_analyze
 
 
 def test_assess_grades_each_target_from_the_analysis(tmp_path):

@@ -23,7 +23,7 @@ from test_fake_nvidia_smi import smi
 from synth import healthy, t
 from trainbpf.health import node_metrics
 from trainbpf.perfetto import run_export
-from trainbpf.report import run_analyze
+from trainbpf.render import run_analyze
 from trainbpf.tracefile import read_trace
 from trainbpf.tracer.gpu import parse_smi_line, samples_batch
 

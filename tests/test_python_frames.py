@@ -15,7 +15,8 @@ from trainbpf.analyzers import analyze
 from trainbpf.analyzers.stacks import merge_frames, python_frame
 from trainbpf.perfetto import trace_events
 from trainbpf.python_frames import python_line, shown_frame
-from trainbpf.report import Report, render_json, run_analyze
+from trainbpf.render import run_analyze
+from trainbpf.report import Report, render_json
 from trainbpf.html_report import render_html
 from trainbpf.text_report import render_text
 from trainbpf.tracefile import read_trace
