@@ -19,7 +19,6 @@ from typing import Any, Callable, Sequence
 
 import pandas as pd
 
-from trainbpf.analyzers.options import GPU_IDLE_THRESHOLD
 from trainbpf.analyzers.job.clocks import WARN_RESIDUAL_NS, align_traces, trace_exits
 from trainbpf.analyzers.job.join import JobResult, join_ranks
 from trainbpf.analyzers.pipeline import TraceRanks, display_path, trace_ranks
@@ -47,14 +46,14 @@ class JobTraces:
     notes: list[str]
 
 
-def analyze_traces(paths: Sequence[str | os.PathLike], *, gpu_idle_threshold: float = GPU_IDLE_THRESHOLD,
-                   memory_check: bool = True, progress: Callable[[int, int], None] | None = None) -> JobTraces:
+def analyze_traces(paths: Sequence[str | os.PathLike], *, memory_check: bool = True,
+                   progress: Callable[[int, int], None] | None = None) -> JobTraces:
     """The job the traces at `paths` (one per node) recorded; `progress(done, total)`
     after each trace.  Raises JobTracesError where they are not one job's traces, and
     the errors of reading a trace."""
     names = [display_path(p) for p in paths]
     _same_recording(names, [read_trace(p).meta for p in paths])  # footers only: before the work
-    found = _analyse_each([os.fspath(p) for p in paths], float(gpu_idle_threshold), memory_check, progress)
+    found = _analyse_each([os.fspath(p) for p in paths], memory_check, progress)
     _check_one_job(names, found)
     clocks = [int((f.meta.get("clock") or {}).get("wall_minus_mono_ns") or 0) for f in found]
     aligned = align_traces([trace_exits(pd.concat([t.calls for t in f.tables], ignore_index=True)) for f in found],
@@ -108,9 +107,9 @@ def _same_recording(names: list[str], metas: list[dict[str, Any]]) -> None:
         seen[key] = name
 
 
-def _analyse_trace(path: str, threshold: float, memory_check: bool) -> TraceRanks:
+def _analyse_trace(path: str, memory_check: bool) -> TraceRanks:
     """One trace's ranks, in a worker process: read, analysed, cut down to tables."""
-    found = trace_ranks(read_for_analysis(path, memory_check=memory_check), gpu_idle_threshold=threshold)
+    found = trace_ranks(read_for_analysis(path, memory_check=memory_check))
     name = display_path(path)
     if not found.tables:
         raise JobTracesError(f"{name}: no rank of a job in this trace (no traced process has RANK or its equivalents, "
@@ -121,14 +120,14 @@ def _analyse_trace(path: str, threshold: float, memory_check: bool) -> TraceRank
     return found
 
 
-def _analyse_each(paths: list[str], threshold: float, memory_check: bool,
+def _analyse_each(paths: list[str], memory_check: bool,
                   progress: Callable[[int, int], None] | None) -> list[TraceRanks]:
     """_analyse_trace of every path, in worker processes (at most one per CPU at once;
     each started afresh, so nothing of the parent's state is shared)."""
     out: list[TraceRanks | None] = [None] * len(paths)
     workers = max(1, min(len(paths), os.cpu_count() or 1))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_analyse_trace, path, threshold, memory_check): i for i, path in enumerate(paths)}
+        futures = {pool.submit(_analyse_trace, path, memory_check): i for i, path in enumerate(paths)}
         try:
             for done, future in enumerate(as_completed(futures), 1):
                 out[futures[future]] = future.result()

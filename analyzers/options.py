@@ -1,7 +1,7 @@
 """The options of `trainbpf analyze`, each declared once: the report formats, the GPU
 idle threshold (default and bounds) and the analysed window.  The CLI parses a command
-line into these types at the edge; the library (trainbpf.reports.document.run_analyze,
-trainbpf.analyzers.analyze) takes them.  Light on purpose: the CLI imports it to build
+line into these types at the edge, once; the library (trainbpf.reports.render.run_analyze,
+trainbpf.analyzers.analyze) takes them as they are.  Light on purpose: the CLI imports it to build
 its options without loading the analyzers."""
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ class ReportFormat(str, enum.Enum):
             raise UsageError(f"unknown format {value!r}: choose one of {choices}") from None
 
 
-# GPU samples below this utilisation percent are shaded in the HTML timeline (drawing
-# only: starved time uses each sample's own utilisation).
+# GPU samples below this utilisation percent are shaded in the HTML timeline: the HTML
+# renderer's knob (the analysis never sees it; starved time uses each sample's own
+# utilisation).
 GPU_IDLE_THRESHOLD = 10.0
 GPU_IDLE_THRESHOLD_MIN = 0.0
 GPU_IDLE_THRESHOLD_MAX = 100.0
@@ -68,19 +69,3 @@ class Window(NamedTuple):
         except ValueError:
             raise UsageError(f"bad window {text!r}: START and END must be numbers of seconds") from None
         return cls(start, end)
-
-    @classmethod
-    def of(cls, value: "Window | tuple[Any, Any] | str | None") -> "Window | None":
-        """A window given as text ("START:END"), a (start_s, end_s) pair or a Window."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            return cls.parse(value)
-        try:
-            start_s, end_s = value
-        except (TypeError, ValueError):
-            raise UsageError(f"bad window {value!r}: expected (start_s, end_s)") from None
-        try:
-            return cls(None if start_s is None else float(start_s), None if end_s is None else float(end_s))
-        except (TypeError, ValueError):
-            raise UsageError(f"bad window {value!r}: start and end must be numbers") from None

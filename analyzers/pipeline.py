@@ -27,7 +27,7 @@ from trainbpf.analyzers.job.ranks import empty_ranks, job_ranks
 from trainbpf.analyzers.threads.roles import pick_trainer
 from trainbpf.analyzers.threads.states import expand_slots, state_totals
 from trainbpf.analyzers.trainer import Shared, TrainerPart, roles, share, trainer_part
-from trainbpf.analyzers.options import GPU_IDLE_THRESHOLD, Window
+from trainbpf.analyzers.options import Window
 
 
 @dataclass
@@ -43,7 +43,6 @@ class Analysis:
     span: Span  # the whole recording
     window: Span  # the analysed part
     trainer_tid: int | None
-    gpu_idle_threshold: float
     basis: str
     threads: pd.DataFrame  # roles.THREAD_COLUMNS
     slots: pd.DataFrame  # every thread's states, whole trace, attributed (states.SLOT_COLUMNS + futex_class)
@@ -51,7 +50,6 @@ class Analysis:
     futex_waits: pd.DataFrame
     samples: pd.DataFrame  # on-CPU samples with their class
     gpu: pd.DataFrame  # gpu.UTIL_COLUMNS: each GPU's sample windows
-    idle: pd.DataFrame  # stretches below gpu_idle_threshold inside the window (drawing only)
     gpu_windows: pd.DataFrame  # gpu.WINDOW_COLUMNS: idle, stalls and starved ns per sample window (a job: every rank's)
     starved: pd.DataFrame  # findings.ATTRIBUTED_COLUMNS
     chains: pd.DataFrame  # chains.LINK_COLUMNS: the path each followed wait took
@@ -141,26 +139,24 @@ def analyze(
     trace: Any,
     *,
     trainer_tid: int | None = None,
-    gpu_idle_threshold: float = GPU_IDLE_THRESHOLD,
-    window: Window | tuple[float | None, float | None] | str | None = None,
+    window: Window | None = None,
 ) -> Analysis:
-    """Run every analyzer over a loaded trace (trainbpf.trace.reader.Trace).  `window`: a
-    Window (a (start_s, end_s) pair or "START:END" text is taken too).  A trace of several
+    """Run every analyzer over a loaded trace (trainbpf.trace.reader.Trace).  `window`: the
+    analysed part, parsed at the edge (analyze_options.Window).  A trace of several
     ranks of one job (analyzers/job/ranks.py) is analysed rank by rank and as one job
     (analyzers/job/rank_analysis.py), unless `trainer_tid` names one trainer."""
     sh = share(trace, window)
-    threshold = float(gpu_idle_threshold)
     ranks = empty_ranks() if trainer_tid is not None else job_ranks(
         sh.base, trace.view("thread"), trace.view("process_env"), collective_pids(trace.view("collective")))
     if len(ranks):
-        threads, parts, job, view = analyze_job(sh, ranks, threshold)
+        threads, parts, job, view = analyze_job(sh, ranks)
         # The report's trainer: the straggler's, else the first rank's.
         part = parts[job.straggler["rank"] if job.straggler else int(job.ranks["rank"].iloc[0])]
         # Every rank's sample windows of its own GPU, so GPU-bound, host-bound and unwoken
         # time add up over the ranks as starved time does.
         windows = pd.concat([p.gpu_windows for p in parts.values()], ignore_index=True)
         return _analysis(sh, threads, part, job.starved, job.findings, basis=view["basis"], util=view["util"],
-                         idle=view["idle"], gpu_idle=view["gpu_idle"], threshold=threshold, job=job, windows=windows)
+                         gpu_idle=view["gpu_idle"], job=job, windows=windows)
     recorded = sh.meta.get("trainer_tid")  # the recorder was told which thread trains
     if trainer_tid is None and recorded is not None and int(recorded) in set(sh.base["tid"].tolist()):
         trainer = int(recorded)
@@ -169,13 +165,12 @@ def analyze(
     states, followed = sh.trainer_states(trainer)
     threads = roles(sh, {trainer: (states, followed)} if trainer is not None else {}, named_by_user=trainer_tid is not None)
     pids = frozenset(int(p) for p in sh.base["pid"].unique())
-    basis, util, windows, idle, gpu_idle = sh.gpu(pids, threshold)
+    basis, util, windows, gpu_idle = sh.gpu(pids)
     part = trainer_part(sh, threads, trainer, states, followed, basis=basis, windows=windows)
     # Waits inside collectives of ranks this trace does not hold: nobody here to blame.
     starved = in_collectives(part, backend_tids(threads, trainer))
     findings = build_findings(starved, part.chains, part.chain_ends, part.ctx, trainer_tid=trainer, gaps=part.gaps)
-    return _analysis(sh, threads, part, starved, findings, basis=basis, util=util, idle=idle, gpu_idle=gpu_idle,
-                     threshold=threshold)
+    return _analysis(sh, threads, part, starved, findings, basis=basis, util=util, gpu_idle=gpu_idle)
 
 
 @dataclass
@@ -190,7 +185,7 @@ class TraceRanks:
     lost: dict[str, int]
 
 
-def trace_ranks(trace: Any, *, gpu_idle_threshold: float = GPU_IDLE_THRESHOLD) -> TraceRanks:
+def trace_ranks(trace: Any) -> TraceRanks:
     """A trace's ranks analysed as `analyze` analyses a job's, down to the tables a join
     needs; a trace holding one rank counts (the others are in other traces); no tables
     for a trace without ranks."""
@@ -199,20 +194,20 @@ def trace_ranks(trace: Any, *, gpu_idle_threshold: float = GPU_IDLE_THRESHOLD) -
                       collective_pids(trace.view("collective")), min_ranks=1)
     tables, idle = [], None
     if len(ranks):
-        _, _, _, tables, view = rank_tables(sh, ranks, float(gpu_idle_threshold))
+        _, _, _, tables, view = rank_tables(sh, ranks)
         idle = view["gpu_idle"]
     return TraceRanks(meta=sh.meta, window=sh.win, tables=tables, idle_fraction=idle,
                       lost=lost_counts(sh.meta, trace.view("lost")))
 
 
 def _analysis(sh: Shared, threads: pd.DataFrame, part: TrainerPart, starved: pd.DataFrame, findings: pd.DataFrame, *,
-              basis: str, util: pd.DataFrame, idle: pd.DataFrame, gpu_idle: float | None, threshold: float,
+              basis: str, util: pd.DataFrame, gpu_idle: float | None,
               job: JobResult | None = None, windows: pd.DataFrame | None = None) -> Analysis:
     trace = sh.trace
     return Analysis(
         path=display_path(getattr(trace, "path", "")), meta=sh.meta, span=sh.span, window=sh.win,
-        trainer_tid=part.trainer, gpu_idle_threshold=threshold, basis=basis, threads=threads, slots=sh.slots,
-        totals=state_totals(sh.slots, sh.win), futex_waits=sh.futex_waits, samples=sh.samples, gpu=util, idle=idle,
+        trainer_tid=part.trainer, basis=basis, threads=threads, slots=sh.slots,
+        totals=state_totals(sh.slots, sh.win), futex_waits=sh.futex_waits, samples=sh.samples, gpu=util,
         gpu_windows=part.gpu_windows if windows is None else windows,
         starved=starved, chains=part.chains,
         chain_ends=part.chain_ends, churn=sh.churn, placement=sh.placement, findings=findings,

@@ -34,7 +34,6 @@ from trainbpf.analyzers.findings.ranking import attribute_starved
 from trainbpf.analyzers.timeline.starvation import (
     gpu_utilisation,
     idle_fraction,
-    idle_stretches,
     job_gpus,
     sample_windows,
     starved_pieces,
@@ -123,23 +122,21 @@ class Shared:
         followed = is_followed(codes(states["state"]), codes(states["futex_class"]), states["waker_tid"].to_numpy(np.int64))
         return states, followed
 
-    def gpu(self, pids: frozenset[int], threshold: float) -> tuple[str, pd.DataFrame, pd.DataFrame, pd.DataFrame, float | None]:
-        """(basis, utilisation, sample windows, idle stretches, idle fraction) of the GPUs
-        the processes `pids` used; the whole window as one idle 'sample' without samples."""
+    def gpu(self, pids: frozenset[int]) -> tuple[str, pd.DataFrame, pd.DataFrame, float | None]:
+        """(basis, utilisation, sample windows, idle fraction) of the GPUs the processes
+        `pids` used; the whole window as one idle 'sample' without samples."""
         util = gpu_utilisation(self.trace.view("gpu"), self.span, uuids=job_gpus(self.meta), pids=pids)
         windows = sample_windows(util, self.win)
         if len(windows):
-            return ("gpu_idle", util, windows, idle_stretches(util, threshold=threshold, window=self.win),
-                    idle_fraction(util, self.win))
-        windows = whole_window(self.win)
-        return "trainer_not_running", util, windows, windows[["start_ns", "end_ns"]].copy(), None
+            return "gpu_idle", util, windows, idle_fraction(util, self.win)
+        return "trainer_not_running", util, whole_window(self.win), None
 
 
-def share(trace: Any, window: Any) -> Shared:
+def share(trace: Any, window: Window | None) -> Shared:
     """Threads, attributed states, samples: read and computed once for every trainer."""
     meta = dict(trace.meta or {})
     span = trace_span(meta, trace.chunks(["ts_ns", "dur_ns"]))
-    win = resolve_window(span, Window.of(window))
+    win = resolve_window(span, window)
     frame, view = trace.frame, trace.view
     # Off-CPU intervals are most of a trace: their columns the analysis uses, read once
     # and let go (the frame is a view of Arrow's memory) once they are slots.

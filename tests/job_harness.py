@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from scenario_harness import WORKLOADS, ScenarioError, fake_gpu_env, stop_process, trainbpf_cli, wait_for_quiet
+from scenario_harness import WORKLOADS, ScenarioError, fake_gpu_env, stop_process, trainbpf_cli
+from scenario_machine import wait_for_quiet
 
 from trainbpf.trace.spool import spool_path_for
 

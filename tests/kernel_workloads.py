@@ -32,28 +32,49 @@ def basic() -> dict:
     mmap/munmap; a child process forked after start and named; two threads contending
     for the GIL; timer wake-ups of a sleeper sharing its CPU with a spinner."""
     out: dict = {"main": threading.get_native_id()}
+    _gil_turns(out)
+    time.sleep(1.2)  # a recorder flush while the process is alive describes the addresses
+    _run_thread(_futex_wait, out)
+    _handoff(out)
+    _run_thread(_touch_pages, out)
+    for _ in range(4):
+        m = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        m[0] = 1
+        m.close()
+    out["child"] = _forked_child()
+    _timer_wakeups(out)
+    return out
 
+
+def _run_thread(target, out: dict) -> None:
+    """`target(out)` in a thread of its own, waited for."""
+    t = threading.Thread(target=target, args=(out,))
+    t.start()
+    t.join()
+
+
+def _gil_turns(out: dict) -> None:
+    """Two threads spinning in pure Python: they take turns holding the GIL."""
     def gil_spinner(i: int) -> None:
         set_thread_name(f"tb_gil{i}")
         out[f"gil{i}"] = threading.get_native_id()
-        spin(0.3)  # pure Python: the two take turns holding the GIL
+        spin(0.3)
 
     spinners = [threading.Thread(target=gil_spinner, args=(i,)) for i in range(2)]
     for t in spinners:
         t.start()
     for t in spinners:
         t.join()
-    time.sleep(1.2)  # a recorder flush while the process is alive describes the addresses
 
-    def waiter() -> None:
-        set_thread_name("tb_waiter")
-        out["waiter"] = threading.get_native_id()
-        threading.Event().wait(0.05)  # one futex wait with a 50 ms timeout
 
-    t = threading.Thread(target=waiter)
-    t.start()
-    t.join()
+def _futex_wait(out: dict) -> None:
+    set_thread_name("tb_waiter")
+    out["waiter"] = threading.get_native_id()
+    threading.Event().wait(0.05)  # one futex wait with a 50 ms timeout
 
+
+def _handoff(out: dict) -> None:
+    """The main thread (the consumer) blocks on a queue; a producer thread wakes it."""
     handoff: queue.Queue = queue.Queue()
 
     def producer() -> None:
@@ -66,28 +87,23 @@ def basic() -> dict:
     p = threading.Thread(target=producer)
     p.start()
     for _ in range(5):
-        handoff.get()  # the consumer (main thread) blocks; the producer wakes it
+        handoff.get()
     p.join()
 
-    def toucher() -> None:
-        set_thread_name("tb_toucher")
-        out["toucher"] = threading.get_native_id()
-        size = 200 << 20
-        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        m.madvise(mmap.MADV_NOHUGEPAGE)  # one fault per 4 KiB page
-        for off in range(0, size, 4096):
-            m[off] = 1
-        m.close()
 
-    t = threading.Thread(target=toucher)
-    t.start()
-    t.join()
+def _touch_pages(out: dict) -> None:
+    set_thread_name("tb_toucher")
+    out["toucher"] = threading.get_native_id()
+    size = 200 << 20
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_NOHUGEPAGE)  # one fault per 4 KiB page
+    for off in range(0, size, 4096):
+        m[off] = 1
+    m.close()
 
-    for _ in range(4):
-        m = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        m[0] = 1
-        m.close()
 
+def _forked_child() -> int:
+    """A child process, named after the fork, that runs, sleeps and exits; its pid."""
     r, w = os.pipe()
     child = os.fork()
     if child == 0:
@@ -100,10 +116,12 @@ def basic() -> dict:
     os.close(w)
     os.read(r, 1)
     os.waitpid(child, 0)
-    out["child"] = child
+    return child
 
-    # Timers wake a sleeper while a traced spinner holds its CPU: the wake-ups run in
-    # interrupt context, where `current` (the spinner, mostly) is no waker.
+
+def _timer_wakeups(out: dict) -> None:
+    """Timers wake a sleeper while a traced spinner holds its CPU: the wake-ups run in
+    interrupt context, where `current` (the spinner, mostly) is no waker."""
     cpu = min(os.sched_getaffinity(0))
     spinner = os.fork()
     if spinner == 0:
@@ -124,7 +142,6 @@ def basic() -> dict:
     t.join()
     os.waitpid(spinner, 0)
     out["spinner"] = spinner
-    return out
 
 
 def bursts(cpu: int, seconds: str) -> dict:

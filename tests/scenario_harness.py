@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from scenario_machine import NeighbourMeter, lowered_dirty_limits, wait_for_quiet
 from trainbpf.trace.spool import spool_path_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,11 +43,6 @@ READY_TIMEOUT_S = 60
 # itself: with 8 busy threads beside it, it took a minute.
 RECORD_TIMEOUT_S = RECORD_SECONDS + 120
 ANALYZE_TIMEOUT_S = 120
-# Other work on the machine competes with the workload for the two cores and turns any
-# injected stall into CPU contention.  Wait (a while) for the machine to quieten down
-# before a run, and say how busy it was when a result looks wrong.
-QUIET_BELOW_CORES = 0.5
-QUIET_WAIT_S = 20
 
 MiB = 1 << 20
 
@@ -190,26 +186,6 @@ def build_fake_nvml(out_dir: Path) -> Path:
 
 # --- machine settings a scenario bends, always restored -------------------------------
 
-VM_SYSCTL = Path("/proc/sys/vm")
-
-
-@contextlib.contextmanager
-def lowered_dirty_limits(dirty_bytes: int, background_bytes: int):
-    """Set vm.dirty_bytes and vm.dirty_background_bytes; restore all four dirty knobs
-    after.  Setting a *_bytes knob zeroes its *_ratio twin (and back), so the one that
-    was in force is written back."""
-    knobs = ("dirty_bytes", "dirty_ratio", "dirty_background_bytes", "dirty_background_ratio")
-    saved = {k: (VM_SYSCTL / k).read_text().strip() for k in knobs}
-    try:
-        (VM_SYSCTL / "dirty_background_bytes").write_text(str(background_bytes))
-        (VM_SYSCTL / "dirty_bytes").write_text(str(dirty_bytes))
-        yield
-    finally:
-        for in_bytes, as_ratio in (("dirty_bytes", "dirty_ratio"),
-                                   ("dirty_background_bytes", "dirty_background_ratio")):
-            knob = in_bytes if int(saved[in_bytes]) else as_ratio
-            (VM_SYSCTL / knob).write_text(saved[knob])
-
 
 @dataclass
 class MemoryCgroup:
@@ -288,78 +264,6 @@ def memory_cgroup(limit_bytes: int):
 
 
 # --- one run ---------------------------------------------------------------------------
-
-
-def _cpu_ticks() -> tuple[int, int]:
-    """(all, idle) CPU ticks of the machine so far, from /proc/stat."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(fields[:8]), fields[3] + fields[4]  # idle + iowait
-
-
-def busy_cores(seconds: float = 1.0) -> float:
-    """CPUs' worth of non-idle time on the machine over the next `seconds`."""
-    total0, idle0 = _cpu_ticks()
-    time.sleep(seconds)
-    total1, idle1 = _cpu_ticks()
-    if total1 <= total0:
-        return 0.0
-    return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
-
-
-def _tree_cpu_s(pid: int) -> float:
-    """CPU seconds used so far by process `pid`, its reaped children and its live
-    descendants."""
-    children: dict[int, list[int]] = {}
-    used: dict[int, float] = {}
-    ticks = os.sysconf("SC_CLK_TCK")
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        child = int(stat.parent.name)
-        children.setdefault(int(fields[1]), []).append(child)
-        used[child] = sum(int(x) for x in fields[11:15]) / ticks  # utime stime cutime cstime
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        total += used.get(p, 0.0)
-        todo.extend(children.get(p, ()))
-    return total
-
-
-class NeighbourMeter:
-    """CPU used on the machine between start() and stop() by everything except the
-    workload's process tree and this process's children (the recorder and its
-    nvidia-smi)."""
-
-    def __init__(self, workload_pid: int):
-        self.workload_pid = workload_pid
-
-    def _sample(self) -> tuple[float, float, float, float]:
-        total, idle = _cpu_ticks()
-        own = os.times()
-        return (time.monotonic(), (total - idle) / os.sysconf("SC_CLK_TCK"),
-                _tree_cpu_s(self.workload_pid), own.children_user + own.children_system)
-
-    def start(self) -> None:
-        self._start = self._sample()
-
-    def stop(self) -> float:
-        """Neighbours' CPUs' worth of time since start()."""
-        end = self._sample()
-        wall, busy, workload, recorder = (b - a for a, b in zip(self._start, end))
-        return max(0.0, busy - workload - recorder) / wall if wall > 0 else 0.0
-
-
-def wait_for_quiet(limit_cores: float = QUIET_BELOW_CORES, timeout: float = QUIET_WAIT_S) -> float:
-    """Wait up to `timeout` for CPU use to drop below `limit_cores`; return the last
-    measurement (the run goes ahead either way)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        load = busy_cores()
-        if load < limit_cores or time.monotonic() > deadline:
-            return load
 
 
 @contextlib.contextmanager
@@ -456,35 +360,11 @@ def run_scenario_recorders(scenario: Scenario, workdir: Path, gpu_source: str,
             running_workload(scenario, env, workdir, cgroup, workload_args))
         neighbours = NeighbourMeter(workload.pid)
         neighbours.start()
-        procs = {}
-        for name, pythonpath in recorders.items():
-            cmd = [str(cli)] if pythonpath is None else [sys.executable, "-m", "trainbpf.cli"]
-            procs[name] = subprocess.Popen(
-                [*cmd, "record", "--pid", str(workload.pid), "-o", str(traces[name]), *record_args,
-                 *([] if together else ["--duration", str(RECORD_SECONDS)])],
-                env=env if pythonpath is None else {**env, "PYTHONPATH": str(pythonpath)},
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        go_ns = 0
-        if together:
-            deadline = time.monotonic() + RECORD_TIMEOUT_S
-            while not all(spool_path_for(t).exists() for t in traces.values()):
-                if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
-                    break
-                time.sleep(0.05)
-            time.sleep(1.0)  # the spool appears as the probes attach: let every one finish
-            go_ns = time.monotonic_ns()
-            go.touch()
-            time.sleep(RECORD_SECONDS)
-            for p in procs.values():
-                p.send_signal(signal.SIGINT)
-        recorded = {}
-        for name, p in procs.items():
-            try:
-                out, err = p.communicate(timeout=RECORD_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, err = p.communicate()
-            recorded[name] = (p.returncode, out + err)
+        procs = {name: _start_recorder(cli, pythonpath, env, [
+            "record", "--pid", str(workload.pid), "-o", str(traces[name]), *record_args,
+            *([] if together else ["--duration", str(RECORD_SECONDS)])]) for name, pythonpath in recorders.items()}
+        go_ns = _record_together(procs, traces, go) if together else 0
+        recorded = {name: _finished(p) for name, p in procs.items()}
         neighbour_cores = neighbours.stop()
         for name, (rc, log) in recorded.items():
             own("record", name, ".log").write_text(log)
@@ -500,18 +380,58 @@ def run_scenario_recorders(scenario: Scenario, workdir: Path, gpu_source: str,
         if together:  # the load's seconds, from this trace's own start
             start_s = (go_ns - trace_start_ns(trace)) / 1e9
             window = ["--window", f"{start_s:.3f}:{start_s + RECORD_SECONDS:.3f}"]
-        analyzed = subprocess.run([str(cli), "analyze", str(trace), "--format", "json", *window],
-                                  capture_output=True, text=True, timeout=ANALYZE_TIMEOUT_S)
-        if analyzed.returncode != 0:
-            raise ScenarioError(f"trainbpf analyze exited {analyzed.returncode}: "
-                                f"{analyzed.stderr.strip()[-2000:]}")
-        own("report", name, ".json").write_text(analyzed.stdout)
-        try:
-            report = json.loads(analyzed.stdout)
-        except json.JSONDecodeError as exc:
-            raise ScenarioError(f"trainbpf analyze --format json printed no JSON: {exc}") from exc
+        report = _analysed(cli, trace, window, own("report", name, ".json"))
         results[name] = ScenarioResult(scenario, gpu_source, report, trace, workdir, busy_before, neighbour_cores)
     return results
+
+
+
+def _start_recorder(cli: Path, pythonpath: Path | None, env: dict, args: list[str]) -> subprocess.Popen:
+    """`trainbpf ARGS` by this revision's CLI, or by the package at `pythonpath`."""
+    cmd = [str(cli)] if pythonpath is None else [sys.executable, "-m", "trainbpf.cli"]
+    return subprocess.Popen([*cmd, *args], env=env if pythonpath is None else {**env, "PYTHONPATH": str(pythonpath)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _record_together(procs: dict[str, subprocess.Popen], traces: dict[str, Path], go: Path) -> int:
+    """Start the load once every recorder's probes attach (its spool appears), let them
+    record RECORD_SECONDS of it, stop them all (SIGINT); the load's start (monotonic ns)."""
+    deadline = time.monotonic() + RECORD_TIMEOUT_S
+    while not all(spool_path_for(t).exists() for t in traces.values()):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
+            break
+        time.sleep(0.05)
+    time.sleep(1.0)  # the spool appears as the probes attach: let every one finish
+    go_ns = time.monotonic_ns()
+    go.touch()
+    time.sleep(RECORD_SECONDS)
+    for p in procs.values():
+        p.send_signal(signal.SIGINT)
+    return go_ns
+
+
+def _finished(p: subprocess.Popen) -> tuple[int, str]:
+    """A recorder's exit status and output, once it exits (killed after RECORD_TIMEOUT_S)."""
+    try:
+        out, err = p.communicate(timeout=RECORD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+    return p.returncode, out + err
+
+
+def _analysed(cli: Path, trace: Path, window: list[str], report_path: Path) -> dict:
+    """The JSON report of `trace` (over `window`: --window arguments), kept at `report_path`."""
+    analyzed = subprocess.run([str(cli), "analyze", str(trace), "--format", "json", *window],
+                              capture_output=True, text=True, timeout=ANALYZE_TIMEOUT_S)
+    if analyzed.returncode != 0:
+        raise ScenarioError(f"trainbpf analyze exited {analyzed.returncode}: "
+                            f"{analyzed.stderr.strip()[-2000:]}")
+    report_path.write_text(analyzed.stdout)
+    try:
+        return json.loads(analyzed.stdout)
+    except json.JSONDecodeError as exc:
+        raise ScenarioError(f"trainbpf analyze --format json printed no JSON: {exc}") from exc
 
 
 def trace_start_ns(trace: Path) -> int:

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from report_contract import validate_report
+from trainbpf.analyzers.options import Window
 from trainbpf.analyzers.causes.categories import CATEGORIES
 from trainbpf.analyzers.pipeline import analyze, observed_ns
 from trainbpf.analyzers.findings.ranking import MIN_FINDING_NS
@@ -80,14 +81,13 @@ def build_trace(tables: dict, with_clock: bool, trainer: int | None) -> Trace:
     tables=TABLES,
     with_clock=st.booleans(),
     trainer=st.one_of(st.none(), st.sampled_from(TIDS)),
-    threshold=st.floats(0, 100),
-    window=st.one_of(st.none(), st.tuples(st.floats(0, 0.9), st.floats(1.0, 3.0))),
+    window=st.one_of(st.none(), st.builds(Window, st.floats(0, 0.9), st.floats(1.0, 3.0))),
 )
-def test_random_tables(tables, with_clock, trainer, threshold, window):
+def test_random_tables(tables, with_clock, trainer, window):
     trace = build_trace(tables, with_clock, trainer)
     if window is not None and not with_clock:
         window = None  # the span then depends on the rows; keep the window valid
-    a = analyze(trace, gpu_idle_threshold=threshold, window=window)
+    a = analyze(trace, window=window)
 
     shares = a.findings["share"].to_numpy()
     assert ((shares >= 0) & (shares <= 1)).all()

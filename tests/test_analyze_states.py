@@ -10,6 +10,7 @@ from synth import (
     FAULT_STACK, FUTEX_STACK, MUNMAP_STACK, RECLAIM_STACK, SLEEP_STACK, START_NS, TRAINER, Synth, d,
     healthy, input_pipeline,
 )
+from trainbpf.analyzers.options import Window
 from trainbpf.analyzers.pipeline import analyze, observed_ns
 from trainbpf.analyzers.vocab import STATE_DTYPE, STATES
 from trainbpf.analyzers.threads.states import STATE_COLUMNS, state_totals
@@ -72,7 +73,7 @@ def test_state_values(tmp_path):
 def test_window_clips_states(tmp_path):
     s = messy()
     s.rows["offcpu_short"] = []
-    a = analyze(s.read(tmp_path), window=(1.25, 3.5))
+    a = analyze(s.read(tmp_path), window=Window(1.25, 3.5))
     assert a.window.ns == d(2.25)
     assert_tiles(a)
     sec = {(r.tid, r.state): r.ns / 1e9 for r in a.totals.itertuples()}

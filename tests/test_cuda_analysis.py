@@ -27,6 +27,7 @@ from trainbpf.analyzers.timeline.cuda_calls import (
     step_summary,
     steps,
 )
+from trainbpf.analyzers.options import Window
 from trainbpf.analyzers.pipeline import analyze
 from trainbpf.analyzers.intervals import Span
 
@@ -275,7 +276,7 @@ def test_launch_gaps_filled_by_host_work_without_gpu_samples(tmp_path):
     trainer = truth["trainer"]
     whole = analyze(data, trainer_tid=trainer)
     lo, hi = truth["steps"][0][0], truth["steps"][-1][1]
-    a = analyze(data, trainer_tid=trainer, window=((lo - whole.span.start_ns) / 1e9, (hi - whole.span.start_ns) / 1e9))
+    a = analyze(data, trainer_tid=trainer, window=_seconds_window(whole, lo, hi))
     print(f"\nhost-bound s: truth {truth['host_ns'] / 1e9:.3f} measured {a.host_bound_ns / 1e9:.3f}; "
           f"starved s {a.starved_ns / 1e9:.3f}; findings {a.findings[['category', 'seconds']].values.tolist()}")
     assert a.basis == "trainer_not_running" and a.uses_cuda
@@ -334,8 +335,7 @@ def test_fine_grained_trainer_matches_the_truth(tmp_path):
     # The whole analysis over the steps: the estimator leaves the GPU waits out of the
     # starved time (GPU-bound) and counts the data waits against the samples' idle time.
     whole = analyze(data, trainer_tid=trainer)
-    analysis = analyze(data, trainer_tid=trainer,
-                       window=((lo - whole.span.start_ns) / 1e9, (hi - whole.span.start_ns) / 1e9))
+    analysis = analyze(data, trainer_tid=trainer, window=_seconds_window(whole, lo, hi))
     print(f"analysis: GPU-bound s {analysis.gpu_bound_ns / 1e9:.3f}, starved s {analysis.starved_ns / 1e9:.3f}, "
           f"steps {analysis.cuda_steps['steps']}, not counted s {analysis.unwoken_idle_ns / 1e9:.3f}")
     assert analysis.uses_cuda and analysis.unwoken_idle_ns == 0.0
@@ -344,9 +344,18 @@ def test_fine_grained_trainer_matches_the_truth(tmp_path):
     stalls = analysis.starved_ns - analysis.host_bound_ns
     assert _within(stalls, truth["data_wait_ns"]), (stalls, truth["data_wait_ns"])
     assert _within(analysis.cuda_steps["steps"], truth["step_count"])
+    _reports_count_the_trainers_cuda_calls(whole, analysis, truth)
 
-    # Every report carries it: the JSON `cuda` section, the text line, the HTML and
-    # Perfetto tracks count the trainer's launches and waits exactly.
+
+def _seconds_window(whole, lo: int, hi: int) -> Window:
+    """The window [lo, hi) (monotonic ns) in seconds from the start of the trace `whole` covers."""
+    return Window((lo - whole.span.start_ns) / 1e9, (hi - whole.span.start_ns) / 1e9)
+
+
+def _reports_count_the_trainers_cuda_calls(whole, analysis, truth) -> None:
+    """Every report carries it: the JSON `cuda` section, the text line, the HTML and
+    Perfetto tracks count the trainer's launches and waits exactly (`whole`: the trace's
+    analysis, `analysis`: its steps' window)."""
     from cuda_workloads import plan
     from report_contract import validate_report
     from trainbpf.reports.html import render_html
@@ -354,6 +363,7 @@ def test_fine_grained_trainer_matches_the_truth(tmp_path):
     from trainbpf.reports.document import Report
     from trainbpf.reports.text import render_text
 
+    trainer = truth["trainer"]
     report = Report.of(whole)
     validate_report(report.doc)
     kernels, count = sum(k for _, _, k in plan(11, truth["step_count"])), truth["step_count"]

@@ -14,6 +14,7 @@ import pytest
 
 from report_contract import validate_report
 from synth import FUTEX_STACK, TRAINER, WORKER, Synth, d, input_pipeline, periodic, t
+from trainbpf.analyzers.options import Window
 from trainbpf.analyzers.pipeline import analyze
 from trainbpf.analyzers.timeline.cuda_calls import (
     CUDA_THREAD_COLUMNS,
@@ -26,7 +27,8 @@ from trainbpf.analyzers.timeline.cuda_calls import (
 )
 from trainbpf.analyzers.intervals import Span
 from trainbpf.reports.perfetto import CUDA_TID_BASE, GPU_PID, run_export
-from trainbpf.reports.document import Report, build_report, run_analyze
+from trainbpf.reports.render import run_analyze
+from trainbpf.reports.document import Report, build_report
 from trainbpf.reports.text import render_text
 
 MS = 1_000_000
@@ -127,7 +129,7 @@ def test_json_cuda_section(tmp_path):
     assert cuda["threads"] == [
         {"tid": TRAINER, "comm": "python", "launches": 400, "waits": 100, "wait_s": 5.0, "launch_gap_s": 3.96},
         {"tid": HELPER, "comm": "pt_helper", "launches": 14, "waits": 5, "wait_s": 0.1, "launch_gap_s": 0.48}]
-    windowed = json.loads(run_analyze(path=tmp_path / "trace.parquet", fmt="json", window="2:4"))
+    windowed = json.loads(run_analyze(path=tmp_path / "trace.parquet", fmt="json", window=Window.parse("2:4")))
     validate_report(windowed)
     assert [(t["launches"], t["waits"], t["launch_gap_s"]) for t in windowed["cuda"]["threads"]] == [(80, 20, 0.8), (0, 2, 0.0)]
     assert windowed["cuda"]["steps"]["count"] == 19  # the steps wholly inside 2.09-3.99 s

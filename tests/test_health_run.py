@@ -18,7 +18,7 @@ from trainbpf.health.config import CRITICAL, OK, UNKNOWN, HealthConfig
 from trainbpf.health.outputs import health_document, metric_samples
 from trainbpf.health.run import HealthBusy, assess, exclusive_lock
 from trainbpf.health.targets import Target
-from trainbpf.reports.document import run_analyze
+from trainbpf.reports.render import run_analyze
 
 
 def test_assess_grades_each_target_from_the_analysis(tmp_path):

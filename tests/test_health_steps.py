@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from kernel_env import require_root
-from scenario_harness import SCENARIOS, fake_gpu_env, running_workload, wait_for_quiet
+from scenario_harness import SCENARIOS, fake_gpu_env, running_workload
+from scenario_machine import wait_for_quiet
 from test_health_kernel import run_health, write_config
 
 pytestmark = [pytest.mark.kernel, pytest.mark.scenario]

@@ -186,7 +186,8 @@ def test_html_and_health_show_host_bound_time(tmp_path):
     from trainbpf.health.outputs import metric_samples
     from trainbpf.health.results import HealthResult, grade_report
     from trainbpf.health.targets import Target
-    from trainbpf.reports.html import HOST_COLOUR, render_html
+    from trainbpf.reports.html import render_html
+    from trainbpf.reports.html_timeline import HOST_COLOUR
 
     report = Report.of(analyze(own_decoding_trainer().read(tmp_path)))
     page = render_html(report)

@@ -23,7 +23,7 @@ from test_fake_nvidia_smi import smi
 from synth import healthy, t
 from trainbpf.analyzers.timeline.node import node_metrics
 from trainbpf.reports.perfetto import run_export
-from trainbpf.reports.document import run_analyze
+from trainbpf.reports.render import run_analyze
 from trainbpf.trace.reader import read_trace
 from trainbpf.tracer.samplers.gpu import parse_smi_line, samples_batch
 

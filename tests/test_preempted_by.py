@@ -17,8 +17,10 @@ import pytest
 from kernel_env import require_root
 from recording import record_workload
 from synth import TRAINER, WORKER, Synth, periodic, t
+from trainbpf.analyzers.options import Window
 from trainbpf.analyzers.pipeline import analyze
-from trainbpf.reports.document import build_report, run_analyze
+from trainbpf.reports.render import run_analyze
+from trainbpf.reports.document import build_report
 from trainbpf.trace.asuser import Invoker
 from trainbpf.tracer import access
 from trainbpf.tracer.collectors import sched
@@ -155,7 +157,7 @@ def test_cpu_contention_names_the_tasks_that_preempted_its_threads(tmp_path):
     text = run_analyze(path=path, fmt="text")
     assert f"took the CPU: {HOG_COMM} (4240) 30 times, pt_data_worker ({WORKER}) 10 times, short_lived (tid 5000) 1 time" in text
     # Over the first 4.5 s: the flushes at 1..4 s.
-    windowed = build_report(analyze(read_trace(path), window=(0, 4.5)))["findings"][0]["evidence"]
+    windowed = build_report(analyze(read_trace(path), window=Window(0, 4.5)))["findings"][0]["evidence"]
     assert [(p["tid"], p["preemptions"]) for p in windowed["preempted_by"]] == [(4242, 12), (WORKER, 4)]
 
 

@@ -15,7 +15,8 @@ from trainbpf.analyzers.pipeline import analyze
 from trainbpf.analyzers.causes.stack_reading import merge_frames, python_frame
 from trainbpf.reports.perfetto import trace_events
 from trainbpf.reports.python_frames import python_line, shown_frame
-from trainbpf.reports.document import Report, render_json, run_analyze
+from trainbpf.reports.render import run_analyze
+from trainbpf.reports.document import Report, render_json
 from trainbpf.reports.html import render_html
 from trainbpf.reports.text import render_text
 from trainbpf.trace.reader import read_trace

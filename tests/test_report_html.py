@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from synth import healthy, input_pipeline
-from trainbpf.reports.document import run_analyze
+from trainbpf.reports.render import run_analyze
 from test_analyze_chains import chain_trace
 
 

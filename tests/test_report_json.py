@@ -9,7 +9,8 @@ import pytest
 
 from report_contract import validate_report
 from synth import TRAINER, WORKER, Synth, healthy, input_pipeline
-from trainbpf.reports.document import build_report, run_analyze
+from trainbpf.reports.render import run_analyze
+from trainbpf.reports.document import build_report
 from trainbpf.analyzers.pipeline import analyze
 
 

@@ -9,7 +9,7 @@ import pytest
 from synth import TRAINER, Synth, healthy, input_pipeline
 from trainbpf.analyzers.options import Window
 from trainbpf.trace.errors import TraceReadError, UsageError
-from trainbpf.reports.document import run_analyze
+from trainbpf.reports.render import run_analyze
 from trainbpf.trace.spool import SpoolWriter, make_batch, spool_path_for
 
 
@@ -105,7 +105,7 @@ def test_unfinished_spool_is_analysed_with_a_note(tmp_path):
 
 def test_window(tmp_path):
     path = input_pipeline().write(tmp_path / "t.parquet")
-    text = run_analyze(path=path, window="2:5")
+    text = run_analyze(path=path, window=Window.parse("2:5"))
     assert "duration 3.00 s (window 2-5 s of 10.00 s)" in text
     assert "Starved time: 2.15 s" in text  # 140 of every 200 ms, and 5% of the other 60 (host work)
 
@@ -114,13 +114,13 @@ def test_window(tmp_path):
 def test_bad_window_is_a_usage_error(tmp_path, window):
     path = input_pipeline(duration_s=10.0).write(tmp_path / "t.parquet")
     with pytest.raises(UsageError, match="bad window"):
-        run_analyze(path=path, window=window)
+        run_analyze(path=path, window=Window.parse(window))
 
 
 def test_bad_window_tuple_is_a_usage_error(tmp_path):
     path = input_pipeline().write(tmp_path / "t.parquet")
     with pytest.raises(UsageError):
-        run_analyze(path=path, window=(5.0, 2.0))
+        run_analyze(path=path, window=Window(5.0, 2.0))
 
 
 def test_parse_window():

@@ -21,13 +21,12 @@ from scenario_harness import (
     GPU_SOURCES,
     REPORT_SCHEMA,
     SCENARIOS,
-    VM_SYSCTL,
     Scenario,
-    lowered_dirty_limits,
     memory_cgroup,
     run_scenario,
     trainbpf_cli,
 )
+from scenario_machine import VM_SYSCTL, lowered_dirty_limits
 
 MiB = 1 << 20
 # A 6 s recording: nvidia-smi samples every 100 ms, NVML's driver every 167 ms.

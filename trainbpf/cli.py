@@ -183,9 +183,9 @@ def analyze(
     """Attribute every stall of the trainer's threads to a cause; rank the findings (no root)."""
     try:
         if len(trace) > 1:
-            text = _analyze_traces(trace, format, output, trainer_tid, gpu_idle_threshold, window, force, memory_check)
+            text = _analyze_traces(trace, format, output, trainer_tid, window, force, memory_check)
         else:
-            from trainbpf.reports.document import run_analyze
+            from trainbpf.reports.render import run_analyze
 
             text = run_analyze(
                 path=trace[0], fmt=format, output=output, trainer_tid=trainer_tid,
@@ -204,8 +204,9 @@ PROGRESS_MIN_TRACES = 8
 
 
 def _analyze_traces(traces: list[Path], fmt: ReportFormat, output: Optional[Path], trainer_tid: Optional[int],
-                    gpu_idle_threshold: float, window: Optional[str], force: bool, memory_check: bool) -> str:
-    """`analyze` of several traces of one job: progress and clock warnings on stderr."""
+                    window: Optional[str], force: bool, memory_check: bool) -> str:
+    """`analyze` of several traces of one job: progress and clock warnings on stderr (the GPU
+    idle threshold only shades the one-trace HTML: nothing here draws)."""
     from trainbpf.trace.errors import UsageError
     from trainbpf.reports.traces import run_analyze_traces
 
@@ -226,8 +227,8 @@ def _analyze_traces(traces: list[Path], fmt: ReportFormat, output: Optional[Path
             typer.echo(line, err=True)
 
     try:
-        text, notes = run_analyze_traces(paths=traces, fmt=fmt, output=output, gpu_idle_threshold=gpu_idle_threshold,
-                                         force=force, memory_check=memory_check, progress=progress)
+        text, notes = run_analyze_traces(paths=traces, fmt=fmt, output=output, force=force,
+                                         memory_check=memory_check, progress=progress)
     finally:
         if any(shown):
             sys.stderr.write("\n")

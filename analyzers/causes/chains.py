@@ -24,6 +24,8 @@ link before the end; a wait's weights sum to 1.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
 
@@ -147,6 +149,145 @@ def _table(columns: tuple[str, ...], parts: list[dict], *, sort: bool) -> pd.Dat
     return out[list(columns)].reset_index(drop=True)
 
 
+# Names by code, for the rows the walk records.
+_STATE_NAMES = np.asarray(STATES, dtype=object)
+_CATEGORY_NAMES = np.asarray(CATEGORIES, dtype=object)
+_RUN_CATEGORY = np.asarray([RUN_CATEGORY[c] for c in RUN_CLASSES], dtype=object)
+
+
+@dataclass
+class _Branches:
+    """The open branches of a walk: the wait each shares out, the window [a, t) its
+    waker's time is looked at, the waker, the branch's weight, its last link, and the
+    tids on it (`seen`: one array per depth)."""
+
+    wait: np.ndarray
+    a: np.ndarray
+    t: np.ndarray
+    waker: np.ndarray
+    weight: np.ndarray
+    link: np.ndarray
+    seen: list[np.ndarray]
+
+
+class _Walk:
+    """One wait_chains walk: every thread's states (each thread's index built on first
+    use) and the link and end rows found so far."""
+
+    def __init__(self, states: pd.DataFrame, run_split: RunSplit, pipeline_tids: tuple[int, ...], n_cpus: int):
+        slots = as_slots(states)
+        self.spans = thread_ranges(slots["tid"].to_numpy())
+        self.edges = [slots[name].to_numpy() for name in SLOT_EDGES]
+        self.state, self.fclass = codes(slots["state"]), codes(slots["futex_class"])
+        self.waker = slots["waker_tid"].to_numpy()
+        self.cache: dict[int, _Thread] = {}
+        self.run_split, self.pipeline_tids, self.n_cpus = run_split, pipeline_tids, n_cpus
+        self.links: list[dict] = []
+        self.ends: list[dict] = []
+        self.n_links = 0
+
+    def thread(self, tid: int) -> _Thread | None:
+        """The thread's index; None for a thread with no time in its states (untraced)."""
+        if tid not in self.cache:
+            lo, hi = self.spans.get(tid, (0, 0))
+            if hi == lo or self.edges[0][lo] == self.edges[-1][hi - 1]:
+                return None
+            self.cache[tid] = _Thread([e[lo:hi] for e in self.edges], self.state[lo:hi], self.fclass[lo:hi],
+                                      self.waker[lo:hi])
+        return self.cache[tid]
+
+    def pipeline_busy(self, b: _Branches) -> tuple[dict[int, np.ndarray], np.ndarray]:
+        """ns each traced pipeline thread ran inside each branch's window, and their sum."""
+        running = {}
+        for p in self.pipeline_tids:  # a loop over threads
+            th = self.thread(int(p))
+            if th is not None:
+                running[int(p)] = th.time.between(b.a, b.t)[:, _RUNNING]
+        return running, sum(running.values(), np.zeros(len(b.wait), np.int64))
+
+    def end(self, wait, depth, tid, state, category, weight, link, cycle=False) -> None:
+        """Record where a share of some waits ended (scalars broadcast over the waits)."""
+        keep = np.asarray(weight) > MIN_WEIGHT
+        if keep.any():
+            def each(value):
+                return np.broadcast_to(np.asarray(value, dtype=object if isinstance(value, str) else None), keep.shape)[keep]
+
+            self.ends.append({"wait": wait[keep], "depth": depth, "tid": each(tid), "state": each(state),
+                              "category": each(category), "weight": np.asarray(weight, dtype=np.float64)[keep],
+                              "cycle": each(cycle), "link": link[keep]})
+
+    def link(self, wait: np.ndarray, depth: int, tid: np.ndarray, state: np.ndarray, parent: np.ndarray) -> np.ndarray:
+        """Record links (a thread a wait's chain passed through); their link numbers."""
+        self.links.append({"wait": wait, "depth": depth, "tid": tid, "state": state, "parent": parent})
+        first, self.n_links = self.n_links, self.n_links + len(wait)
+        return np.arange(first, self.n_links, dtype=np.int64)
+
+    def waker_time(self, b: _Branches, w: int, idx: np.ndarray, depth: int, busy: list) -> tuple | None:
+        """The waker `w`'s time inside the windows of branches `idx`: its running and
+        runnable shares end there; its blocked intervals come back to be followed
+        (branch, start, end, state, futex class, waker, overlap weight).  `busy`: the
+        pipeline's running time at this depth, once computed."""
+        th = self.thread(w)
+        if th is None:
+            self.end(b.wait[idx], depth, w, "untraced", "other", b.weight[idx], b.link[idx])
+            return None
+        times = th.time.between(b.a[idx], b.t[idx]).astype(np.float64)
+        total = times.sum(axis=1)
+        times[total == 0, _RUNNING] = 1.0  # a zero-length wait: the waker ran
+        scale = b.weight[idx] / np.maximum(times.sum(axis=1), 1.0)
+        run = scale * times[:, _RUNNING]
+        split = self.run_split.fractions(w, b.a[idx], b.t[idx])
+        for k in range(len(RUN_CLASSES)):
+            self.end(b.wait[idx], depth, w, "running", _RUN_CATEGORY[k], run * split[:, k], b.link[idx])
+        queued = scale * times[:, _RUNNABLE]
+        if (queued > MIN_WEIGHT).any():
+            busy[:] = busy or [self.pipeline_busy(b)]
+            running, all_busy = busy[0]
+            # The other pipeline threads' running time (integer ns: exact however summed).
+            others = all_busy[idx] - running[w][idx] if w in running else all_busy[idx]
+            own = np.clip(others / (max(self.n_cpus, 1) * np.maximum(times[:, _RUNNABLE], 1.0)), 0.0, 1.0)
+            self.end(b.wait[idx], depth, w, "runnable", "input_pipeline", queued * own, b.link[idx])
+            self.end(b.wait[idx], depth, w, "runnable", "cpu_contention", queued * (1.0 - own), b.link[idx])
+        window, *blocked = th.blocked_within(b.a[idx], b.t[idx])
+        if not len(window):
+            return None
+        branch = idx[window]
+        overlap = np.minimum(blocked[1], b.t[branch]) - np.maximum(blocked[0], b.a[branch])
+        return (branch, *blocked, scale[window] * np.maximum(overlap, 0))
+
+    def step(self, b: _Branches, depth: int, max_depth: int) -> _Branches | None:
+        """One depth of the walk: each branch's waker's time shared out; the branches that
+        go on (through a followed blocked interval of the waker), or None."""
+        children, busy = [], []
+        for w, idx in pd.Series(np.arange(len(b.wait))).groupby(b.waker).indices.items():
+            child = self.waker_time(b, int(w), idx, depth, busy)
+            if child is not None:
+                children.append(child)
+        if not children:
+            return None
+        parent, c_start, c_end, c_state, c_fclass, c_waker, cw = (np.concatenate(c) for c in zip(*children))
+        keep = cw > MIN_WEIGHT
+        parent, c_start, c_end, c_state, c_fclass, c_waker, cw = (
+            v[keep] for v in (parent, c_start, c_end, c_state, c_fclass, c_waker, cw)
+        )
+        follow = is_followed(c_state, c_fclass, c_waker)
+        cycle = np.zeros(len(parent), dtype=bool)
+        for prior in b.seen + [b.waker]:
+            cycle |= follow & (c_waker == prior[parent])
+        go = follow & ~cycle & (depth < max_depth)
+        stop = ~go
+        self.end(b.wait[parent[stop]], depth, b.waker[parent[stop]], _STATE_NAMES[c_state[stop]],
+                 _CATEGORY_NAMES[interval_category_codes(c_state[stop], c_fclass[stop])],
+                 cw[stop], b.link[parent[stop]], cycle[stop])
+        g = parent[go]
+        new_link = self.link(b.wait[g], depth, b.waker[g], _STATE_NAMES[c_state[go]], b.link[g]) if go.any() \
+            else np.zeros(0, dtype=np.int64)
+        # A branch goes on over the part of its window the waker spent in that interval.
+        return _Branches(wait=b.wait[g], a=np.maximum(c_start[go], b.a[g]), t=np.minimum(c_end[go], b.t[g]),
+                         waker=c_waker[go], weight=cw[go], link=new_link,
+                         seen=[v[g] for v in b.seen] + [b.waker[g]])
+
+
 def wait_chains(
     waits: pd.DataFrame,
     states: pd.DataFrame,
@@ -167,126 +308,16 @@ def wait_chains(
     The share is the other pipeline threads' running time in the window over what the
     `n_cpus` CPUs could run while the waker was queued, at most 1: it assumes they ran
     while it waited, which errs towards input_pipeline."""
-    links: list[dict] = []
-    ends: list[dict] = []
-    n_links = 0
+    walk = _Walk(states, run_split, pipeline_tids, n_cpus)
+    wait, tid = waits["wait"].to_numpy(np.int64), waits["tid"].to_numpy(np.int64)
     if len(waits):
-        n_links = len(waits)
-        links.append({"wait": waits["wait"].to_numpy(np.int64), "depth": 0,
-                      "tid": waits["tid"].to_numpy(np.int64), "state": np.asarray(waits["state"], dtype=object),
-                      "parent": np.full(n_links, -1, dtype=np.int64)})
-    slots = as_slots(states)
-    spans = thread_ranges(slots["tid"].to_numpy())
-    cache: dict[int, _Thread] = {}
-    edges = [slots[name].to_numpy() for name in SLOT_EDGES]
-    st_state, st_fclass = codes(slots["state"]), codes(slots["futex_class"])
-    st_waker = slots["waker_tid"].to_numpy()
-    state_names = np.asarray(STATES, dtype=object)
-    category_names = np.asarray(CATEGORIES, dtype=object)
-    run_category = np.asarray([RUN_CATEGORY[c] for c in RUN_CLASSES], dtype=object)
-
-    def thread(tid: int) -> _Thread | None:
-        """The thread's index; None for a thread with no time in its states (untraced)."""
-        if tid not in cache:
-            lo, hi = spans.get(tid, (0, 0))
-            if hi == lo or edges[0][lo] == edges[-1][hi - 1]:
-                return None
-            cache[tid] = _Thread([e[lo:hi] for e in edges], st_state[lo:hi], st_fclass[lo:hi], st_waker[lo:hi])
-        return cache[tid]
-
-    def pipeline_running(a: np.ndarray, t: np.ndarray) -> dict[int, np.ndarray]:
-        """ns each traced pipeline thread ran inside each [a, t)."""
-        running = {}
-        for p in pipeline_tids:  # a loop over threads
-            th = thread(int(p))
-            if th is not None:
-                running[int(p)] = th.time.between(a, t)[:, _RUNNING]
-        return running
-
-    def end(wait, depth, tid, state, category, weight, link, cycle=False) -> None:
-        """Record where a share of some waits ended (scalars broadcast over the waits)."""
-        keep = np.asarray(weight) > MIN_WEIGHT
-        if keep.any():
-            def each(value):
-                return np.broadcast_to(np.asarray(value, dtype=object if isinstance(value, str) else None), keep.shape)[keep]
-
-            ends.append({"wait": wait[keep], "depth": depth, "tid": each(tid), "state": each(state),
-                         "category": each(category), "weight": np.asarray(weight, dtype=np.float64)[keep],
-                         "cycle": each(cycle), "link": link[keep]})
-
-    # The open branches: the wait they share out, the window [a, t) the waker's time is
-    # looked at, the waker, the branch's weight, and its last link.
-    wait = waits["wait"].to_numpy(np.int64)
-    a, t = waits["start_ns"].to_numpy(np.int64), waits["end_ns"].to_numpy(np.int64)
-    waker = waits["waker_tid"].to_numpy(np.int64)
-    weight = np.ones(len(waits))
-    link = np.arange(len(waits), dtype=np.int64)
-    seen = [waits["tid"].to_numpy(np.int64)]  # tids on each open branch, one array per depth
+        walk.link(wait, 0, tid, np.asarray(waits["state"], dtype=object), np.full(len(waits), -1, dtype=np.int64))
+    b: _Branches | None = _Branches(
+        wait=wait, a=waits["start_ns"].to_numpy(np.int64), t=waits["end_ns"].to_numpy(np.int64),
+        waker=waits["waker_tid"].to_numpy(np.int64), weight=np.ones(len(waits)),
+        link=np.arange(len(waits), dtype=np.int64), seen=[tid])
     for depth in range(1, max_depth + 1):
-        if not len(wait):
+        if b is None or not len(b.wait):
             break
-        n = len(wait)
-        # The waker's blocked intervals inside each window: (branch, start, end, state,
-        # futex class, waker, overlap weight) per group of branches.
-        children: list[tuple[np.ndarray, ...]] = []
-        pipeline: tuple[dict[int, np.ndarray], np.ndarray] | None = None  # running ns, for every window here
-        for w, idx in pd.Series(np.arange(n)).groupby(waker).indices.items():
-            th = thread(int(w))
-            if th is None:
-                end(wait[idx], depth, w, "untraced", "other", weight[idx], link[idx])
-                continue
-            times = th.time.between(a[idx], t[idx]).astype(np.float64)
-            total = times.sum(axis=1)
-            times[total == 0, _RUNNING] = 1.0  # a zero-length wait: the waker ran
-            scale = weight[idx] / np.maximum(times.sum(axis=1), 1.0)
-            run = scale * times[:, _RUNNING]
-            split = run_split.fractions(int(w), a[idx], t[idx])
-            for k in range(len(RUN_CLASSES)):
-                end(wait[idx], depth, w, "running", run_category[k], run * split[:, k], link[idx])
-            queued = scale * times[:, _RUNNABLE]
-            if (queued > MIN_WEIGHT).any():
-                if pipeline is None:
-                    running = pipeline_running(a, t)
-                    pipeline = running, sum(running.values(), np.zeros(n, np.int64))
-                running, busy = pipeline
-                # The other pipeline threads' running time (integer ns: exact however summed).
-                others = busy[idx] - running[int(w)][idx] if int(w) in running else busy[idx]
-                queued_ns = np.maximum(times[:, _RUNNABLE], 1.0)
-                own = np.clip(others / (max(n_cpus, 1) * queued_ns), 0.0, 1.0)
-                end(wait[idx], depth, w, "runnable", "input_pipeline", queued * own, link[idx])
-                end(wait[idx], depth, w, "runnable", "cpu_contention", queued * (1.0 - own), link[idx])
-            window, *blocked = th.blocked_within(a[idx], t[idx])
-            if not len(window):
-                continue
-            branch = idx[window]
-            overlap = np.minimum(blocked[1], t[branch]) - np.maximum(blocked[0], a[branch])
-            children.append((branch, *blocked, scale[window] * np.maximum(overlap, 0)))
-        if not children:
-            break
-        parent, c_start, c_end, c_state, c_fclass, c_waker, cw = (np.concatenate(c) for c in zip(*children))
-        keep = cw > MIN_WEIGHT
-        parent, c_start, c_end, c_state, c_fclass, c_waker, cw = (
-            v[keep] for v in (parent, c_start, c_end, c_state, c_fclass, c_waker, cw)
-        )
-        follow = is_followed(c_state, c_fclass, c_waker)
-        cycle = np.zeros(len(parent), dtype=bool)
-        for prior in seen + [waker]:
-            cycle |= follow & (c_waker == prior[parent])
-        go = follow & ~cycle & (depth < max_depth)
-        stop = ~go
-        end(wait[parent[stop]], depth, waker[parent[stop]], state_names[c_state[stop]],
-            category_names[interval_category_codes(c_state[stop], c_fclass[stop])],
-            cw[stop], link[parent[stop]], cycle[stop])
-        if go.any():
-            g = parent[go]
-            links.append({"wait": wait[g], "depth": depth, "tid": waker[g], "state": state_names[c_state[go]],
-                          "parent": link[g]})
-            new_link = n_links + np.arange(int(go.sum()), dtype=np.int64)
-            n_links += int(go.sum())
-        else:
-            new_link = np.zeros(0, dtype=np.int64)
-        seen = [v[parent[go]] for v in seen] + [waker[parent[go]]]
-        # A branch goes on over the part of its window the waker spent in that interval.
-        wait, a, t = wait[parent[go]], np.maximum(c_start[go], a[parent[go]]), np.minimum(c_end[go], t[parent[go]])
-        waker, weight, link = c_waker[go], cw[go], new_link
-    return _table(LINK_COLUMNS, links, sort=False), _table(END_COLUMNS, ends, sort=True)
+        b = walk.step(b, depth, max_depth)
+    return _table(LINK_COLUMNS, walk.links, sort=False), _table(END_COLUMNS, walk.ends, sort=True)

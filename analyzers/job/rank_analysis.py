@@ -62,23 +62,23 @@ def in_collectives(part: TrainerPart, backend: np.ndarray) -> pd.DataFrame:
     return as_collective(part.starved, collective_waits(part.states, backend), part.trainer)
 
 
-def analyze_job(sh: Shared, ranks: pd.DataFrame, threshold: float
+def analyze_job(sh: Shared, ranks: pd.DataFrame
                 ) -> tuple[pd.DataFrame, dict[int, TrainerPart], JobResult, dict[str, Any]]:
     """(threads with roles, each rank's analysis, the job, the job's view for the report:
-    the first rank's GPU basis, utilisation, idle stretches and fraction) for a trace of
+    the first rank's GPU basis, utilisation and idle fraction) for a trace of
     several ranks (ranks.RANK_COLUMNS): its ranks' tables joined as any job's are."""
-    threads, thread_rank, parts, tables, view = rank_tables(sh, ranks, threshold)
+    threads, thread_rank, parts, tables, view = rank_tables(sh, ranks)
     job = join_ranks(tables, window_ns=sh.win.ns)
     job.thread_ranks = pd.Series(thread_rank, index=threads["tid"].to_numpy())
     return threads, parts, job, view
 
 
-def rank_tables(sh: Shared, ranks: pd.DataFrame, threshold: float
+def rank_tables(sh: Shared, ranks: pd.DataFrame
                 ) -> tuple[pd.DataFrame, np.ndarray, dict[int, TrainerPart], list[RankTables], dict[str, Any]]:
     """Each rank of a trace analysed as a trainer of its own, against its own GPU, and
     cut down to the tables a join needs (join.RankTables): (threads with roles, each
     thread's rank, the ranks' analyses, their tables, the view of the first rank's GPU:
-    basis, util, idle, gpu_idle)."""
+    basis, util, gpu_idle)."""
     trainers = {int(t): sh.trainer_states(int(t)) for t in ranks["trainer_tid"]}
     threads = roles(sh, trainers)
     thread_rank = rank_of_threads(threads, sh.trace.view("thread"), ranks)
@@ -89,13 +89,13 @@ def rank_tables(sh: Shared, ranks: pd.DataFrame, threshold: float
     names = gpu_names_by_index(sh.trace.view("gpu"))
     for r in ranks.itertuples(index=False):
         pids = frozenset(int(p) for p in threads.loc[thread_rank == r.rank, "pid"].unique())
-        basis, util, windows, idle, gpu_idle = sh.gpu(pids, threshold)
+        basis, util, windows, gpu_idle = sh.gpu(pids)
         windows = rank_gpu(windows, local_rank=int(r.local_rank), visible=visible.get(int(r.pid), ""), names=names)
         states, followed = trainers[int(r.trainer_tid)]
         parts[int(r.rank)] = trainer_part(sh, threads, int(r.trainer_tid), states, followed, basis=basis,
                                           windows=windows, with_timeline=True)
         bases[int(r.rank)] = basis
-        view = view or {"basis": basis, "util": util, "idle": idle, "gpu_idle": gpu_idle}
+        view = view or {"basis": basis, "util": util, "gpu_idle": gpu_idle}
     calls, waits = _calls(sh, threads, parts)
     pid_of = dict(zip(threads["tid"].tolist(), threads["pid"].tolist()))
     node = str(sh.meta.get("host") or "")

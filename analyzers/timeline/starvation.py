@@ -42,7 +42,7 @@ from trainbpf.analyzers.causes.categories import CATEGORY_CODE
 from trainbpf.analyzers.causes.chains import interval_category_codes, is_followed
 from trainbpf.analyzers.timeline.cuda_calls import in_gaps_ns
 from trainbpf.analyzers.causes.host import HostSplit
-from trainbpf.analyzers.intervals import Span, as_int64, intersect, merge_intervals
+from trainbpf.analyzers.intervals import Span, as_int64, intersect
 from trainbpf.analyzers.vocab import (
     HOST_CLASSES,
     RUN_CLASS_DTYPE,
@@ -70,7 +70,6 @@ WINDOW_COLUMNS = ("gpu", "start_ns", "end_ns", "idle_ns", "named_ns", "unwoken_n
 # GPU-bound (inside a CUDA wait), or host work.
 NAMED, UNWOKEN, BOUND, HOST = 0, 1, 2, 3
 PIECE_COLUMNS = ("interval", "start_ns", "end_ns", "ns", "state", "run_class")
-IDLE_COLUMNS = ("start_ns", "end_ns")
 
 
 def job_gpus(meta: Mapping[str, Any]) -> frozenset[str]:
@@ -214,17 +213,6 @@ def sample_windows(util: pd.DataFrame, window: Span) -> pd.DataFrame:
     idle = (1.0 - util["util"].to_numpy(np.float64)[keep] / 100.0) * (end[keep] - start[keep])
     return pd.DataFrame({"gpu": gpus, "start_ns": start[keep], "end_ns": end[keep], "idle_ns": idle,
                          "weight": np.full(int(keep.sum()), 1.0 / n_gpus)})
-
-
-def idle_stretches(util: pd.DataFrame, *, threshold: float, window: Span) -> pd.DataFrame:
-    """Merged stretches inside `window` where a GPU's utilisation was below `threshold`
-    percent.  Drawing only (the HTML timeline shades them): starved time never depends
-    on a threshold."""
-    idle = util[util["util"] < threshold]
-    start = np.clip(idle["start_ns"].to_numpy(np.int64), window.start_ns, window.end_ns)
-    end = np.clip(idle["ts_ns"].to_numpy(np.int64), window.start_ns, window.end_ns)
-    start, end = merge_intervals(start, end)
-    return pd.DataFrame({"start_ns": start, "end_ns": end})[list(IDLE_COLUMNS)]
 
 
 def whole_window(window: Span) -> pd.DataFrame:

@@ -1,35 +1,25 @@
-"""The report layer: the JSON contract (docs/design.md §Trace contract), the sentences
-of the findings (from the category registry, analyzers/causes/categories.py), and `run_analyze`,
-which `trainbpf analyze` calls.  Every renderer takes one `Report`: the analysis and its
-JSON document, built once (reports/text.py, reports/html.py, `render_json` here)."""
+"""The report layer's numbers: the JSON contract (docs/design.md §Trace contract) and
+the sentences of the findings (from the category registry, analyzers/causes/categories.py).
+Every renderer takes one `Report`: the analysis and its JSON document, built once
+(`render_json` here; reports/text.py and reports/html.py import this module, never the
+reverse; trainbpf/reports/render.py picks one and writes its output)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
-from trainbpf.analyzers.options import (
-    GPU_IDLE_THRESHOLD,
-    ReportFormat,
-    Window,
-    check_gpu_idle_threshold,
-)
-from trainbpf.analyzers.pipeline import Analysis, analyze
+from trainbpf.analyzers.pipeline import Analysis
 from trainbpf.analyzers.causes.categories import BY_NAME
 from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.threads.states import state_seconds
 from trainbpf.analyzers.vocab import ROLES
-from trainbpf.reports.html import render_html
 from trainbpf.reports.job import job_summary, rank_culprits, ranks_section, straggler_section
-from trainbpf.trace.memory import read_for_analysis
 from trainbpf.reports.python_frames import frame_label
-from trainbpf.trace.safefile import OutputFile, check_output, write_new
-from trainbpf.reports.text import render_text
 
 REPORT_SCHEMA = "trainbpf.reports.document/3"
 _ROLE_ORDER = {role: i for i, role in enumerate(ROLES)}
@@ -275,53 +265,3 @@ class Report:
 
 def render_json(report: Report) -> str:
     return json.dumps(report.doc, indent=2) + "\n"
-
-
-RENDERERS = {ReportFormat.text: render_text, ReportFormat.json: render_json, ReportFormat.html: render_html}
-
-
-def _write(output: str | os.PathLike | OutputFile, text: str, *, force: bool = False) -> None:
-    """Write a report privately (it names threads and addresses, like the trace)."""
-    write_new(output, lambda fh: fh.write(text.encode("utf-8")), force=force)
-
-
-def run_analyze(
-    *,
-    path: str | os.PathLike,
-    fmt: ReportFormat | str = ReportFormat.text,
-    output: str | os.PathLike | None = None,
-    trainer_tid: int | None = None,
-    gpu_idle_threshold: float = GPU_IDLE_THRESHOLD,
-    window: Window | tuple[float | None, float | None] | str | None = None,
-    force: bool = False,
-    memory_check: bool = True,
-) -> str:
-    """Analyse a trace and render it as `fmt` (text, json, html); write it to `output`
-    when given (an existing file only with `force`); return the text.  A trace too large
-    for the memory available is refused unless `memory_check` is off.  Values the CLI has
-    parsed (a ReportFormat, a Window) pass as they are; others are checked here.  Raises
-    trainbpf.trace.errors exceptions only."""
-    renderer = RENDERERS[ReportFormat.of(fmt)]
-    threshold = check_gpu_idle_threshold(gpu_idle_threshold)
-    window = Window.of(window)
-
-    def render() -> str:
-        trace = read_for_analysis(path, memory_check=memory_check)
-        return renderer(Report.of(analyze(trace, trainer_tid=trainer_tid, gpu_idle_threshold=threshold, window=window)))
-
-    return write_report(output, render, force=force)
-
-
-def write_report(output: str | os.PathLike | None, render: Callable[[], str], *, force: bool = False) -> str:
-    """The text `render()` makes, written to `output` when given (an existing file only
-    with `force`); the output is checked before the work, not after it, and written
-    into the folder checked then."""
-    out = check_output(output, force=force) if output is not None else None
-    try:
-        text = render()
-        if out is not None:
-            _write(out, text)
-    finally:
-        if out is not None:
-            out.close()
-    return text

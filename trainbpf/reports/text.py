@@ -9,6 +9,7 @@ from trainbpf.analyzers.pipeline import observed_ns
 from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.vocab import STATES
 from trainbpf.reports.job import rank_lines
+from trainbpf.reports.present import pct
 from trainbpf.trace.printable import printable
 from trainbpf.reports.python_frames import python_line, refused_note
 
@@ -18,10 +19,6 @@ if TYPE_CHECKING:
 
 # Stack walks lost to stack-map collisions worth a note in the text report (a share).
 STACK_LOSS_NOTE_SHARE = 0.01
-
-
-def _pct(x: float) -> str:
-    return f"{100.0 * x:.1f}%"
 
 
 def _thread_label(t: dict[str, Any]) -> str:
@@ -105,7 +102,7 @@ def starved_lines(report: dict[str, Any]) -> list[str]:
     if gpu["samples"]:
         idle = gpu["idle_fraction"] or 0.0
         summed = ", summed over the ranks (each rank's GPU against its own trainer)" if report["ranks"] else ""
-        return [f"  GPU: {gpu['source']}, {gpu['samples']} samples; idle {_pct(idle)} of the time (1 - mean utilisation)",
+        return [f"  GPU: {gpu['source']}, {gpu['samples']} samples; idle {pct(idle)} of the time (1 - mean utilisation)",
                 f"  Starved time: {report['starved_s']:.2f} s{summed} (GPU idle time that the trainer's stalls and own "
                 "CPU work explain: in each sample at most its idle time)",
                 _host_line(report)]
@@ -133,7 +130,7 @@ def finding_lines(findings: list[dict[str, Any]], *, gpu: bool) -> list[str]:
 def _finding_lines(i: int, f: dict[str, Any]) -> list[str]:
     """Finding `i` of the report: its rank line, summary, threads, chain, the tasks that
     took the CPU, Python frames, launch gaps and recommendation."""
-    lines = [f"{i:2d}. {f['category']:<17} {_pct(f['share']):>6}  {f['seconds']:8.2f} s  {f['severity'].upper()}",
+    lines = [f"{i:2d}. {f['category']:<17} {pct(f['share']):>6}  {f['seconds']:8.2f} s  {f['severity'].upper()}",
              f"    {f['summary']}"]
     if f["threads"]:
         lines.append("    threads: " + ", ".join(_thread_label(t) for t in f["threads"]))
@@ -186,7 +183,7 @@ def _cuda_lines(report: dict[str, Any], analysis: Any) -> list[str]:
     if st["count"]:
         lines.append(f"  Steps (from CUDA waits and launches): {st['count']}, {st['per_s']:.1f}/s; step time "
                      f"p50 {st['p50_ms']:.1f} ms, p99 {st['p99_ms']:.1f} ms; host-bound "
-                     f"{_pct(st['host_bound_share'])} of step time (launch gaps)")
+                     f"{pct(st['host_bound_share'])} of step time (launch gaps)")
     for t in cuda["threads"]:
         lines.append(f"  CUDA {t['comm'] or '?'} ({t['tid']}): {t['launches']} launches, {t['waits']} GPU waits "
                      f"({t['wait_s']:.2f} s), launch gaps {t['launch_gap_s']:.2f} s")

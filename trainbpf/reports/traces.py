@@ -9,12 +9,13 @@ import json
 import os
 from typing import Any, Callable, Sequence
 
-from trainbpf.analyzers.options import GPU_IDLE_THRESHOLD, ReportFormat, check_gpu_idle_threshold
+from trainbpf.analyzers.options import ReportFormat
 from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.trace.errors import UsageError
 from trainbpf.reports.job import rank_lines, ranks_section, straggler_section
 from trainbpf.analyzers.job_traces import JobTraces, analyze_traces
-from trainbpf.reports.document import REPORT_SCHEMA, findings_section, write_report
+from trainbpf.reports.render import write_report
+from trainbpf.reports.document import REPORT_SCHEMA, findings_section
 from trainbpf.reports.text import as_text, finding_lines, starved_lines
 
 
@@ -80,7 +81,6 @@ def run_analyze_traces(
     paths: Sequence[str | os.PathLike],
     fmt: ReportFormat | str = ReportFormat.text,
     output: str | os.PathLike | None = None,
-    gpu_idle_threshold: float = GPU_IDLE_THRESHOLD,
     force: bool = False,
     memory_check: bool = True,
     progress: Callable[[int, int], None] | None = None,
@@ -91,11 +91,10 @@ def run_analyze_traces(
     fmt = ReportFormat.of(fmt)
     if fmt == ReportFormat.html:
         raise UsageError("--format html takes one trace; analyse several traces as text or json")
-    threshold = check_gpu_idle_threshold(gpu_idle_threshold)
     notes: list[str] = []
 
     def render() -> str:
-        found = analyze_traces(paths, gpu_idle_threshold=threshold, memory_check=memory_check, progress=progress)
+        found = analyze_traces(paths, memory_check=memory_check, progress=progress)
         notes.extend(found.notes)
         if fmt == ReportFormat.json:
             return json.dumps(build_traces_report(found), indent=2) + "\n"

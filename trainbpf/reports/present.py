@@ -1,0 +1,95 @@
+"""Numbers and frames as people read them, for the text and HTML reports: shares as
+percentages, sizes in kB/MB/GB, durations in ms or s, rates per second, and Python
+frames one per line, leaf first, as a stack.  `evidence_lines` shows a finding's
+evidence that way.  The JSON report keeps the raw numbers; only renderers call this."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainbpf.reports.python_frames import frame_label
+
+SIZE_UNITS = ("B", "kB", "MB", "GB", "TB")
+# Evidence keys that hold stacks: native frames joined by ";" (stacks.stack_excerpt).
+NATIVE_STACK_KEYS = ("user_stack", "kernel_stack")
+NONE = "—"
+
+
+def pct(share: float) -> str:
+    """A share (0-1) as "12.3%"."""
+    return f"{100.0 * share:.1f}%"
+
+
+def size(n_bytes: float) -> str:
+    """A byte count as "5.48 GB" (decimal units, as tools and disks print them)."""
+    value, unit = float(n_bytes), 0
+    while abs(value) >= 1000 and unit < len(SIZE_UNITS) - 1:
+        value, unit = value / 1000, unit + 1
+    return f"{int(value)} B" if unit == 0 else f"{value:.3g} {SIZE_UNITS[unit]}"
+
+
+def duration(seconds: float) -> str:
+    """Seconds as "2.35 s", below a second as "140 ms", below a millisecond as "12 µs"."""
+    s = float(seconds)
+    if abs(s) >= 1 or s == 0:
+        return f"{s:.3g} s" if abs(s) < 100 else f"{s:.0f} s"
+    if abs(s) >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} µs"
+
+
+def number(key: str, value: Any) -> str:
+    """One evidence number in the unit its key names (…bytes, …_ms, …_s, …_per_s,
+    …share, …fraction); a count as it is."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return NONE if value in ("", None) else ("yes" if value is True else "no" if value is False else str(value))
+    if key.endswith("bytes"):
+        return size(value)
+    if key.endswith("_per_s"):
+        return f"{value:.3g}/s"
+    if key.endswith("_ms"):
+        return duration(value / 1e3)
+    if key.endswith("_s") or key == "seconds":
+        return duration(value)
+    if key.endswith(("share", "fraction")):
+        return pct(value)
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def python_stack(frames: list[dict[str, Any]]) -> list[str]:
+    """Python frames (leaf first) as a stack: "data.py:31 decode_batch  /srv/job/data.py"."""
+    return [f"{frame_label(f)}  {f.get('file') or '?'}" for f in frames]
+
+
+def _python_frames(value: dict[str, Any]) -> list[str]:
+    """A finding's `python_frames`: the waiter's stack, then the producer's."""
+    lines = []
+    for end in ("waiter", "producer"):
+        if value.get(end):
+            lines += [f"{end}:"] + ["  " + line for line in python_stack(value[end])]
+    return lines
+
+
+def _item(key: str, item: Any) -> str:
+    """One element of an evidence list: a frame by its label, a record as "key value"s."""
+    if isinstance(item, dict) and "function" in item:
+        seconds = f"  {duration(item['seconds'])}" if "seconds" in item else ""
+        return (frame_label(item) if item.get("file") else str(item["function"])) + seconds
+    if isinstance(item, dict):
+        return ", ".join(f"{k} {number(k, v)}" for k, v in item.items())
+    return number(key, item)
+
+
+def evidence_lines(key: str, value: Any) -> list[str]:
+    """An evidence value as lines for people: numbers in their units, stacks one frame
+    a line, lists one item a line, mappings one key a line."""
+    if key == "python_frames" and isinstance(value, dict):
+        return _python_frames(value) or [NONE]
+    if key in NATIVE_STACK_KEYS and isinstance(value, str):
+        return value.split(";") if value else [NONE]
+    if isinstance(value, list):
+        return [_item(key, v) for v in value] or [NONE]
+    if isinstance(value, dict):
+        # Keyed by names or ids (seconds per state, ops per kind): the unit is `key`'s.
+        return [f"{k}: {number(key, v)}" for k, v in value.items()] or [NONE]
+    return [number(key, value)]
