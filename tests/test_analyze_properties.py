@@ -15,7 +15,8 @@ from trainbpf.analyzers import CATEGORIES, analyze, observed_ns
 from trainbpf.analyzers.findings import MIN_FINDING_NS
 from trainbpf.report import Report, build_report, render_text
 from trainbpf.schema import SCHEMA_ID, TRACE_SCHEMA
-from trainbpf.tracefile import Trace, make_batch
+from trainbpf.spool import stored_batch
+from trainbpf.tracefile import Trace
 
 START = 1_000_000_000_000
 SPAN = 2_000_000_000  # 2 s
@@ -58,8 +59,8 @@ TABLES = st.fixed_dictionaries({
 
 
 def build_trace(tables: dict, with_clock: bool, trainer: int | None) -> Trace:
-    batches = [make_batch(kind, {k: [r[k] for r in rs] for k in rs[0]}) for kind, rs in tables.items() if rs]
-    batches.append(make_batch("stack", {
+    batches = [stored_batch(kind, {k: [r[k] for r in rs] for k in rs[0]}) for kind, rs in tables.items() if rs]
+    batches.append(stored_batch("stack", {
         "ts_ns": [START] * len(STACKS), "kstack_id": list(STACKS), "state": [k for k, _ in STACKS.values()],
         "pid": [100] * len(STACKS), "name": [f for _, f in STACKS.values()],
     }))
