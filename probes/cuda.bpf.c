@@ -62,12 +62,12 @@
 struct cuda_event {
     u64 ts_ns;
     u64 dur_ns;
-    u64 arg; /* the stream (event for event waits, pointer for frees), 0 when none */
+    u64 addr; /* the stream (event for event waits, pointer for frees), 0 when none */
     u64 bytes;
     s64 ret;
     u32 tid;
     u32 pid;
-    u32 call; /* index into tracer/collectors/cuda.py CALLS */
+    u32 name; /* the call: its index in tracer/collectors/cuda.py CALLS */
     u32 nested; /* a driver call made inside a runtime call */
     s32 ustack_id;
     u32 layer;
@@ -237,12 +237,12 @@ static __always_inline int cuda_return(struct pt_regs *ctx, u32 layer)
     }
     e->ts_ns = c.ts_ns;
     e->dur_ns = dur;
-    e->arg = c.arg;
+    e->addr = c.arg;
     e->bytes = c.bytes;
     e->ret = (s32)PT_REGS_RC(ctx); /* cudaError_t / CUresult: a C enum */
     e->tid = key.tid;
     e->pid = current_tgid();
-    e->call = c.call;
+    e->name = c.call;
     e->nested = c.nested;
     e->layer = layer;
     e->ustack_id = stack_id(ctx, BPF_F_USER_STACK); /* at the return: the caller's stack */

@@ -17,10 +17,10 @@
 struct futex_event {
     u64 ts_ns;
     u64 dur_ns;
-    u64 uaddr;
+    u64 addr;
     u32 tid;
     u32 pid;
-    s32 op;
+    s32 futex_op;
     s32 ustack_id;
     s32 pystack_id; /* probes/pyframes.h */
     u32 pad;
@@ -80,10 +80,10 @@ static __always_inline int futex_exit(void *args)
     }
     e->ts_ns = wait.ts_ns;
     e->dur_ns = dur;
-    e->uaddr = wait.uaddr;
+    e->addr = wait.uaddr;
     e->tid = tid;
     e->pid = current_tgid();
-    e->op = wait.op;
+    e->futex_op = wait.op;
     e->ustack_id = stack_id(args, BPF_F_USER_STACK);
     e->pystack_id = py_stack();
     e->pad = 0;

@@ -25,7 +25,7 @@ struct nccl_event {
     s64 ret;
     u32 tid;
     u32 pid;
-    u32 call; /* index into tracer/collectors/nccl.py CALLS */
+    u32 name; /* the call: its index in tracer/collectors/nccl.py CALLS */
     u32 pad;
 };
 
@@ -84,7 +84,7 @@ static __always_inline int nccl_return(struct pt_regs *ctx)
     e->ret = (s32)PT_REGS_RC(ctx); /* ncclResult_t: a C enum */
     e->tid = tid;
     e->pid = current_tgid();
-    e->call = t->call;
+    e->name = t->call;
     e->pad = 0;
     nccl_events.ringbuf_submit(e, submit_flags(PROBE_NCCL));
     return 0;

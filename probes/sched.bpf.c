@@ -65,23 +65,23 @@ struct offcpu_event {
     u64 runq_ns; /* wake-up (or preemption) -> switch-in */
     u32 tid;
     u32 pid;
-    u32 waker_tid;
-    u32 waker_pid;
+    u32 peer_tid;
+    u32 peer_pid;
     s32 kstack_id;
     s32 ustack_id;
-    s32 waker_kstack_id;
+    s32 peer_kstack_id;
     s32 cpu;   /* where it ran next */
     s32 state; /* prev_state at switch-out; 0 or STATE_PREEMPTED = preempted */
     s32 pystack_id;       /* probes/pyframes.h: PY_STACK_NONE without Python frames */
-    s32 waker_pystack_id;
+    s32 peer_pystack_id;
 };
 
 struct task_event {
     u64 ts_ns;
     u32 tid;
     u32 pid;
-    u32 parent_tid;
-    u32 what; /* TASK_* */
+    u32 peer_tid;
+    u32 event; /* TASK_* */
     char comm[16];
 };
 
@@ -103,8 +103,8 @@ struct switched_out {
 
 struct wakeup {
     u64 ts_ns; /* older than out.ts_ns: a wake-up before the last switch-out, ignored */
-    u32 waker_tid;
-    u32 waker_pid;
+    u32 peer_tid;
+    u32 peer_pid;
     s32 kstack_id;
     s32 pystack_id;
 };
@@ -120,7 +120,7 @@ struct short_key {
 };
 
 struct short_sum {
-    u64 count;
+    u64 intervals;
     u64 dur_ns;
     u64 runq_ns;
     u32 pid;
@@ -129,11 +129,11 @@ struct short_sum {
 
 struct preempt_key {
     u32 tid;      /* the traced thread switched out while runnable */
-    u32 next_tid; /* the task that ran instead (the tracepoint's next_pid) */
+    u32 peer_tid; /* the task that ran instead (the tracepoint's next_pid) */
 };
 
 struct preemption {
-    u64 count;
+    u64 preemptions;
     u32 pid; /* the traced thread's tgid */
     u32 pad;
     char comm[16]; /* next_comm at the first preemption since the last drain */
@@ -165,7 +165,7 @@ BPF_PERCPU_ARRAY(switching_in, struct offcpu_event, 1);
  * preemptions only; the value is made whole before it is inserted, comm included. */
 static __always_inline void count_preemption(u32 prev, u32 pid, u32 next, const char *next_comm)
 {
-    struct preempt_key key = {.tid = prev, .next_tid = next};
+    struct preempt_key key = {.tid = prev, .peer_tid = next};
     struct preemption fresh = {.pid = pid};
     __builtin_memcpy(fresh.comm, next_comm, sizeof(fresh.comm));
     struct preemption *p = preemptions.lookup_or_try_init(&key, &fresh);
@@ -173,7 +173,7 @@ static __always_inline void count_preemption(u32 prev, u32 pid, u32 next, const 
         count_lost(PROBE_SCHED);
         return;
     }
-    p->count += 1;
+    p->preemptions += 1;
 }
 
 static __always_inline void emit_offcpu(struct offcpu_event *ev, s32 kstack, s32 ustack, s32 pystack)
@@ -258,7 +258,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
             count_lost(PROBE_SCHED);
             return 0;
         }
-        sum->count += 1;
+        sum->intervals += 1;
         sum->dur_ns += dur;
         sum->runq_ns += runq;
         sum->pid = pid;
@@ -270,10 +270,10 @@ TRACEPOINT_PROBE(sched, sched_switch)
     ev.runq_ns = runq;
     ev.tid = next;
     ev.pid = pid;
-    ev.waker_tid = wake.waker_tid;
-    ev.waker_pid = wake.waker_pid;
-    ev.waker_kstack_id = wake.ts_ns ? wake.kstack_id : -1;
-    ev.waker_pystack_id = wake.ts_ns ? wake.pystack_id : PY_STACK_NONE;
+    ev.peer_tid = wake.peer_tid;
+    ev.peer_pid = wake.peer_pid;
+    ev.peer_kstack_id = wake.ts_ns ? wake.kstack_id : -1;
+    ev.peer_pystack_id = wake.ts_ns ? wake.pystack_id : PY_STACK_NONE;
     ev.cpu = bpf_get_smp_processor_id();
     ev.state = preempted ? STATE_PREEMPTED : (s32)state;
 #ifdef HAVE_RAW_TP_SCHED_EXIT_TP
@@ -329,8 +329,8 @@ TRACEPOINT_PROBE(sched, sched_waking)
      * map reads can meet a half-written wake-up. */
     struct wakeup w = {};
     w.ts_ns = bpf_ktime_get_ns();
-    w.waker_tid = (u32)id;
-    w.waker_pid = id >> 32;
+    w.peer_tid = (u32)id;
+    w.peer_pid = id >> 32;
     /* The analysis names a producer by its Python stack at its wake-ups where its own
      * samples and switch-outs show none (analyzers/findings/python_ends.py): the waker's Python stack
      * is taken, for a wait already long enough to stream.  Its native user stack is not:
@@ -361,8 +361,8 @@ static __always_inline void emit_task(u32 tid, u32 pid, u32 parent, u32 what, co
     e->ts_ns = bpf_ktime_get_ns();
     e->tid = tid;
     e->pid = pid;
-    e->parent_tid = parent;
-    e->what = what;
+    e->peer_tid = parent;
+    e->event = what;
     if (comm)
         __builtin_memcpy(e->comm, comm, sizeof(e->comm));
     else

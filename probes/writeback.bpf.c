@@ -1,18 +1,18 @@
 /* Dirty-page throttling: writeback:balance_dirty_pages fires in the writer's context
  * just before it sleeps.  The event's `pause` field is already in milliseconds (the
  * tracepoint stores pause * 1000 / HZ), so a pause is a whole number of ticks rounded
- * down to the millisecond. */
+ * down to the millisecond; the event carries it in nanoseconds. */
 #ifndef PROBE_WRITEBACK
 #error "PROBE_WRITEBACK must be defined by the loader"
 #endif
 struct dirty_event {
     u64 ts_ns;
-    s64 pause_ms;
+    s64 dur_ns; /* the pause */
     u64 dirty_pages;
     u64 limit_pages;
     u32 tid;
     u32 pid;
-    char bdi[32];
+    char device[32]; /* the backing device (the tracepoint's bdi) */
 };
 
 BPF_RINGBUF_OUTPUT(writeback_events, RINGBUF_PAGES);
@@ -28,12 +28,12 @@ TRACEPOINT_PROBE(writeback, balance_dirty_pages)
         return 0;
     }
     e->ts_ns = bpf_ktime_get_ns();
-    e->pause_ms = args->pause;
+    e->dur_ns = args->pause * 1000000LL;
     e->dirty_pages = args->dirty;
     e->limit_pages = args->limit;
     e->tid = tid;
     e->pid = current_tgid();
-    __builtin_memcpy(e->bdi, args->bdi, sizeof(e->bdi));
+    __builtin_memcpy(e->device, args->bdi, sizeof(e->device));
     writeback_events.ringbuf_submit(e, submit_flags(PROBE_WRITEBACK));
     return 0;
 }

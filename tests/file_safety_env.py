@@ -160,7 +160,7 @@ def write_spool(out: Path, pid: int, *, close: bool = True) -> Path:
     """A small spool of a recording of `pid`, as a recorder writes it."""
     writer = SpoolWriter(out, {"schema": "trainbpf.trace/1", "target_pid": pid,
                                "clock": {"start_mono_ns": 10**12}, "complete": False})
-    writer.add(make_batch("thread", {"ts_ns": [10**12], "tid": [pid], "pid": [pid], "comm": ["decoy"], "name": ["seed"]}))
+    writer.add(make_batch("thread", {"ts_ns": [10**12], "tid": [pid], "pid": [pid], "comm": ["decoy"], "event": ["seed"]}))
     writer.add(make_batch("offcpu", {"ts_ns": [10**12 + 10**8], "dur_ns": [10**8], "tid": [pid], "pid": [pid], "state": ["S"]}))
     writer.flush()
     writer.close()

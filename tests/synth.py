@@ -1,4 +1,4 @@
-"""Build small synthetic traces as real trace files (make_batch + SpoolWriter + finalize).
+"""Build small synthetic traces as real trace files (stored_batch + SpoolWriter + finalize).
 
 Times are seconds from the trace start; durations are seconds.  A test describes what
 each thread did, writes the file and analyses it like a recorded one:
@@ -21,8 +21,9 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf.trace.schema import KIND_COLUMNS, PY_STACK_ID_BASE, SCHEMA_ID
+from trainbpf.trace.spool import stored_batch
 from trainbpf.trace.reader import read_trace
-from trainbpf.trace.spool import SpoolWriter, finalize, make_batch, spool_path_for
+from trainbpf.trace.spool import SpoolWriter, finalize, spool_path_for
 
 START_NS = 1_000_000_000_000
 NS = 1_000_000_000
@@ -225,7 +226,7 @@ class Synth:
             if not rows:
                 continue
             names = sorted({k for row in rows for k in row})
-            writer.add(make_batch(kind, {n: [row.get(n) for row in rows] for n in names}))
+            writer.add(stored_batch(kind, {n: [row.get(n) for row in rows] for n in names}))
         writer.flush()
         writer.close()
         return spool_path_for(path)
@@ -284,10 +285,10 @@ def big_trace(path: Path, events: int = 1_000_000, *, seconds: float = 60.0, thr
     n_off = int(events * 0.6) // threads
     kstacks = {i + 1: f for i, f in enumerate((FUTEX_STACK, SLEEP_STACK, FAULT_IO_STACK, BLOCK_STACK, RECLAIM_STACK, DIRTY_STACK))}
     for sid, frames in kstacks.items():
-        writer.add(make_batch("stack", {"ts_ns": [START_NS], "kstack_id": [sid], "state": ["kernel"], "pid": [TRAINER], "name": [";".join(frames)]}))
+        writer.add(stored_batch("stack", {"ts_ns": [START_NS], "kstack_id": [sid], "state": ["kernel"], "pid": [TRAINER], "name": [";".join(frames)]}))
     for i, tid in enumerate(tids):
         comm = "python" if tid == TRAINER else "pt_data_worker"
-        writer.add(make_batch("thread", {"ts_ns": [START_NS], "tid": [tid], "pid": [TRAINER], "comm": [comm], "name": ["seed"]}))
+        writer.add(stored_batch("thread", {"ts_ns": [START_NS], "tid": [tid], "pid": [TRAINER], "comm": [comm], "name": ["seed"]}))
         # Alternate running and off-CPU stretches whose lengths fill the span.
         run = rng.exponential(1.0, n_off)
         off = rng.exponential(1.0, n_off)
@@ -295,21 +296,21 @@ def big_trace(path: Path, events: int = 1_000_000, *, seconds: float = 60.0, thr
         run_ns, off_ns = (run * scale).astype(np.int64) + 1, (off * scale).astype(np.int64) + 1
         starts = START_NS + np.cumsum(run_ns) + np.concatenate([[0], np.cumsum(off_ns)[:-1]])
         waker = rng.choice(tids, n_off)
-        writer.add(make_batch("offcpu", {
+        writer.add(stored_batch("offcpu", {
             "ts_ns": starts, "dur_ns": off_ns, "tid": np.full(n_off, tid, np.int32), "pid": np.full(n_off, TRAINER, np.int32),
             "cpu": rng.integers(0, 4, n_off).astype(np.int32), "state": rng.choice(np.array(["S", "D", "R"], dtype=object), n_off, p=[0.8, 0.1, 0.1]),
             "runq_ns": (off_ns * rng.uniform(0, 0.2, n_off)).astype(np.int64),
             "peer_tid": pa.array(waker, mask=waker == tid), "kstack_id": rng.integers(1, len(kstacks) + 1, n_off).astype(np.int32),
         }))
         futex = rng.random(n_off) < 0.25
-        writer.add(make_batch("futex", {
+        writer.add(stored_batch("futex", {
             "ts_ns": starts[futex], "dur_ns": off_ns[futex], "tid": np.full(futex.sum(), tid, np.int32),
             "pid": np.full(futex.sum(), TRAINER, np.int32), "addr": rng.choice(np.arange(0x1000, 0x1000 + 64 * 50, 64, dtype=np.uint64), futex.sum()),
             "op": np.full(futex.sum(), 137, np.int32),
         }))
         writer.flush()
     n_on = int(events * 0.2)
-    writer.add(make_batch("oncpu", {
+    writer.add(stored_batch("oncpu", {
         "ts_ns": np.sort(START_NS + rng.integers(0, span, n_on)), "tid": rng.choice(tids, n_on),
         "pid": np.full(n_on, TRAINER, np.int32), "cpu": rng.integers(0, 4, n_on).astype(np.int32),
         "kstack_id": pa.array(rng.integers(1, len(kstacks) + 1, n_on).astype(np.int32), mask=rng.random(n_on) < 0.7),
@@ -318,12 +319,12 @@ def big_trace(path: Path, events: int = 1_000_000, *, seconds: float = 60.0, thr
     for kind, extra in (("faults", {"count": rng.integers(1, 500, n_misc)}),
                         ("mm_syscall", {"name": rng.choice(np.array(["mmap", "munmap"], dtype=object), n_misc), "size": rng.integers(4096, 1 << 24, n_misc)}),
                         ("block_rq", {"size": rng.integers(4096, 1 << 20, n_misc), "name": np.full(n_misc, "R", dtype=object)})):
-        writer.add(make_batch(kind, {
+        writer.add(stored_batch(kind, {
             "ts_ns": np.sort(START_NS + rng.integers(0, span, n_misc)), "dur_ns": rng.integers(1000, 10_000_000, n_misc),
             "tid": rng.choice(tids, n_misc), "pid": np.full(n_misc, TRAINER, np.int32), **extra,
         }))
     n_gpu = int(seconds * 10)
-    writer.add(make_batch("gpu", {
+    writer.add(stored_batch("gpu", {
         "ts_ns": START_NS + np.arange(1, n_gpu + 1) * 100_000_000, "op": np.zeros(n_gpu, np.int32),
         "value": rng.choice([2.0, 95.0], n_gpu), "name": np.full(n_gpu, "GPU-0", dtype=object),
     }))

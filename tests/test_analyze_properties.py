@@ -18,8 +18,8 @@ from trainbpf.analyzers.findings.ranking import MIN_FINDING_NS
 from trainbpf.reports.document import Report, build_report
 from trainbpf.reports.text import render_text
 from trainbpf.trace.schema import SCHEMA_ID, TRACE_SCHEMA
+from trainbpf.trace.spool import stored_batch
 from trainbpf.trace.reader import Trace
-from trainbpf.trace.spool import make_batch
 
 START = 1_000_000_000_000
 SPAN = 2_000_000_000  # 2 s
@@ -62,8 +62,8 @@ TABLES = st.fixed_dictionaries({
 
 
 def build_trace(tables: dict, with_clock: bool, trainer: int | None) -> Trace:
-    batches = [make_batch(kind, {k: [r[k] for r in rs] for k in rs[0]}) for kind, rs in tables.items() if rs]
-    batches.append(make_batch("stack", {
+    batches = [stored_batch(kind, {k: [r[k] for r in rs] for k in rs[0]}) for kind, rs in tables.items() if rs]
+    batches.append(stored_batch("stack", {
         "ts_ns": [START] * len(STACKS), "kstack_id": list(STACKS), "state": [k for k, _ in STACKS.values()],
         "pid": [100] * len(STACKS), "name": [f for _, f in STACKS.values()],
     }))

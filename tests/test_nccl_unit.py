@@ -65,7 +65,7 @@ def test_call_table_matches_the_probe():
 
 def test_records_become_collective_rows():
     dtype = np.dtype([("ts_ns", "<u8"), ("dur_ns", "<u8"), ("seq", "<u8"), ("comm", "<u8"), ("elements", "<u8"),
-                      ("ret", "<i8"), ("tid", "<u4"), ("pid", "<u4"), ("call", "<u4"), ("pad", "<u4")])
+                      ("ret", "<i8"), ("tid", "<u4"), ("pid", "<u4"), ("name", "<u4"), ("pad", "<u4")])
     records = np.array([(100, 5_000_000, 0, 0x7f00dead0000, 1024, 0, 11, 10, CALL_INDEX["ncclAllReduce"], 0),
                         (6_000_000, 40, 1, 0, 0, 5, 11, 10, CALL_INDEX["ncclGroupEnd"], 0)], dtype=dtype)
     (batch,) = NcclCollector(Settings()).decode("nccl_events", records)

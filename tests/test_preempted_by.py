@@ -27,17 +27,17 @@ from trainbpf.tracer.collectors import sched
 from trainbpf.tracer.settings import Settings
 from trainbpf.trace.reader import read_trace
 
-KEY = np.dtype([("tid", "<u4"), ("next_tid", "<u4")])
-COUNT = np.dtype([("count", "<u8"), ("pid", "<u4"), ("pad", "<u4"), ("comm", "S1", (16,))])
+KEY = np.dtype([("tid", "<u4"), ("peer_tid", "<u4")])
+COUNT = np.dtype([("preemptions", "<u8"), ("pid", "<u4"), ("pad", "<u4"), ("comm", "S1", (16,))])
 HOG_COMM = "tb_cpuhog"
 
 
 def counts(*rows: tuple[int, int, int, int, str]) -> tuple[np.ndarray, np.ndarray]:
-    """The preemptions map's keys and values as drained: (tid, next_tid, count, pid, comm)."""
+    """The preemptions map's keys and values as drained: (tid, peer_tid, preemptions, pid, comm)."""
     keys = np.array([(tid, nxt) for tid, nxt, *_ in rows], dtype=KEY)
     values = np.zeros(len(rows), dtype=COUNT)
     for i, (_, _, n, pid, comm) in enumerate(rows):
-        values[i]["count"], values[i]["pid"] = n, pid
+        values[i]["preemptions"], values[i]["pid"] = n, pid
         values[i]["comm"] = np.frombuffer(comm.encode().ljust(16, b"\0"), dtype="S1")
     return keys, values
 

@@ -292,7 +292,7 @@ def test_an_open_interval_woken_after_the_stop_is_still_blocked():
     # sched.bpf.c's struct sched_thread: each thread's last switch-out and wake-up
     out = [("ts_ns", "u8"), ("state", "i8"), ("tgid", "u4"), ("kstack_id", "i4"), ("ustack_id", "i4"),
            ("pystack_id", "i4")]
-    woken = [("ts_ns", "u8"), ("waker_tid", "u4"), ("waker_pid", "u4"), ("kstack_id", "i4"), ("pystack_id", "i4")]
+    woken = [("ts_ns", "u8"), ("peer_tid", "u4"), ("peer_pid", "u4"), ("kstack_id", "i4"), ("pystack_id", "i4")]
     blocked, running, never_woken = (1_000_000, 1, 7, -1, -1, -1), (0, 1, 7, -1, -1, -1), (0, 0, 0, -1, -1)
     entries = np.array([
         (blocked, (60_000_000, 8, 8, -1, -1)),  # 7: woken after the stop

@@ -94,7 +94,7 @@ def test_unfinished_spool_is_analysed_with_a_note(tmp_path):
     meta = dict(input_pipeline().meta)
     meta.pop("clock")
     writer = SpoolWriter(out, meta)
-    writer.add(make_batch("thread", {"ts_ns": [10**12], "tid": [TRAINER], "pid": [TRAINER], "comm": ["python"], "name": ["seed"]}))
+    writer.add(make_batch("thread", {"ts_ns": [10**12], "tid": [TRAINER], "pid": [TRAINER], "comm": ["python"], "event": ["seed"]}))
     writer.add(make_batch("offcpu", {"ts_ns": [10**12 + 10**9], "dur_ns": [10**9], "tid": [TRAINER], "pid": [TRAINER], "state": ["S"]}))
     writer.flush()  # no close, no finalize: a recorder killed mid-way
     assert spool_path_for(out).exists()

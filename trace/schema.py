@@ -14,7 +14,7 @@ analysed on another machine without the traced process alive.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import pyarrow as pa
 
@@ -210,9 +210,10 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
 
 KINDS = tuple(KIND_COLUMNS)
 
-# What the shared storage columns mean in each kind, by their meaningful names
-# (Trace.view(kind) reads a kind under them; the file keeps the storage names).  Columns
-# not listed keep their storage name.
+# What the shared storage columns mean in each kind, by their meaningful names: the one
+# name of each field, from the probe's C struct through the collectors (spool.make_batch
+# takes rows under them) to the analyzers (Trace.view(kind) reads a kind under them); the
+# file keeps the storage names.  Columns not listed keep their storage name.
 KIND_NAMES: dict[str, dict[str, str]] = {
     "thread": {"name": "event"},
     "offcpu_short": {"count": "intervals"},
@@ -247,12 +248,25 @@ def view_columns(kind: str) -> tuple[str, ...]:
     return tuple(names.get(c, c) for c in KIND_COLUMNS[kind])
 
 
+# Each kind's meaningful names -> their storage columns: KIND_NAMES read the other way.
+_STORED: dict[str, dict[str, str]] = {kind: {name: stored for stored, name in names.items()}
+                                      for kind, names in KIND_NAMES.items()}
+
+
 def storage_column(kind: str, column: str) -> str:
     """The storage column that holds `kind`'s meaningful `column`."""
-    for stored, name in KIND_NAMES.get(kind, {}).items():
-        if name == column:
-            return stored
-    return column
+    return _STORED.get(kind, {}).get(column, column)
+
+
+def stored_columns(kind: str, columns: Mapping[str, Any]) -> dict[str, Any]:
+    """`kind`'s columns given under their meaningful names, under their storage names:
+    the one place rows are renamed on their way into a trace (Trace.view, named_frame
+    rename them back).  A name that is not one of the kind's is a ValueError."""
+    names = view_columns(kind)
+    unknown = [c for c in columns if c not in names]
+    if unknown:
+        raise ValueError(f"{kind} rows have no column {unknown[0]} (its columns: {', '.join(names)})")
+    return {storage_column(kind, c): values for c, values in columns.items()}
 
 
 def empty_table() -> pa.Table:

@@ -32,7 +32,7 @@ from trainbpf.trace.safefile import (
     try_lock,
 )
 from trainbpf.trace.rowgroups import write_parquet
-from trainbpf.trace.schema import COLUMNS, KIND_COLUMNS, TRACE_SCHEMA, V2_COLUMNS
+from trainbpf.trace.schema import COLUMNS, KIND_COLUMNS, TRACE_SCHEMA, V2_COLUMNS, stored_columns
 from trainbpf.trace.meta import decode_meta, derive_final_meta, meta_bytes
 
 SPOOL_SUFFIX = ".spool"
@@ -45,7 +45,15 @@ def spool_path_for(output: Path) -> Path:
 def make_batch(kind: str, columns: Mapping[str, Any]) -> pa.RecordBatch:
     """One record batch of `kind` rows; columns not given are null.
 
-    `columns` maps column names to equal-length sequences (numpy arrays, lists)."""
+    `columns` maps the kind's meaningful column names (schema.view_columns: the names its
+    probe's C struct, its collector and the analyzers use) to equal-length sequences
+    (numpy arrays, lists); they are stored under the shared storage columns."""
+    return stored_batch(kind, stored_columns(kind, columns))
+
+
+def stored_batch(kind: str, columns: Mapping[str, Any]) -> pa.RecordBatch:
+    """make_batch with `columns` under the file's storage names (schema.KIND_COLUMNS):
+    for what builds trace files column by column, as the format tests do."""
     allowed = KIND_COLUMNS[kind]
     lengths = {len(v) for v in columns.values()}
     if len(lengths) != 1:

@@ -181,10 +181,11 @@ class ThreadTable:
             listener()
 
 
-def bucket_batches(kind: str, rows: list[tuple], width: int, *, first_ns: bool = False,
+def bucket_batches(kind: str, rows: list[tuple], width: int, *, counted: str, first_ns: bool = False,
                    extra: dict[str, Callable[[np.ndarray], object]] | None = None) -> list[pa.RecordBatch]:
     """`kind` rows of per-thread counts in time buckets `width` ns wide, as a probe's hash
-    holds them: `rows` are (bucket, tid, pid, count, *more) tuples.  With `first_ns` the
+    holds them: `rows` are (bucket, tid, pid, count, *more) tuples; the count is the
+    kind's column `counted`.  With `first_ns` the
     first of `more` is the time of the bucket's first event: a row then spans from it to
     the bucket's end.  `extra` names each further column and converts its int64 values."""
     if not rows:
@@ -199,7 +200,7 @@ def bucket_batches(kind: str, rows: list[tuple], width: int, *, first_ns: bool =
         "dur_ns": (bucket + 1) * width - start,
         "tid": tid.astype(np.int32),
         "pid": pid.astype(np.int32),
-        "count": count,
+        counted: count,
     }
     for (name, convert), values in zip((extra or {}).items(), more):
         columns[name] = convert(values)

@@ -328,7 +328,7 @@ class Recorder(DrainLoop):
             "pid": np.array([t.pid for t in new], dtype=np.int32),
             "comm": [t.comm for t in new],
             "peer_tid": np.array([t.parent_tid for t in new], dtype=np.int32),
-            "name": ["seed"] * len(new),
+            "event": ["seed"] * len(new),
         }))
         gone = [t for t in new if t.state in ("Z", "X")]  # a main thread that called pthread_exit
         if gone:  # exited before the recording: observed for no time (analyzers/threads/roles.py)
@@ -403,8 +403,8 @@ class Recorder(DrainLoop):
         if any(self.lost.values()):
             n = time.monotonic_ns()
             self.writer.add(make_batch("lost", {
-                "ts_ns": np.full(len(self.lost), n, dtype=np.int64), "name": list(self.lost),
-                "count": np.array(list(self.lost.values()), dtype=np.int64)}))
+                "ts_ns": np.full(len(self.lost), n, dtype=np.int64), "probe": list(self.lost),
+                "lost": np.array(list(self.lost.values()), dtype=np.int64)}))
         self.writer.flush()
 
 

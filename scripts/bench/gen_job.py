@@ -1,5 +1,5 @@
 """Synthetic traces of one multi-node job, one trace per node, for bench_job.py and the
-tests: built with numpy and written the way the recorder writes (make_batch ->
+tests: built with numpy and written the way the recorder writes (stored_batch ->
 SpoolWriter -> finalize).
 
 The job: `world` ranks under torchrun, each rank a process with a trainer thread, two
@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from trainbpf.trace.schema import SCHEMA_ID
-from trainbpf.trace.spool import SpoolWriter, finalize, make_batch, spool_path_for
+from trainbpf.trace.spool import stored_batch
+from trainbpf.trace.spool import SpoolWriter, finalize, spool_path_for
 
 MS = 1_000_000
 NS = 1_000_000_000
@@ -90,7 +91,7 @@ class _Rows:
     def add(self, kind: str, **columns) -> None:
         n = max(len(v) if isinstance(v, (list, np.ndarray)) else 1 for v in columns.values())
         if n:
-            self.batches.append(make_batch(kind, {name: value if isinstance(value, (list, np.ndarray)) else [value] * n
+            self.batches.append(stored_batch(kind, {name: value if isinstance(value, (list, np.ndarray)) else [value] * n
                                                   for name, value in columns.items()}))
 
 

@@ -1,5 +1,5 @@
 """A large synthetic trace for bench_analyze.py, built with numpy and written the way the
-recorder writes (make_batch -> SpoolWriter -> finalize).
+recorder writes (stored_batch -> SpoolWriter -> finalize).
 
 The mix follows what `trainbpf record` produces for a busy trainer: ~50 threads of one
 training process (a trainer, dataloader worker processes, a pin-memory thread, a
@@ -22,7 +22,8 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf.trace.schema import SCHEMA_ID
-from trainbpf.trace.spool import SpoolWriter, finalize, make_batch, spool_path_for
+from trainbpf.trace.spool import stored_batch
+from trainbpf.trace.spool import SpoolWriter, finalize, spool_path_for
 
 START_NS = 1_000_000_000_000
 NS = 1_000_000_000
@@ -74,7 +75,7 @@ def stack_rows(rng: np.random.Generator, n_user: int) -> tuple[pa.RecordBatch, d
         depth = int(rng.integers(2, 9))
         frames = [USER_FRAMES[j] + " [python3.11]" for j in rng.integers(0, len(USER_FRAMES), depth)]
         names.append(";".join(frames)), ids.append(int(uid)), kinds.append("user"), pids.append(PID)
-    batch = make_batch("stack", {"ts_ns": np.full(len(ids), START_NS, np.int64), "kstack_id": np.array(ids, np.int32),
+    batch = stored_batch("stack", {"ts_ns": np.full(len(ids), START_NS, np.int64), "kstack_id": np.array(ids, np.int32),
                                  "state": kinds, "pid": np.array(pids, np.int32), "name": names})
     return batch, by_state, user_ids
 
@@ -100,7 +101,7 @@ def thread_batches(rng, tid: int, pid: int, n_off: int, span: int, tids: np.ndar
         kstack[mask] = rng.choice(ids, int(mask.sum()))
     ustack = rng.choice(ustacks, n_off)
     tid_col, pid_col = np.full(n_off, tid, np.int32), np.full(n_off, pid, np.int32)
-    yield make_batch("offcpu", {
+    yield stored_batch("offcpu", {
         "ts_ns": starts, "dur_ns": off_ns, "tid": tid_col, "pid": pid_col,
         "cpu": rng.integers(0, 2, n_off).astype(np.int32), "state": state, "runq_ns": runq,
         "peer_tid": pa.array(wakers, mask=~woken), "peer_pid": pa.array(np.where(wakers > PID + 8, PID, wakers), mask=~woken),
@@ -110,7 +111,7 @@ def thread_batches(rng, tid: int, pid: int, n_off: int, span: int, tids: np.ndar
     })
     sleeps = np.flatnonzero(state == "S")
     f = np.sort(rng.choice(sleeps, min(n_futex, len(sleeps)), replace=False))
-    yield make_batch("futex", {
+    yield stored_batch("futex", {
         "ts_ns": starts[f] - 2_000, "dur_ns": off_ns[f] + 3_000, "tid": tid_col[: len(f)], "pid": pid_col[: len(f)],
         "addr": rng.choice(np.arange(0x7F0000001000, 0x7F0000001000 + 64 * 200, 64, dtype=np.uint64), len(f)),
         "op": np.full(len(f), 137, np.int32), "ustack_id": ustack[f],
@@ -121,13 +122,13 @@ def thread_batches(rng, tid: int, pid: int, n_off: int, span: int, tids: np.ndar
     n_on = int(199 * 2 * span / NS * weight)
     pick = rng.choice(n_off, n_on, p=run_ns / run_ns.sum())
     on_ts = np.sort(run_starts[pick] + (rng.random(n_on) * run_ns[pick]).astype(np.int64))
-    yield make_batch("oncpu", {
+    yield stored_batch("oncpu", {
         "ts_ns": on_ts, "tid": np.full(n_on, tid, np.int32), "pid": np.full(n_on, pid, np.int32),
         "cpu": rng.integers(0, 2, n_on).astype(np.int32), "kstack_id": np.full(n_on, -1, np.int32),
         "ustack_id": rng.choice(ustacks, n_on),
     })
     buckets = np.unique((on_ts - START_NS) // 100_000_000)  # faults where the thread ran
-    yield make_batch("faults", {
+    yield stored_batch("faults", {
         "ts_ns": START_NS + buckets * 100_000_000, "dur_ns": np.full(len(buckets), 100_000_000, np.int64),
         "tid": np.full(len(buckets), tid, np.int32), "pid": np.full(len(buckets), pid, np.int32),
         "count": rng.integers(1, 5_000, len(buckets)),
@@ -136,14 +137,14 @@ def thread_batches(rng, tid: int, pid: int, n_off: int, span: int, tids: np.ndar
     for s in ("S", "R"):
         n = int(seconds)
         counts = rng.integers(10, 2_000, n)
-        yield make_batch("offcpu_short", {
+        yield stored_batch("offcpu_short", {
             "ts_ns": START_NS + np.arange(1, n + 1) * NS, "dur_ns": counts * rng.integers(2_000, 15_000, n),
             "tid": np.full(n, tid, np.int32), "pid": np.full(n, pid, np.int32), "state": np.full(n, s, dtype=object),
             "count": counts, "runq_ns": counts * 1_000,
         })
     mm = np.sort(rng.choice(n_off, n_mm))
     calls = np.array(["mmap", "munmap", "madvise", "brk"], dtype=object)
-    yield make_batch("mm_syscall", {
+    yield stored_batch("mm_syscall", {
         "ts_ns": run_starts[mm], "dur_ns": rng.integers(1_000, 200_000, n_mm), "tid": np.full(n_mm, tid, np.int32),
         "pid": np.full(n_mm, pid, np.int32), "name": rng.choice(calls, n_mm, p=[0.4, 0.4, 0.15, 0.05]),
         "addr": np.full(n_mm, 0x7F0000000000, np.uint64), "size": rng.choice([1 << 16, 1 << 20, 3 << 20, 1 << 26], n_mm),
@@ -171,7 +172,7 @@ def generate(path: Path, *, events: int = 10_000_000, seconds: float = 600.0, th
     writer = SpoolWriter(Path(path), meta)
     stacks, kstacks, ustacks = stack_rows(rng, 8_000)
     writer.add(stacks)
-    writer.add(make_batch("thread", {
+    writer.add(stored_batch("thread", {
         "ts_ns": np.full(len(table), START_NS, np.int64), "tid": tids, "pid": np.array([p for _, p, _ in table], np.int32),
         "comm": [c for _, _, c in table], "name": ["seed"] * len(table)}))
     # Rows by thread: the trainer and the workers are the busiest.
@@ -190,7 +191,7 @@ def generate(path: Path, *, events: int = 10_000_000, seconds: float = 600.0, th
     n_gpu = int(seconds * 10)
     ts = np.arange(1, n_gpu + 1) * 100_000_000
     util = np.where((ts % (2 * NS)) < 300_000_000, 4.0, 93.0) + rng.normal(0, 1.5, n_gpu)
-    writer.add(make_batch("gpu", {
+    writer.add(stored_batch("gpu", {
         "ts_ns": START_NS + ts, "op": np.zeros(n_gpu, np.int32), "value": util.clip(0, 100),
         "count": np.full(n_gpu, 40_536, np.int64), "size": np.full(n_gpu, 45, np.int64),
         "name": np.full(n_gpu, "GPU-00000000-0000-0000-0000-000000000000", dtype=object)}))

@@ -24,10 +24,10 @@ class BlockCollector(Collector):
                     "dur_ns": r["dur_ns"].astype(np.int64),
                     "tid": r["tid"].astype(np.int32),
                     "pid": r["pid"].astype(np.int32),
-                    "size": r["bytes"].astype(np.int64),
-                    "name": np.array(cstrings(r["rwbs"]), dtype=object),
-                    "op": r["dev"].astype(np.int32),
-                    "addr": r["sector"],
+                    "bytes": r["bytes"].astype(np.int64),
+                    "rwbs": np.array(cstrings(r["rwbs"]), dtype=object),
+                    "dev": r["dev"].astype(np.int32),
+                    "sector": r["sector"],
                 },
             )
         ]

@@ -126,8 +126,8 @@ class CudaCollector(LibraryCollector):
             bpf.attach_uretprobe(name=opened, sym=sym, fn_name=f"return_{base}")
 
     def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
-        names = [CALLS[c].name for c in r["call"].tolist()]
-        kinds = [KINDS[CALLS[c].kind] for c in r["call"].tolist()]
+        names = [CALLS[c].name for c in r["name"].tolist()]
+        kinds = [KINDS[CALLS[c].kind] for c in r["name"].tolist()]
         return [
             make_batch(
                 "cuda_call",
@@ -138,10 +138,10 @@ class CudaCollector(LibraryCollector):
                     "pid": r["pid"].astype(np.int32),
                     "name": names,
                     "state": kinds,
-                    "op": r["nested"].astype(np.int32),
-                    "addr": r["arg"],
-                    "size": r["bytes"].astype(np.int64),
-                    "count": r["ret"].astype(np.int64),
+                    "nested": r["nested"].astype(np.int32),
+                    "addr": r["addr"],
+                    "bytes": r["bytes"].astype(np.int64),
+                    "ret": r["ret"].astype(np.int64),
                     "ustack_id": stack_ids(r["ustack_id"]),
                 },
             )
@@ -154,7 +154,6 @@ class CudaCollector(LibraryCollector):
                                                   launches["first_ns"], keys["layer"], keys["nested"]))))
         if final:  # each thread's last bucket, still in its record
             counts += thread_buckets(array_values(bpf["cuda_threads"]), self.settings.cuda_bucket_ns)
-        return bucket_batches("cuda_launch", counts, self.settings.cuda_bucket_ns, first_ns=True, extra={
-            "name": lambda layer: [LAYERS[x] for x in layer.tolist()],
-            "op": lambda nested: nested.astype(np.int32),
-        })
+        return bucket_batches("cuda_launch", counts, self.settings.cuda_bucket_ns, counted="launches", first_ns=True,
+                              extra={"layer": lambda layer: [LAYERS[x] for x in layer.tolist()],
+                                     "nested": lambda nested: nested.astype(np.int32)})

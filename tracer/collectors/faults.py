@@ -202,7 +202,7 @@ class FaultsCollector(Collector):
         self._counted += int(count.sum())
         return [make_batch("faults", {
             "ts_ns": start, "dur_ns": end - start, "tid": tid.astype(np.int32), "pid": pid.astype(np.int32),
-            "count": count,
+            "faults": count,
         })]
 
     def meta(self) -> dict:

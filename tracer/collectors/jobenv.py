@@ -159,4 +159,4 @@ class JobEnvReader:
         ts, pids, names, values = zip(*rows)
         return make_batch("process_env", {"ts_ns": np.array(ts, dtype=np.int64),
                                           "pid": np.array(pids, dtype=np.int32),
-                                          "name": list(names), "state": list(values)})
+                                          "variable": list(names), "value": list(values)})

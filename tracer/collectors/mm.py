@@ -1,5 +1,7 @@
 """Collector for probes/mm.bpf.c: mmap_lock waits, reclaim, compaction, NUMA moves and
-migrations, and mmap-family calls.  One event struct; `what` says which row it becomes."""
+migrations, and mmap-family calls.  One event struct for six kinds of row, `what` saying
+which: its generic slots (ret, arg, arg2, size) hold a different column of each kind, named
+here as the kind's view names it."""
 
 from __future__ import annotations
 
@@ -59,40 +61,40 @@ class MmCollector(Collector):
             batches.append(make_batch("mmap_lock", {
                 **common(m), "dur_ns": r["dur_ns"][m].astype(np.int64),
                 "state": np.where(what[m] == LOCK_WRITE, "write", "read").astype(object),
-                "count": r["ret"][m].astype(np.int64),
+                "acquired": r["ret"][m].astype(np.int64),
             }))
         m = (what == RECLAIM_DIRECT) | (what == RECLAIM_MEMCG)
         if m.any():
             batches.append(make_batch("reclaim", {
                 **common(m), "dur_ns": r["dur_ns"][m].astype(np.int64),
                 "state": np.where(what[m] == RECLAIM_MEMCG, "memcg", "direct").astype(object),
-                "count": r["ret"][m].astype(np.int64),
+                "pages_reclaimed": r["ret"][m].astype(np.int64),
             }))
         m = what == COMPACTION
         if m.any():
             batches.append(make_batch("compaction", {
                 **common(m), "dur_ns": r["dur_ns"][m].astype(np.int64),
-                "op": r["ret"][m].astype(np.int32),
+                "status": r["ret"][m].astype(np.int32),
             }))
         m = (what == NUMA_MOVE) | (what == NUMA_SWAP)
         if m.any():
             batches.append(make_batch("numa_move", {
-                **common(m), "cpu": r["ret"][m].astype(np.int32), "op": r["arg"][m],
-                "node": r["arg2"][m],
-                "name": np.where(what[m] == NUMA_SWAP, "swap", "move").astype(object),
+                **common(m), "cpu": r["ret"][m].astype(np.int32), "src_node": r["arg"][m],
+                "dst_node": r["arg2"][m],
+                "move": np.where(what[m] == NUMA_SWAP, "swap", "move").astype(object),
             }))
         m = what == MIGRATE
         if m.any():
             batches.append(make_batch("numa_migrate", {
-                **common(m), "count": r["ret"][m].astype(np.int64),
-                "size": r["size"][m].astype(np.int64), "op": r["arg"][m],
+                **common(m), "pages_migrated": r["ret"][m].astype(np.int64),
+                "pages_failed": r["size"][m].astype(np.int64), "reason": r["arg"][m],
             }))
         m = np.isin(what, list(SYSCALLS))
         if m.any():
             batches.append(make_batch("mm_syscall", {
                 **common(m), "dur_ns": r["dur_ns"][m].astype(np.int64),
-                "name": np.array([SYSCALLS[int(w)] for w in what[m]], dtype=object),
-                "addr": r["addr"][m], "size": r["size"][m].astype(np.int64),
-                "op": r["arg"][m], "count": r["ret"][m].astype(np.int64),
+                "syscall": np.array([SYSCALLS[int(w)] for w in what[m]], dtype=object),
+                "addr": r["addr"][m], "length": r["size"][m].astype(np.int64),
+                "flags": r["arg"][m], "ret": r["ret"][m].astype(np.int64),
             }))
         return batches

@@ -72,11 +72,11 @@ class NcclCollector(LibraryCollector):
                     "dur_ns": r["dur_ns"].astype(np.int64),
                     "tid": r["tid"].astype(np.int32),
                     "pid": r["pid"].astype(np.int32),
-                    "name": [CALLS[c].name for c in r["call"].tolist()],
-                    "op": r["seq"].astype(np.int32),
-                    "addr": r["comm"],
-                    "size": r["elements"].astype(np.int64),
-                    "count": r["ret"].astype(np.int64),
+                    "name": [CALLS[c].name for c in r["name"].tolist()],
+                    "seq": r["seq"].astype(np.int32),
+                    "comm": r["comm"],
+                    "elements": r["elements"].astype(np.int64),
+                    "ret": r["ret"].astype(np.int64),
                 },
             )
         ]

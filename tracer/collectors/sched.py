@@ -25,7 +25,7 @@ from trainbpf.tracer.proctree import tgid_of
 # The constants sched.bpf.c shares, passed to it as -D defines (defines() below).
 # The state the probe reports for a task switched out while runnable (TASK_REPORT_MAX).
 STATE_PREEMPTED = 0x100
-# task_event.what codes (TASK_SEED, ...), and the `thread` row names they become.
+# task_event.event codes (TASK_SEED, ...), and the `thread` row events they become.
 TASK_WHAT = {0: "seed", 1: "thread", 2: "process", 3: "exec", 4: "rename", 5: "exit"}
 TASK_EXEC, TASK_RENAME, TASK_EXIT = ({w: c for c, w in TASK_WHAT.items()}[what] for what in ("exec", "rename", "exit"))
 
@@ -110,9 +110,9 @@ class SchedCollector(Collector):
         """task_events: threads born and exited, and execs (whose address space is new)."""
         if ringbuf != "task_events":
             return
-        execs = records["what"] == TASK_EXEC
+        execs = records["event"] == TASK_EXEC
         comms = cstrings(records["comm"]) if execs.any() else []
-        for i, (tid, pid, ts, what) in enumerate(zip(*(records[f].tolist() for f in ("tid", "pid", "ts_ns", "what")))):
+        for i, (tid, pid, ts, what) in enumerate(zip(*(records[f].tolist() for f in ("tid", "pid", "ts_ns", "event")))):
             if what == TASK_EXIT:
                 threads.exit(tid)
                 self.renamed.pop(tid, None)
@@ -138,7 +138,7 @@ class SchedCollector(Collector):
 
     def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
         if ringbuf == "sched_events":
-            waker = r["waker_tid"] != 0
+            waker = r["peer_tid"] != 0
             return [
                 make_batch(
                     "offcpu",
@@ -150,13 +150,13 @@ class SchedCollector(Collector):
                         "cpu": r["cpu"],
                         "state": state_letters(r["state"]),
                         "runq_ns": r["runq_ns"].astype(np.int64),
-                        "peer_tid": pa.array(r["waker_tid"].astype(np.int32), mask=~waker),
-                        "peer_pid": pa.array(r["waker_pid"].astype(np.int32), mask=~waker),
+                        "peer_tid": pa.array(r["peer_tid"].astype(np.int32), mask=~waker),
+                        "peer_pid": pa.array(r["peer_pid"].astype(np.int32), mask=~waker),
                         "kstack_id": stack_ids(r["kstack_id"]),
                         "ustack_id": stack_ids(r["ustack_id"]),
-                        "peer_kstack_id": stack_ids(r["waker_kstack_id"]),
+                        "peer_kstack_id": stack_ids(r["peer_kstack_id"]),
                         "pystack_id": py_stack_ids(r["pystack_id"]),
-                        "peer_pystack_id": py_stack_ids(r["waker_pystack_id"]),
+                        "peer_pystack_id": py_stack_ids(r["peer_pystack_id"]),
                     },
                 )
             ]
@@ -165,7 +165,7 @@ class SchedCollector(Collector):
     @staticmethod
     def task_batch(r: np.ndarray) -> pa.RecordBatch:
         """task_events -> `thread` rows, and `exit` rows for exits."""
-        what = np.array([TASK_WHAT.get(int(w), "?") for w in r["what"]], dtype=object)
+        what = np.array([TASK_WHAT.get(int(w), "?") for w in r["event"]], dtype=object)
         comm = np.array(cstrings(r["comm"]), dtype=object)
         exits = what == "exit"
         batches = []
@@ -180,9 +180,9 @@ class SchedCollector(Collector):
                         "pid": r["pid"][seen].astype(np.int32),
                         "comm": comm[seen],
                         "peer_tid": pa.array(
-                            r["parent_tid"][seen].astype(np.int32), mask=r["parent_tid"][seen] == 0
+                            r["peer_tid"][seen].astype(np.int32), mask=r["peer_tid"][seen] == 0
                         ),
-                        "name": what[seen],
+                        "event": what[seen],
                     },
                 )
             )
@@ -246,7 +246,7 @@ class SchedCollector(Collector):
         state = outs["state"].astype(np.int64)
         preempted = (state == 0) | (state == STATE_PREEMPTED)
         runq = np.where(preempted, dur, np.where(woke, end_ns - woke_ts, 0))
-        waker = np.where(woke, wake["waker_tid"], 0).astype(np.int32)
+        waker = np.where(woke, wake["peer_tid"], 0).astype(np.int32)
         return [make_batch(kind, {
             "ts_ns": start,
             "dur_ns": dur,
@@ -256,7 +256,7 @@ class SchedCollector(Collector):
             "state": state_letters(state),
             "runq_ns": runq,
             "peer_tid": pa.array(waker, mask=~woke),
-            "peer_pid": pa.array(np.where(woke, wake["waker_pid"], 0).astype(np.int32), mask=~woke),
+            "peer_pid": pa.array(np.where(woke, wake["peer_pid"], 0).astype(np.int32), mask=~woke),
             "kstack_id": stack_ids(outs["kstack_id"]),
             "ustack_id": stack_ids(outs["ustack_id"]),
             "peer_kstack_id": stack_ids(np.where(woke, wake["kstack_id"], -1)),
@@ -280,7 +280,7 @@ class SchedCollector(Collector):
                     "tid": keys["tid"].astype(np.int32),
                     "pid": sums["pid"].astype(np.int32),
                     "state": state_letters(keys["state"]),
-                    "count": sums["count"].astype(np.int64),
+                    "intervals": sums["intervals"].astype(np.int64),
                     "runq_ns": sums["runq_ns"].astype(np.int64),
                 },
             )
@@ -291,7 +291,7 @@ class SchedCollector(Collector):
         that `peer_visible` says the invoking user could not see is left unnamed."""
         keys, counts = drain_hash(bpf["preemptions"])
         known, self.peer_tgids = self.peer_tgids, {}
-        for tid in np.unique(keys["next_tid"]).tolist():
+        for tid in np.unique(keys["peer_tid"]).tolist():
             self.peer_tgids[tid] = known[tid] if tid in known else tgid_of(tid)
         hidden = {tid for tid, tgid in self.peer_tgids.items()
                   if self.peer_visible is not None and not self.peer_visible(tgid if tgid > 0 else tid)}
@@ -300,12 +300,12 @@ class SchedCollector(Collector):
 
 def preempted_by_batches(keys: np.ndarray, counts: np.ndarray, now_ns: int,
                          peer_tgids: dict[int, int], *, hidden: set[int] = frozenset()) -> list[pa.RecordBatch]:
-    """`preempted_by` rows of sched.bpf.c's preemptions (`keys`: tid, next_tid; `counts`:
-    count, pid, comm), each peer's tgid from `peer_tgids` (-1 or absent: gone, null); a
+    """`preempted_by` rows of sched.bpf.c's preemptions (`keys`: tid, peer_tid; `counts`:
+    preemptions, pid, comm), each peer's tgid from `peer_tgids` (-1 or absent: gone, null); a
     peer in `hidden` becomes tid 0, no pid, comm "" (another user's task, unnamed)."""
     if not len(keys):
         return []
-    peer = keys["next_tid"].astype(np.int64)
+    peer = keys["peer_tid"].astype(np.int64)
     peer_pid = np.array([peer_tgids.get(t, -1) for t in peer.tolist()], dtype=np.int32)
     unnamed = np.isin(peer, list(hidden))
     peer, peer_pid = np.where(unnamed, 0, peer), np.where(unnamed, -1, peer_pid).astype(np.int32)
@@ -318,5 +318,5 @@ def preempted_by_batches(keys: np.ndarray, counts: np.ndarray, now_ns: int,
         "peer_tid": peer.astype(np.int32),
         "peer_pid": pa.array(peer_pid, mask=peer_pid < 0),
         "comm": comm,
-        "count": counts["count"].astype(np.int64),
+        "preemptions": counts["preemptions"].astype(np.int64),
     })]

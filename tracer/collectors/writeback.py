@@ -16,18 +16,17 @@ class WritebackCollector(Collector):
     ringbufs = ("writeback_events",)
 
     def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
-        pause_ns = r["pause_ms"].astype(np.int64) * 1_000_000
         return [
             make_batch(
                 "dirty_pause",
                 {
                     "ts_ns": r["ts_ns"].astype(np.int64),
-                    "dur_ns": pause_ns,
+                    "dur_ns": r["dur_ns"].astype(np.int64),
                     "tid": r["tid"].astype(np.int32),
                     "pid": r["pid"].astype(np.int32),
-                    "count": r["dirty_pages"].astype(np.int64),
-                    "size": r["limit_pages"].astype(np.int64),
-                    "name": np.array(cstrings(r["bdi"]), dtype=object),
+                    "dirty_pages": r["dirty_pages"].astype(np.int64),
+                    "limit_pages": r["limit_pages"].astype(np.int64),
+                    "device": np.array(cstrings(r["device"]), dtype=object),
                 },
             )
         ]

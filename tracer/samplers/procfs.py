@@ -86,12 +86,12 @@ class ProcSampler:
         psi_rows = {k: v - self._psi.get(k, 0) for k, v in psi.items()}
         self._t, self._vm, self._psi = now, vm, psi
         out = []
-        for kind, rows in (("vmstat", vm_rows), ("psi", psi_rows)):
+        for kind, rows, key, delta in (("vmstat", vm_rows, "key", "delta"), ("psi", psi_rows, "resource", "stalled_us")):
             if rows:
                 out.append(make_batch(kind, {
                     "ts_ns": np.full(len(rows), now, dtype=np.int64),
                     "dur_ns": np.full(len(rows), dur, dtype=np.int64),
-                    "name": list(rows), "count": np.array(list(rows.values()), dtype=np.int64),
+                    key: list(rows), delta: np.array(list(rows.values()), dtype=np.int64),
                 }))
         return out
 
@@ -123,7 +123,7 @@ def numa_maps_batch(pids: list[int], phase: str) -> pa.RecordBatch | None:
         "pid": np.array([r[0] for r in rows], dtype=np.int32),
         "state": [phase] * len(rows),
         "node": np.array([r[1] for r in rows], dtype=np.int32),
-        "count": np.array([r[2] for r in rows], dtype=np.int64),
+        "pages": np.array([r[2] for r in rows], dtype=np.int64),
     })
 
 

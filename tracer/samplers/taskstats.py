@@ -54,6 +54,6 @@ def snapshot(threads: dict[int, int], phase: str) -> pa.RecordBatch | None:
         "tid": np.array([r[0] for r in rows], dtype=np.int32),
         "pid": np.array([r[1] for r in rows], dtype=np.int32),
         "state": [phase] * len(rows),
-        "name": [r[2] for r in rows],
-        "count": np.array([r[3] for r in rows], dtype=np.int64),
+        "field": [r[2] for r in rows],
+        "total_ns": np.array([r[3] for r in rows], dtype=np.int64),
     })

@@ -205,10 +205,10 @@ class PythonStacks:
         self.stacks += len(ids)
         return make_batch("stack", {
             "ts_ns": np.full(len(ids), now_ns, dtype=np.int64),
-            "kstack_id": np.array(ids, dtype=np.int32),
-            "state": ["python"] * len(ids),
+            "stack_id": np.array(ids, dtype=np.int32),
+            "space": ["python"] * len(ids),
             "pid": np.array(pids, dtype=np.int32),
-            "name": names,
+            "frames": names,
         })
 
     def _name(self, st) -> list[str]:

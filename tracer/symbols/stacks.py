@@ -183,10 +183,10 @@ def _stack_batch(rows: list[tuple[int, str, int, str]], ts_ns: int | None = None
         return None
     return make_batch("stack", {
         "ts_ns": np.full(len(rows), time.monotonic_ns() if ts_ns is None else ts_ns, dtype=np.int64),
-        "kstack_id": np.array([r[0] for r in rows], dtype=np.int32),
-        "state": [r[1] for r in rows],
+        "stack_id": np.array([r[0] for r in rows], dtype=np.int32),
+        "space": [r[1] for r in rows],
         "pid": np.array([r[2] for r in rows], dtype=np.int32),
-        "name": [r[3] for r in rows],
+        "frames": [r[3] for r in rows],
     })
 
 
