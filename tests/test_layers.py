@@ -1,5 +1,5 @@
-"""The floors of the code (docs/design.md, "Layout"): a lower floor never imports a
-higher one, and every name has one address.
+"""The floors of the code (README.md, "Layout"; docs/design.md, "Architecture"): a lower
+floor never imports a higher one, and every name has one address.
 
     trainbpf/  (cli, doctor, reports, health, fleet)      the roof
     tracer/    analyzers/                                 the recorder; the analysis
