@@ -142,7 +142,7 @@ def analyze(
     window: Window | None = None,
 ) -> Analysis:
     """Run every analyzer over a loaded trace (trainbpf.trace.reader.Trace).  `window`: the
-    analysed part, parsed at the edge (analyze_options.Window).  A trace of several
+    analysed part, parsed at the edge (options.Window).  A trace of several
     ranks of one job (analyzers/job/ranks.py) is analysed rank by rank and as one job
     (analyzers/job/rank_analysis.py), unless `trainer_tid` names one trainer."""
     sh = share(trace, window)
