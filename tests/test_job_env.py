@@ -24,6 +24,7 @@ from trainbpf.tracer.collector import Settings, ThreadTable
 from trainbpf.tracer.jobenv import JobEnvReader, lone_rank_note, parse_environ, rank_of, read_environ
 from trainbpf.tracer.proctree import cmdline, process_tree
 from trainbpf.tracer.record import Recorder
+from trainbpf.tracer.record_config import RecordConfig
 
 TRAINBPF = str(Path(sys.executable).with_name("trainbpf"))
 
@@ -198,8 +199,8 @@ def test_a_launchers_ranks_are_found_by_their_environment(tmp_path):
 
     try:
         ranks = json.loads(launcher.stdout.readline())
-        rec = Recorder(pid=launcher.pid, output=out, duration=60, settings=Settings(), probes=["sched"], gpu="off",
-                       topology_file=None, status=None, on_attached=go, notice=notices.append)
+        rec = Recorder(RecordConfig(pid=launcher.pid, output=out, duration=60, settings=Settings(), probes=("sched",),
+                                    gpu="off"), on_attached=go, notice=notices.append)
         runner = threading.Thread(target=_run, args=(rec, box))
         runner.start()
         forked = int(launcher.stdout.readline())
