@@ -47,7 +47,7 @@ def record_workload(out: Path, name: str, *args, cgroup_procs: Path | None = Non
         def run() -> None:
             try:
                 box["result"] = record(config=RecordConfig(pid=proc.pid, output=out, duration=timeout,
-                                                                   settings=settings, probes=probes, gpu="off"),
+                                                                   settings=settings or Settings(), probes=probes, gpu="off"),
                                        handle_signals=False, on_attached=go)
             except BaseException as exc:  # re-raised in the test thread
                 box["error"] = exc
