@@ -13,6 +13,7 @@ from trainbpf.trace.reader import Trace, read_trace
 from trainbpf.tracer.settings import Settings
 from trainbpf.tracer.record import record
 from trainbpf.tracer.record_output import RecordResult
+from trainbpf.tracer.record_config import RecordConfig
 
 WORKLOADS = Path(__file__).with_name("kernel_workloads.py")
 
@@ -46,9 +47,9 @@ def record_workload(out: Path, name: str, *args, cgroup_procs: Path | None = Non
 
         def run() -> None:
             try:
-                box["result"] = record(pid=proc.pid, output=out, duration=timeout,
-                                       settings=settings, probes=probes, gpu="off", handle_signals=False,
-                                       on_attached=go)
+                box["result"] = record(config=RecordConfig(pid=proc.pid, output=out, duration=timeout,
+                                                                   settings=settings or Settings(), probes=probes, gpu="off"),
+                                       handle_signals=False, on_attached=go)
             except BaseException as exc:  # re-raised in the test thread
                 box["error"] = exc
                 proc.kill()  # never told to go: its report would never come

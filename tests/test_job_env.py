@@ -31,6 +31,7 @@ from trainbpf.tracer.collectors.jobenv import (
 )
 from trainbpf.tracer.proctree import cmdline, process_tree
 from trainbpf.tracer.record import Recorder
+from trainbpf.tracer.record_config import RecordConfig
 
 TRAINBPF = str(Path(sys.executable).with_name("trainbpf"))
 
@@ -205,8 +206,8 @@ def test_a_launchers_ranks_are_found_by_their_environment(tmp_path):
 
     try:
         ranks = json.loads(launcher.stdout.readline())
-        rec = Recorder(pid=launcher.pid, output=out, duration=60, settings=Settings(), probes=["sched"], gpu="off",
-                       topology_file=None, status=None, on_attached=go, notice=notices.append)
+        rec = Recorder(RecordConfig(pid=launcher.pid, output=out, duration=60, settings=Settings(), probes=("sched",),
+                                    gpu="off"), on_attached=go, notice=notices.append)
         runner = threading.Thread(target=_run, args=(rec, box))
         runner.start()
         forked = int(launcher.stdout.readline())

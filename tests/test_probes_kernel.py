@@ -314,11 +314,12 @@ def test_system_wide_recording_sees_other_processes_but_not_itself(tmp_path):
     from trainbpf.trace.reader import read_trace
     from trainbpf.tracer.settings import Settings
     from trainbpf.tracer.record import record
+    from trainbpf.tracer.record_config import RecordConfig
 
     other = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.005)"])
     try:
-        record(pid=None, output=tmp_path / "node.parquet", duration=2, settings=Settings(trace_all=True),
-               gpu="off", handle_signals=False)
+        record(config=RecordConfig(pid=None, output=tmp_path / "node.parquet", duration=2,
+                                   settings=Settings(trace_all=True), gpu="off"), handle_signals=False)
     finally:
         other.kill()
         other.wait()
@@ -337,11 +338,13 @@ def test_a_thread_blocked_for_the_whole_recording_is_blocked_not_running(tmp_pat
     require_root()
     from trainbpf.trace.reader import read_trace
     from trainbpf.tracer.record import record
+    from trainbpf.tracer.record_config import RecordConfig
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         time.sleep(0.5)  # asleep before the recorder attaches
-        record(pid=sleeper.pid, output=tmp_path / "t.parquet", duration=2, gpu="off", handle_signals=False)
+        record(config=RecordConfig(pid=sleeper.pid, output=tmp_path / "t.parquet", duration=2, gpu="off"),
+               handle_signals=False)
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -414,6 +417,7 @@ def test_threads_past_the_per_thread_maps_size_are_counted_as_lost(tmp_path, mon
     from trainbpf.trace.reader import read_trace
     from trainbpf.tracer import loader
     from trainbpf.tracer.record import record
+    from trainbpf.tracer.record_config import RecordConfig
 
     cflags = loader.cflags
     monkeypatch.setattr(loader, "cflags", lambda *a, **k: cflags(*a, **k) + ["-DMAX_THREADS=4"])
@@ -425,8 +429,9 @@ def test_threads_past_the_per_thread_maps_size_are_counted_as_lost(tmp_path, mon
         "time.sleep(60)\n")])
     try:
         time.sleep(0.5)
-        result = record(pid=None, output=tmp_path / "node.parquet", duration=2, probes=["sched", "futex"],
-                        settings=Settings(trace_all=True, python_frames=False), gpu="off", handle_signals=False)
+        result = record(config=RecordConfig(pid=None, output=tmp_path / "node.parquet", duration=2, probes=("sched", "futex"),
+                                            settings=Settings(trace_all=True, python_frames=False), gpu="off"),
+                        handle_signals=False)
     finally:
         waiters.kill()
         waiters.wait()

@@ -22,6 +22,7 @@ from trainbpf.tracer.symbols import pystacks, pyruntime
 from trainbpf.trace.reader import read_trace
 from trainbpf.tracer.settings import Settings
 from trainbpf.tracer.record import record
+from trainbpf.tracer.record_config import RecordConfig
 
 WORKLOAD = Path(__file__).with_name("pyframes_workload.py")
 SECONDS = 4  # the forked worker is found at a flush (every second) after it starts
@@ -145,8 +146,8 @@ def test_thread_blocked_to_the_end_is_named(tmp_path, version):
     try:
         blocked = int(proc.stdout.readline())
         out = tmp_path / "blocked.parquet"
-        record(pid=proc.pid, output=out, duration=2.5, settings=SETTINGS, probes=PROBES, gpu="off",
-               handle_signals=False)
+        record(config=RecordConfig(pid=proc.pid, output=out, duration=2.5, settings=SETTINGS, probes=PROBES,
+                                   gpu="off"), handle_signals=False)
         trace = read_trace(out)
     finally:
         proc.kill()

@@ -21,6 +21,7 @@ from kernel_env import require_root
 from trainbpf.trace.errors import EnvironmentCheckError, UsageError
 from trainbpf.trace.reader import read_trace
 from trainbpf.tracer.record import record
+from trainbpf.tracer.record_config import RecordConfig
 
 TRAINBPF = str(Path(sys.executable).with_name("trainbpf"))
 
@@ -121,7 +122,8 @@ def test_a_process_whose_main_thread_exited_is_recorded(tmp_path):
         while _state(proc.pid) != "Z":
             assert time.time() < end, "the main thread did not exit"
             time.sleep(0.05)
-        result = record(pid=proc.pid, output=tmp_path / "t.parquet", duration=1.5, gpu="off", handle_signals=False)
+        result = record(config=RecordConfig(pid=proc.pid, output=tmp_path / "t.parquet", duration=1.5, gpu="off"),
+                        handle_signals=False)
     finally:
         proc.kill()
         proc.wait()
@@ -138,8 +140,8 @@ def test_recording_follows_the_threads_that_outlive_the_main_thread(tmp_path):
             proc.stdin.write("go\n")
             proc.stdin.flush()
 
-        result = record(pid=proc.pid, output=tmp_path / "t.parquet", duration=30, gpu="off", handle_signals=False,
-                        on_attached=go)
+        result = record(config=RecordConfig(pid=proc.pid, output=tmp_path / "t.parquet", duration=30, gpu="off"),
+                        handle_signals=False, on_attached=go)
     finally:
         proc.kill()
         proc.wait()
@@ -168,7 +170,8 @@ def test_the_thread_that_carries_on_after_pthread_exit_is_the_trainer(tmp_path, 
             while _state(proc.pid) != "Z":
                 assert time.time() < end, "the main thread did not exit"
                 time.sleep(0.05)
-        record(pid=proc.pid, output=out, duration=2.5 if exits == "before" else 30, probes=["sched"], gpu="off",
+        record(config=RecordConfig(pid=proc.pid, output=out, duration=2.5 if exits == "before" else 30,
+                                   probes=("sched",), gpu="off"),
                handle_signals=False, on_attached=go if exits == "during" else None)
     finally:
         proc.kill()
@@ -259,7 +262,8 @@ def test_a_process_mapping_a_4_byte_libpython_is_recorded_without_python_frames(
     notices: list[str] = []
     try:
         assert proc.stdout.readline().strip() == "ready"
-        result = record(pid=proc.pid, output=tmp_path / "t.parquet", duration=4.5, probes=["sched"], gpu="off",
+        result = record(config=RecordConfig(pid=proc.pid, output=tmp_path / "t.parquet", duration=4.5,
+                                            probes=("sched",), gpu="off"),
                         handle_signals=False, notice=notices.append)
     finally:
         proc.kill()
@@ -332,8 +336,8 @@ def test_a_stop_or_the_targets_exit_ends_the_wait_between_flushes(tmp_path):
             threading.Timer(0.2, later).start()  # the first flush is ~0.8 s later
 
         try:
-            result = record(pid=target.pid, output=tmp_path / f"{how}.parquet", probes=["sched"], gpu="off",
-                            on_attached=attached)
+            result = record(config=RecordConfig(pid=target.pid, output=tmp_path / f"{how}.parquet", probes=("sched",),
+                                                gpu="off"), on_attached=attached)
         finally:
             target.kill()
             target.wait()

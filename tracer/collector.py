@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from trainbpf.trace.spool import make_batch
 from trainbpf.tracer.settings import Settings
+from trainbpf.tracer.source import Source
 
 # Index of each probe's lost-event counter in the BPF `lost` array: declared here only,
 # the loader passes them to the C as -D PROBE_<NAME> and PROBE_COUNT (probes/common.h).
@@ -67,10 +68,12 @@ def py_stack_ids(arr: np.ndarray) -> pa.Array:
     return pa.array(arr.astype(np.int32), mask=arr < 0)
 
 
-class Collector:
-    """Base class: one probe's source, requirements and decoding."""
+class Collector(Source):
+    """Base class: one probe's source, requirements and decoding.  As a recording's
+    Source (tracer/source.py) its rows are the traced threads' events: at each flush,
+    what its ring buffers hold and its in-kernel aggregates."""
 
-    name: ClassVar[str]
+    thread_rows = True
     source: ClassVar[str | None]  # file under probes/; None: the collector reads no BPF
     tracepoints: ClassVar[tuple[str, ...]] = ()  # "category:event" the probe needs
     optional_tracepoints: ClassVar[tuple[str, ...]] = ()  # compiled in when present
@@ -120,25 +123,30 @@ class Collector:
         (`final` True) what ends with the recording."""
         return []
 
-    def sample_interval_ns(self) -> int | None:
-        """How often sample() must be called; None: never (the recorder then sleeps
-        until a flush or a ring buffer wakes it)."""
-        return None
-
-    def sample(self, now_ns: int) -> None:
-        """For what is read from user space at its own rate: called at least every
-        sample_interval_ns() (and at other wake-ups of the recorder), if that is set."""
-
-    def meta(self) -> dict:
-        """What the probe adds to the trace metadata when the recording ends."""
-        return {}
-
     def forget(self, bpf, tids: list[int]) -> None:
         """Threads that exited, whose records are drained: what the probe's maps hold
         for them can go."""
 
-    def close(self) -> None:
-        """Let go of what the collector holds open; the recording is over."""
+    # -- the Source hooks, in the probe's terms above ---------------------------------
+    def open(self, session) -> None:
+        super().open(session)
+        self.notice = session.notice
+
+    def seed(self, walked: list) -> list[pa.RecordBatch]:
+        session = self.session
+        self.seeded(session.bpf, walked, session.threads, session.start_ns)
+        return []
+
+    def flush(self, now_ns: int, *, final: bool) -> list[pa.RecordBatch]:
+        session = self.session
+        return self.take(session.rings, session.threads) + self.drain(session.bpf, now_ns, final=final)
+
+    def end(self, now_ns: int, ended: list[pa.RecordBatch], *, final: bool) -> list[pa.RecordBatch]:
+        session = self.session
+        return ended + self.still_open(session.bpf, session.threads, now_ns, final=final)
+
+    def exited(self, tids: list[int]) -> None:
+        self.forget(self.session.bpf, tids)
 
 
 @dataclass
@@ -149,6 +157,9 @@ class ThreadTable:
     tgid: dict[int, int] = field(default_factory=dict)
     exited: set[int] = field(default_factory=set)
     exec_listeners: list[Callable[[], None]] = field(default_factory=list)
+    # Told of threads (proctree.ThreadInfo) that join after the start, at a time: a process
+    # let back in after its exec (tracer/access.py).
+    join_listeners: list[Callable[[list, int], None]] = field(default_factory=list)
     unforgotten: list[int] = field(default_factory=list)  # exited, still in the probes' maps
     exit_log: list[int] = field(default_factory=list)  # exited tids in order: a reader keeps its place
     exec_log: list[tuple[int, int, int, str]] = field(default_factory=list)  # execs: (tid, pid, ts_ns, comm)
@@ -179,6 +190,10 @@ class ThreadTable:
     def exec_seen(self) -> None:
         for listener in self.exec_listeners:
             listener()
+
+    def joined(self, threads: list, now_ns: int) -> None:
+        for listener in self.join_listeners:
+            listener(threads, now_ns)
 
 
 def bucket_batches(kind: str, rows: list[tuple], width: int, *, counted: str, first_ns: bool = False,

@@ -16,7 +16,7 @@ FINAL_DRAIN_PASSES = 4  # bounded: a target still running keeps producing
 
 
 class DrainLoop:
-    """The drain part of a Recorder: the state it uses (pid, rings, collectors, writer,
+    """The drain part of a Recorder: the state it uses (pid, rings, sources, writer,
     the stop event and pipe, counters) and _flush are the Recorder's."""
 
     def _drain(self) -> None:
@@ -36,14 +36,14 @@ class DrainLoop:
                 target.close()
 
     def _drain_until_stop(self, target: proctree.Liveness | None) -> None:
-        """Wake only when there is something to do: a flush, a collector's sample, a ring
+        """Wake only when there is something to do: a flush, a source's sample, a ring
         buffer filling (probes/common.h submit_flags), the target's exit, a stop request
         or the duration's end.  Each wake-up of this process costs ~0.1-0.2 ms of CPU
         with its caches cold (docs/performance.md), so nothing is polled for nothing."""
         start = self.start_ns / 1e9
         deadline = start + self.duration if self.duration else None
         next_flush = start + FLUSH_INTERVAL_S
-        samplers = [c for c in self.collectors if c.sample_interval_ns()]
+        samplers = [s for s in self.sources if s.sample_interval_ns()]
         sample_s = min((c.sample_interval_ns() for c in samplers), default=0) / 1e9
         woken = self.rings.watch(self._stop_fds[0]) and (target is None or target.fd is not None
                                                          and self.rings.watch(target.fd))

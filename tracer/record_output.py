@@ -25,6 +25,14 @@ class RecordResult:
     cuda_libraries: int = 0  # CUDA library files probed
     nccl_libraries: int = 0  # NCCL library files probed
 
+    @classmethod
+    def of(cls, output: Path, final: dict, *, duration_s: float, rows: int, threads: int, size: int) -> RecordResult:
+        """The result of a recording written to `output`, whose metadata is `final`."""
+        libraries = {probe: len(final.get(probe, {}).get("libraries", ())) for probe in ("cuda", "nccl")}
+        return cls(output, duration_s, rows, final["lost"], final["stop_reason"], threads,
+                   final.get("gpu", {}).get("source"), size, tuple(final.get("probes", ())),
+                   cuda_libraries=libraries["cuda"], nccl_libraries=libraries["nccl"])
+
 
 def check_output(output: Path, *, force: bool = False, notice: Callable[[str], None] | None = None) -> OutputFile:
     """Before anything is compiled: the output may be written (safefile.check_output),

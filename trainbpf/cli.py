@@ -105,6 +105,7 @@ def record(
     from trainbpf.trace.errors import UsageError
     from trainbpf.tracer.settings import Settings
     from trainbpf.tracer.record import record as do_record
+    from trainbpf.tracer.record_config import RecordConfig
     from trainbpf.trace.asuser import invoker
 
     try:
@@ -117,13 +118,14 @@ def record(
             oncpu_hz=oncpu_hz, ringbuf_pages=ringbuf_pages, trace_all=system_wide, python_frames=python_frames,
         )
         status = _status_printer()
-        result = do_record(
+        config = RecordConfig(
             pid=pid, output=output, duration=duration, settings=settings,
-            probes=[p.strip() for p in probes.split(",") if p.strip()] if probes else None,
-            gpu=gpu.value, topology_file=topology, status=status, trainer_tid=trainer_tid, force=force,
-            notice=lambda line: typer.echo(("\n" if status else "") + printable(line), err=True),
+            probes=tuple(p.strip() for p in probes.split(",") if p.strip()) if probes else None,
+            gpu=gpu.value, topology_file=topology, trainer_tid=trainer_tid, force=force,
             invoker=invoker(),  # under sudo: only the processes that user could ptrace
         )
+        result = do_record(config=config, status=status,
+                           notice=lambda line: typer.echo(("\n" if status else "") + printable(line), err=True))
     except TrainbpfError as exc:
         if sys.stderr.isatty():
             sys.stderr.write("\n")

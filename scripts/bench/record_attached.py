@@ -12,6 +12,7 @@ from pathlib import Path
 
 from trainbpf.tracer.settings import Settings
 from trainbpf.tracer.record import record
+from trainbpf.tracer.record_config import RecordConfig
 
 
 def main() -> None:
@@ -26,11 +27,11 @@ def main() -> None:
     def attached() -> None:
         print("attached", flush=True)
 
-    result = record(pid=args.pid, output=args.output, duration=args.duration,
-                    settings=Settings(**json.loads(args.settings)),
-                    probes=[p for p in args.probes.split(",") if p] or None,
-                    gpu="off", on_attached=attached,
-                    force=True)  # benchmarks record into the same scratch file run after run
+    config = RecordConfig(pid=args.pid, output=args.output, duration=args.duration,
+                          settings=Settings(**json.loads(args.settings)),
+                          probes=tuple(p for p in args.probes.split(",") if p) or None,
+                          gpu="off", force=True)  # benchmarks record into the same scratch file run after run
+    result = record(config=config, on_attached=attached)
     print(json.dumps({"rows": result.rows, "lost": result.lost, "duration_s": result.duration_s,
                       "bytes": result.bytes, "stop_reason": result.stop_reason,
                       "threads": result.threads, "faults": _meta(args.output).get("faults")}), flush=True)

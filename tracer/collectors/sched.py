@@ -129,6 +129,13 @@ class SchedCollector(Collector):
         """An exited thread's entry: its last switch-out and wake-up (sched.bpf.c leaves it)."""
         delete_keys(bpf["sched_threads"], tids)
 
+    def open(self, session) -> None:
+        super().open(session)
+        if session.gate is not None:  # under sudo: a peer the invoking user could not see stays unnamed
+            self.peer_visible = session.gate.sees
+        # a process let back in: a wait since its exec begins when it joins
+        session.threads.join_listeners.append(lambda walked, now_ns: self.seed_blocked(session.bpf, walked, now_ns))
+
     def seeded(self, bpf, walked, threads: ThreadTable, now_ns: int) -> None:
         self.seed_blocked(bpf, walked, now_ns)
 

@@ -267,14 +267,15 @@ def remove_stale_temp_dirs(folder: str | None = None) -> list[str]:
 def _record(*, root: int | None, output: Path, config: HealthConfig, expired: threading.Event) -> None:
     from trainbpf.tracer.settings import Settings
     from trainbpf.tracer.record import record
+    from trainbpf.tracer.record_config import RecordConfig
 
     # No Python frames: a node-wide check would attach to every Python process on the node.
     # Node-wide, every thread's fault counters are read once a second, not ten times.
     settings = Settings(trace_all=root is None, python_frames=False,
                         **({"fault_bucket_ns": NODE_FAULT_READ_NS} if root is None else {}))
-    result = record(pid=root, output=output, duration=config.duration_s, settings=settings,
-                    gpu=config.gpu, handle_signals=threading.current_thread() is threading.main_thread(),
-                    force=True)  # the trace of the previous run
+    asked = RecordConfig(pid=root, output=output, duration=config.duration_s, settings=settings, gpu=config.gpu,
+                         force=True)  # the trace of the previous run
+    result = record(config=asked, handle_signals=threading.current_thread() is threading.main_thread())
     if expired.is_set():
         raise CheckTimeout(f"time limit of {config.limit_s:g} s reached while recording")
     if result.stop_reason in ("interrupted", "terminated"):

@@ -1,0 +1,202 @@
+"""The sources a recording runs beside its probes (the BPF collectors loader.select
+chooses), in the order the session calls them: a new source is a Source subclass
+(tracer/source.py) and one line in SOURCES."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from trainbpf.tracer import loader
+from trainbpf.tracer.samplers import procfs, taskstats
+from trainbpf.tracer.symbols.addrs import AddressDescriber, futex_pairs
+from trainbpf.tracer.symbols.maps import ProcMaps
+from trainbpf.tracer.samplers.gpu import GpuSampler
+from trainbpf.tracer.symbols.pystacks import PythonStacks
+from trainbpf.tracer.source import Source
+from trainbpf.tracer.symbols.stacks import StackSymbolizer, drop_irq_wakers, kernel_refs, user_refs
+
+# vmstat and PSI are summed over the recording: sampled this often, and at the stop.
+PROC_SAMPLE_S = 5.0
+
+
+def _present(*batches: pa.RecordBatch | None) -> list[pa.RecordBatch]:
+    return [b for b in batches if b is not None]
+
+
+class StackNames(Source):
+    """Native stacks by name: kernel ones at each flush, user ones placed in their files
+    at each flush and named after the stop (tracer/symbols/stacks.py)."""
+
+    name = "stacks"
+    symbolizer: StackSymbolizer | None = None
+
+    def start(self) -> dict:
+        self.symbolizer = StackSymbolizer(self.session.bpf)
+        self.symbolizer.load_kernel_symbols()  # kallsyms alone, tens of ms: before the clock starts
+        self.session.threads.exec_listeners.append(self.symbolizer.exec_seen)
+        return {}
+
+    def describe(self, rows: pa.RecordBatch, maps: ProcMaps) -> tuple[pa.RecordBatch, list[pa.RecordBatch]]:
+        """Kernel stacks first: they tell which wake-ups came from interrupt context, whose
+        "waker" (the task that happened to be interrupted) is dropped from the rows."""
+        kernel = self.symbolizer.symbolize(kernel_refs(rows), [])
+        rows = drop_irq_wakers(rows, self.symbolizer.irq_id_array())
+        return rows, _present(kernel, self.symbolizer.symbolize([], user_refs(rows), maps))
+
+    def end(self, now_ns: int, ended: list[pa.RecordBatch], *, final: bool) -> list[pa.RecordBatch]:
+        return ended + _present(self.symbolizer.finish(now_ns)) if final else ended
+
+    def meta(self) -> dict:
+        settings = self.session.settings
+        return {"stacks": {"frames": settings.stack_frames, "entries": settings.stack_entries,
+                           **loader.stack_counts(self.session.bpf)}}
+
+    def close(self) -> None:
+        if self.symbolizer is not None:
+            self.symbolizer.close()
+
+
+class FutexAddresses(Source):
+    """What the futex rows' addresses are (a lock in a library, a heap word)."""
+
+    name = "futex_addrs"
+
+    def open(self, session) -> None:
+        super().open(session)
+        self.describer = AddressDescriber()
+        # only the futex probe records futex rows: looking for them costs ~0.2 ms a flush
+        self.wanted = any(p.name == "futex" for p in session.probes)
+
+    def start(self) -> dict:
+        self.session.threads.exec_listeners.append(self.describer.exec_seen)
+        return {}
+
+    def describe(self, rows: pa.RecordBatch, maps: ProcMaps) -> tuple[pa.RecordBatch, list[pa.RecordBatch]]:
+        return rows, _present(self.describer.describe(futex_pairs(rows), maps) if self.wanted else None)
+
+
+class PythonFrames(Source):
+    """The Python stacks the probes walked, named while their processes live, with
+    settings.python_frames (tracer/symbols/pystacks.py)."""
+
+    name = "python_frames"
+    stacks: PythonStacks | None = None
+
+    def seed(self, walked: list) -> list[pa.RecordBatch]:
+        session = self.session
+        if session.settings.python_frames:
+            cpus, entries = loader.py_stack_table()
+            self.stacks = PythonStacks(session.bpf, cpus=cpus, stack_entries=entries, notice=session.notice)
+            session.threads.exec_listeners.append(self.stacks.exec_seen)
+            self.stacks.track(session.threads)
+        return []
+
+    def flush(self, now_ns: int, *, final: bool) -> list[pa.RecordBatch]:
+        if self.stacks is None:
+            return []
+        named = self.stacks.take(now_ns)  # named while the processes live, then new threads
+        self.stacks.track(self.session.threads)
+        return _present(named)
+
+    def end(self, now_ns: int, ended: list[pa.RecordBatch], *, final: bool) -> list[pa.RecordBatch]:
+        if not final or self.stacks is None:
+            return ended
+        # stacks of threads blocked to the end, read while they still are
+        return [b for batch in ended for b in self.stacks.fill_blocked(batch, now_ns)]
+
+    def meta(self) -> dict:
+        return self.stacks.meta() if self.stacks else {"python_frames": {"enabled": False}}
+
+    def close(self) -> None:
+        if self.stacks is not None:
+            self.stacks.close()
+
+
+class GpuSamples(Source):
+    """The GPUs' utilisation and the traced processes on them (tracer/samplers/gpu.py)."""
+
+    name = "gpu"
+    sampler: GpuSampler | None = None
+
+    def open(self, session) -> None:
+        super().open(session)
+        self.sampler = GpuSampler(mode=session.config.gpu)
+        self.sampler.check()
+        self.at_start: list[dict] = []  # [{pid, uuid}]
+
+    def start(self) -> dict:
+        session, gpu = self.session, self.sampler
+        gpu.start()
+        self.at_start = gpu.processes({t.pid for t in session.seed} | ({session.pid} if session.pid else set()))
+        return {"topology": procfs.topology(gpu.gpus, session.declared_topology),
+                "gpu": {**gpu.meta(), "processes": self.at_start}}
+
+    def flush(self, now_ns: int, *, final: bool) -> list[pa.RecordBatch]:
+        return _present(self.sampler.take())
+
+    def meta(self) -> dict:
+        gpu = self.sampler
+        return {"gpu": {**gpu.meta(), "samples": gpu.count, "process_samples": gpu.process_count,
+                        "processes": self._processes(self.session.threads.tgids())}}
+
+    def _processes(self, tgids: list[int]) -> list[dict]:
+        """The traced processes' GPUs seen at the start or now (at the stop)."""
+        now = self.sampler.processes(set(tgids)) if self.sampler.source else []
+        merged = {(p["pid"], p["uuid"]): p for p in self.at_start + now}
+        return [merged[k] for k in sorted(merged)]
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+
+
+class ProcSamples(Source):
+    """vmstat and PSI, summed over the recording (tracer/samplers/procfs.py)."""
+
+    name = "proc"
+    sampler: procfs.ProcSampler | None = None
+
+    def seed(self, walked: list) -> list[pa.RecordBatch]:
+        self.sampler = procfs.ProcSampler(interval_ns=int(PROC_SAMPLE_S * 1e9))  # starts within the trace
+        return []
+
+    def flush(self, now_ns: int, *, final: bool) -> list[pa.RecordBatch]:
+        return self.sampler.take(final=final)
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
+
+
+class NumaPages(Source):
+    """Each traced process's pages per NUMA node, at the start and at the stop."""
+
+    name = "numa_maps"
+
+    def seed(self, walked: list) -> list[pa.RecordBatch]:
+        return _present(procfs.numa_maps_batch(self.session.threads.tgids(), "start"))
+
+    def end(self, now_ns: int, ended: list[pa.RecordBatch], *, final: bool) -> list[pa.RecordBatch]:
+        return ended + _present(procfs.numa_maps_batch(self.session.threads.tgids(), "end")) if final else ended
+
+
+class TaskDelays(Source):
+    """Each traced thread's delay accounting (taskstats), at the start and at the stop."""
+
+    name = "taskstats"
+
+    def start(self) -> dict:
+        return {"delayacct": taskstats.delayacct_enabled()}
+
+    def seed(self, walked: list) -> list[pa.RecordBatch]:
+        return _present(taskstats.snapshot(dict(self.session.threads.tgid), "start"))
+
+    def end(self, now_ns: int, ended: list[pa.RecordBatch], *, final: bool) -> list[pa.RecordBatch]:
+        return ended + _present(taskstats.snapshot(self.session.threads.live(), "end")) if final else ended
+
+
+# After the probes, in this order: symbolisers name the flush's rows in turn, and each
+# source's end() sees what the ones before it ended.
+SOURCES: list[type[Source]] = [
+    StackNames, FutexAddresses, PythonFrames, GpuSamples, ProcSamples, NumaPages, TaskDelays,
+]
