@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -66,19 +67,23 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+def imports_of(modules: dict[str, Path], root: Path) -> Iterator[tuple[str, str, str]]:
+    """(importer, target, "path:line imports target") for every import of ours."""
+    for name, path in sorted(modules.items()):
+        for line, target in imported_modules(path):
+            yield name, target, f"{path.relative_to(root)}:{line} imports {target}"
+
+
 def layer_violations(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
     bad = []
-    for name, path in sorted(modules.items()):
-        home = floor_package(name)
-        for line, target in imported_modules(path):
-            there = floor_package(target)
-            where = f"{path.relative_to(root)}:{line} imports {target}"
-            if FLOOR[there] > FLOOR[home]:
-                bad.append(f"{where} (a higher floor)")
-            elif FLOOR[there] == FLOOR[home] and there != home:
-                bad.append(f"{where} (a sibling floor: only a trace file passes between them)")
-            elif name.startswith(SOURCE_FOLDERS) and target.startswith(SESSION):
-                bad.append(f"{where} (a source imports the session that runs it)")
+    for name, target, where in imports_of(modules, root):
+        home, there = floor_package(name), floor_package(target)
+        if FLOOR[there] > FLOOR[home]:
+            bad.append(f"{where} (a higher floor)")
+        elif FLOOR[there] == FLOOR[home] and there != home:
+            bad.append(f"{where} (a sibling floor: only a trace file passes between them)")
+        elif name.startswith(SOURCE_FOLDERS) and target.startswith(SESSION):
+            bad.append(f"{where} (a source imports the session that runs it)")
     return bad
 
 
@@ -90,14 +95,8 @@ def stage_of(module: str) -> int | None:
 
 
 def stage_violations(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
-    bad = []
-    for name, path in sorted(modules.items()):
-        here = stage_of(name)
-        for line, target in imported_modules(path):
-            there = stage_of(target)
-            if here is not None and there is not None and there > here:
-                bad.append(f"{path.relative_to(root)}:{line} imports {target} (a later stage)")
-    return bad
+    return [f"{where} (a later stage)" for name, target, where in imports_of(modules, root)
+            if stage_of(name) is not None and stage_of(target) is not None and stage_of(target) > stage_of(name)]
 
 
 def test_every_analyzers_module_has_a_stage():
