@@ -103,7 +103,6 @@ def record(
 ) -> None:
     """Record what a training process tree waits on into one trace file (needs root)."""
     from trainbpf.trace.errors import UsageError
-    from trainbpf.tracer.settings import Settings
     from trainbpf.tracer.record import record as do_record
     from trainbpf.tracer.record_config import RecordConfig
     from trainbpf.trace.asuser import invoker
