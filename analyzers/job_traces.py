@@ -22,8 +22,8 @@ import pandas as pd
 from trainbpf.analyzers.job.clocks import WARN_RESIDUAL_NS, align_traces, trace_exits
 from trainbpf.analyzers.job.join import JobResult, join_ranks
 from trainbpf.analyzers.pipeline import TraceRanks, display_path, trace_ranks
-from trainbpf.trace.jobvars import JOB_KEY_VARIABLES
 from trainbpf.trace.errors import JobTracesError
+from trainbpf.trace.jobvars import JOB_KEY_VARIABLES
 from trainbpf.trace.memory import read_for_analysis
 from trainbpf.trace.reader import read_trace
 

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.timeline.cuda_calls import CudaTimeline, step_summary
 from trainbpf.analyzers.findings.ranking import build_findings
 from trainbpf.analyzers.intervals import Span, as_int64
+from trainbpf.analyzers.job.join import JobResult, RankTables
 from trainbpf.analyzers.job.rank_analysis import (
     analyze_job,
     backend_tids,
@@ -22,12 +22,12 @@ from trainbpf.analyzers.job.rank_analysis import (
     in_collectives,
     rank_tables,
 )
-from trainbpf.analyzers.job.join import JobResult, RankTables
 from trainbpf.analyzers.job.ranks import empty_ranks, job_ranks
+from trainbpf.analyzers.options import Window
 from trainbpf.analyzers.threads.roles import pick_trainer
 from trainbpf.analyzers.threads.states import expand_slots, state_totals
+from trainbpf.analyzers.timeline.cuda_calls import CudaTimeline, step_summary
 from trainbpf.analyzers.trainer import Shared, TrainerPart, roles, share, trainer_part
-from trainbpf.analyzers.options import Window
 
 
 @dataclass

@@ -21,6 +21,15 @@ from trainbpf.analyzers.causes.attribution import (
     sample_classes,
 )
 from trainbpf.analyzers.causes.chains import followed_waits, is_followed, wait_chains
+from trainbpf.analyzers.causes.evidence import EvidenceContext
+from trainbpf.analyzers.causes.host import HostSplit, host_labels
+from trainbpf.analyzers.causes.numa import gpu_node, memory_placement, thread_placement
+from trainbpf.analyzers.causes.stack_reading import classify_stacks, python_stacks
+from trainbpf.analyzers.findings.ranking import attribute_starved
+from trainbpf.analyzers.intervals import Span, as_int64, dense_rank, resolve_window, trace_span
+from trainbpf.analyzers.options import Window
+from trainbpf.analyzers.threads.roles import assign_roles, observed_threads
+from trainbpf.analyzers.threads.states import PYTHON_ID_COLUMNS, expand_slots, state_slots
 from trainbpf.analyzers.timeline.cuda_calls import (
     CudaTimeline,
     gpu_waits,
@@ -29,8 +38,6 @@ from trainbpf.analyzers.timeline.cuda_calls import (
     steps,
     timeline,
 )
-from trainbpf.analyzers.causes.evidence import EvidenceContext
-from trainbpf.analyzers.findings.ranking import attribute_starved
 from trainbpf.analyzers.timeline.starvation import (
     gpu_utilisation,
     idle_fraction,
@@ -39,16 +46,9 @@ from trainbpf.analyzers.timeline.starvation import (
     starved_pieces,
     whole_window,
 )
-from trainbpf.analyzers.causes.host import HostSplit, host_labels
-from trainbpf.analyzers.intervals import Span, as_int64, dense_rank, resolve_window, trace_span
-from trainbpf.analyzers.causes.numa import gpu_node, memory_placement, thread_placement
-from trainbpf.analyzers.threads.roles import assign_roles, observed_threads
-from trainbpf.analyzers.causes.stack_reading import classify_stacks, python_stacks
-from trainbpf.analyzers.threads.states import PYTHON_ID_COLUMNS, expand_slots, state_slots
 from trainbpf.analyzers.vocab import codes
-from trainbpf.analyzers.options import Window
-from trainbpf.trace.schema import KIND_COLUMNS
 from trainbpf.trace.reader import release_unused_memory
+from trainbpf.trace.schema import KIND_COLUMNS
 
 
 def _seen(frames: list[pd.DataFrame]) -> pd.DataFrame:

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainbpf.trace.reader import Trace, read_trace
-from trainbpf.tracer.settings import Settings
 from trainbpf.tracer.record import record
-from trainbpf.tracer.record_output import RecordResult
 from trainbpf.tracer.record_config import RecordConfig
+from trainbpf.tracer.record_output import RecordResult
+from trainbpf.tracer.settings import Settings
 
 WORKLOADS = Path(__file__).with_name("kernel_workloads.py")
 

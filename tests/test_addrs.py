@@ -81,8 +81,8 @@ def test_a_truncated_or_malformed_elf_file_raises_elf_error_only(tmp_path):
     """Issue 34 item 6: a 4-byte file `\\x7fELF` named libpython3.11.so raised IndexError
     in the recorder.  Every ELF reader (data symbols, functions, CUDA exports) shares one
     parser: a file that does not hold what its headers say raises ElfError, nothing else."""
-    from trainbpf.tracer.symbols.elf import FUNCTION_KINDS, ElfSymbols
     from trainbpf.tracer.collectors.cuda import exported_calls
+    from trainbpf.tracer.symbols.elf import FUNCTION_KINDS, ElfSymbols
 
     bad = tmp_path / "libpython3.11.so"
     bad.write_bytes(b"\x7fELF")

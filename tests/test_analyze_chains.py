@@ -7,9 +7,9 @@ import pandas as pd
 import pytest
 
 from synth import DIRTY_STACK, FAULT_STACK, FUTEX_STACK, SLEEP_STACK, TRAINER, Synth, periodic
-from trainbpf.analyzers.pipeline import analyze
 from trainbpf.analyzers.causes.attribution import RunSplit
 from trainbpf.analyzers.causes.chains import END_COLUMNS, LINK_COLUMNS, wait_chains
+from trainbpf.analyzers.pipeline import analyze
 
 PERIOD = 0.3
 NAMES = {200: "pt_data_worker", 300: "ckpt_writer", 400: "python", 500: "python", 600: "python"}

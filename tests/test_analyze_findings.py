@@ -10,8 +10,8 @@ from synth import (
     RECLAIM_STACK, SLEEP_STACK, TRAINER, WORKER, Synth, d, healthy, input_pipeline, periodic, t,
 )
 from trainbpf.analyzers.causes.categories import CATEGORIES
-from trainbpf.analyzers.pipeline import analyze
 from trainbpf.analyzers.causes.categories import CATEGORY_DTYPE
+from trainbpf.analyzers.pipeline import analyze
 
 
 def top(analysis):

@@ -11,15 +11,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from report_contract import validate_report
-from trainbpf.analyzers.options import Window
 from trainbpf.analyzers.causes.categories import CATEGORIES
-from trainbpf.analyzers.pipeline import analyze, observed_ns
 from trainbpf.analyzers.findings.ranking import MIN_FINDING_NS
+from trainbpf.analyzers.options import Window
+from trainbpf.analyzers.pipeline import analyze, observed_ns
 from trainbpf.reports.document import Report, build_report
 from trainbpf.reports.text import render_text
+from trainbpf.trace.reader import Trace
 from trainbpf.trace.schema import SCHEMA_ID, TRACE_SCHEMA
 from trainbpf.trace.spool import stored_batch
-from trainbpf.trace.reader import Trace
 
 START = 1_000_000_000_000
 SPAN = 2_000_000_000  # 2 s

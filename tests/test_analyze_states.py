@@ -12,8 +12,8 @@ from synth import (
 )
 from trainbpf.analyzers.options import Window
 from trainbpf.analyzers.pipeline import analyze, observed_ns
-from trainbpf.analyzers.vocab import STATE_DTYPE, STATES
 from trainbpf.analyzers.threads.states import STATE_COLUMNS, state_totals
+from trainbpf.analyzers.vocab import STATE_DTYPE, STATES
 from trainbpf.trace.errors import UsageError
 
 

@@ -14,6 +14,9 @@ import pandas as pd
 import pytest
 
 from kernel_env import require_root
+from trainbpf.analyzers.intervals import Span
+from trainbpf.analyzers.options import Window
+from trainbpf.analyzers.pipeline import analyze
 from trainbpf.analyzers.timeline.cuda_calls import (
     BURST_COLUMNS,
     GAP_COLUMNS,
@@ -27,9 +30,6 @@ from trainbpf.analyzers.timeline.cuda_calls import (
     step_summary,
     steps,
 )
-from trainbpf.analyzers.options import Window
-from trainbpf.analyzers.pipeline import analyze
-from trainbpf.analyzers.intervals import Span
 
 MS = 1_000_000
 ROOT = Path(__file__).resolve().parents[1]
@@ -358,9 +358,9 @@ def _reports_count_the_trainers_cuda_calls(whole, analysis, truth) -> None:
     analysis, `analysis`: its steps' window)."""
     from cuda_workloads import plan
     from report_contract import validate_report
+    from trainbpf.reports.document import Report
     from trainbpf.reports.html import render_html
     from trainbpf.reports.perfetto import CUDA_TID_BASE, trace_events
-    from trainbpf.reports.document import Report
     from trainbpf.reports.text import render_text
 
     trainer = truth["trainer"]

@@ -14,6 +14,7 @@ import pytest
 
 from report_contract import validate_report
 from synth import FUTEX_STACK, TRAINER, WORKER, Synth, d, input_pipeline, periodic, t
+from trainbpf.analyzers.intervals import Span
 from trainbpf.analyzers.options import Window
 from trainbpf.analyzers.pipeline import analyze
 from trainbpf.analyzers.timeline.cuda_calls import (
@@ -25,10 +26,9 @@ from trainbpf.analyzers.timeline.cuda_calls import (
     launch_bursts,
     launch_gaps,
 )
-from trainbpf.analyzers.intervals import Span
+from trainbpf.reports.document import Report, build_report
 from trainbpf.reports.perfetto import CUDA_TID_BASE, GPU_PID, run_export
 from trainbpf.reports.render import run_analyze
-from trainbpf.reports.document import Report, build_report
 from trainbpf.reports.text import render_text
 
 MS = 1_000_000

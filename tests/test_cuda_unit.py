@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 
-from trainbpf.tracer.settings import Settings
 from trainbpf.tracer.collectors.cuda import (
     CALLS,
     KINDS,
@@ -20,6 +19,7 @@ from trainbpf.tracer.collectors.cuda import (
     cuda_libraries,
     thread_buckets,
 )
+from trainbpf.tracer.settings import Settings
 
 PROBE = Path(__file__).resolve().parents[1] / "probes" / "cuda.bpf.c"
 

@@ -12,11 +12,11 @@ import time
 import pytest
 
 from kernel_env import require_root
-from trainbpf.tracer.collectors import faults as faults_mod
 from trainbpf.tracer import proctree
 from trainbpf.tracer.collector import ThreadTable
-from trainbpf.tracer.settings import Settings
+from trainbpf.tracer.collectors import faults as faults_mod
 from trainbpf.tracer.collectors.faults import FaultsCollector, exit_faults
+from trainbpf.tracer.settings import Settings
 
 PAGES = 2048  # 8 MiB, one fault a page
 READ_EVERY_NS = 1  # each sample() reads

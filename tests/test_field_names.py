@@ -80,8 +80,8 @@ def test_every_c_field_that_reaches_the_trace_has_its_view_name():
     from bcc.table import _get_event_class
 
     from trainbpf.tracer import loader
-    from trainbpf.tracer.collectors import cuda, nccl
     from trainbpf.tracer.collector import ctypes_to_dtype
+    from trainbpf.tracer.collectors import cuda, nccl
     from trainbpf.tracer.settings import Settings
 
     settings = Settings()

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from kernel_env import which_or_fail
-from trainbpf.trace.errors import UsageError
 from trainbpf.health.config import (
     CONFIG_KEYS,
     DEFAULT_THRESHOLDS,
@@ -27,6 +26,7 @@ from trainbpf.health.config import (
 )
 from trainbpf.health.outputs import METRICS
 from trainbpf.health.results import grade
+from trainbpf.trace.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINBPF = [sys.executable, "-m", "trainbpf.cli"]

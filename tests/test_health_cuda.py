@@ -21,9 +21,9 @@ from trainbpf.fleet import fleet_rows, load_documents, render
 from trainbpf.health.config import DEFAULT_THRESHOLDS, OK, HealthConfig
 from trainbpf.health.outputs import STEP_METRICS, health_document, render_summary, render_textfile
 from trainbpf.health.results import StepMetrics, TargetResult, step_metrics
-from trainbpf.health.targets import Target
 from trainbpf.health.results import grade_report
 from trainbpf.health.run import assess
+from trainbpf.health.targets import Target
 
 STEP_S, HOST_S, WAIT_S = 0.05, 0.02, 0.03
 TRACED = StepMetrics(True, 40, 19.5, 0.05, 0.081, 0.4)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trainbpf.trace.errors import UsageError
 from trainbpf.fleet import run_fleet
+from trainbpf.trace.errors import UsageError
 
 TRAINBPF = [sys.executable, "-m", "trainbpf.cli"]
 

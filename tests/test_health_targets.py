@@ -11,7 +11,6 @@ import time
 import pytest
 
 from synth import Synth
-from trainbpf.trace.errors import TargetError, UsageError
 from trainbpf.health.config import HealthConfig
 from trainbpf.health.targets import (
     Process,
@@ -21,6 +20,7 @@ from trainbpf.health.targets import (
     scan_processes,
     tree_tids,
 )
+from trainbpf.trace.errors import TargetError, UsageError
 
 
 def _procs(*rows) -> dict[int, Process]:

@@ -11,11 +11,11 @@ import pytest
 
 from synth import FUTEX_STACK, TRAINER, WORKER, Synth, periodic
 from test_starvation_model import WORKED, states, windows
-from trainbpf.analyzers.pipeline import analyze
 from trainbpf.analyzers.causes.attribution import RunSplit
+from trainbpf.analyzers.causes.host import HOST_LABEL_CODE, HostSplit
+from trainbpf.analyzers.pipeline import analyze
 from trainbpf.analyzers.timeline.cuda_calls import split_at_waits
 from trainbpf.analyzers.timeline.starvation import starved_pieces
-from trainbpf.analyzers.causes.host import HOST_LABEL_CODE, HostSplit
 from trainbpf.analyzers.vocab import RUN_CLASSES
 from trainbpf.reports.document import Report
 from trainbpf.reports.text import render_text

@@ -23,9 +23,9 @@ from trainbpf.health.config import HealthConfig
 from trainbpf.health.outputs import health_document, metric_samples, render_textfile
 from trainbpf.health.run import assess
 from trainbpf.health.targets import Target
+from trainbpf.reports.document import Report
 from trainbpf.reports.html import render_html
 from trainbpf.reports.perfetto import trace_events
-from trainbpf.reports.document import Report
 from trainbpf.trace.reader import read_trace
 
 RANK_KEYS = {"rank", "local_rank", "world_size", "pid", "starved_s", "collective_wait_s", "last_arrival_share",

@@ -19,9 +19,8 @@ import pytest
 
 from kernel_env import require_root
 from trainbpf.trace.reader import read_trace
-from trainbpf.tracer.collectors import jobenv
 from trainbpf.tracer.collector import ThreadTable
-from trainbpf.tracer.settings import Settings
+from trainbpf.tracer.collectors import jobenv
 from trainbpf.tracer.collectors.jobenv import (
     JobEnvReader,
     lone_rank_note,
@@ -32,6 +31,7 @@ from trainbpf.tracer.collectors.jobenv import (
 from trainbpf.tracer.proctree import cmdline, process_tree
 from trainbpf.tracer.record import Recorder
 from trainbpf.tracer.record_config import RecordConfig
+from trainbpf.tracer.settings import Settings
 
 TRAINBPF = str(Path(sys.executable).with_name("trainbpf"))
 

@@ -17,9 +17,9 @@ from job_harness import record_two_nodes
 from kernel_env import require_module, require_root
 from scenario_harness import trainbpf_cli
 
+from trainbpf.trace.meta import meta_bytes
 from trainbpf.trace.rowgroups import write_parquet
 from trainbpf.trace.schema import METADATA_KEY
-from trainbpf.trace.meta import meta_bytes
 
 SLOW_RANK = 2
 SHIFT_MS = 50

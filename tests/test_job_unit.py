@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.causes.categories import CATEGORY_DTYPE
+from trainbpf.analyzers.findings.ranking import FINDING_COLUMNS
 from trainbpf.analyzers.job.charge import charge
 from trainbpf.analyzers.job.collectives import (
     MIN_LEAD_NS,
@@ -15,7 +16,6 @@ from trainbpf.analyzers.job.collectives import (
     rank_summary,
     waits_for,
 )
-from trainbpf.analyzers.findings.ranking import FINDING_COLUMNS
 from trainbpf.analyzers.job.join import RankTables, join_ranks
 from trainbpf.analyzers.job.ranks import job_ranks, process_fields, rank_of_threads
 from trainbpf.analyzers.vocab import ROLE_DTYPE, STATE_DTYPE

@@ -11,8 +11,8 @@ import pyarrow as pa
 
 from standins import build_standin
 from trainbpf.trace.schema import KIND_NAMES, view_columns
-from trainbpf.tracer.settings import Settings
 from trainbpf.tracer.collectors.nccl import CALL_INDEX, CALLS, NCCL_LIBRARIES, NcclCollector
+from trainbpf.tracer.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "probes" / "nccl.bpf.c"

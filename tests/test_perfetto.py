@@ -9,8 +9,8 @@ from collections import defaultdict
 import pytest
 
 from synth import TRAINER, WORKER, Synth, input_pipeline
-from trainbpf.trace.errors import OutputError
 from trainbpf.reports.perfetto import GPU_PID, run_export
+from trainbpf.trace.errors import OutputError
 
 
 def export(tmp_path, synth: Synth) -> list[dict]:

@@ -19,13 +19,13 @@ from recording import record_workload
 from synth import TRAINER, WORKER, Synth, periodic, t
 from trainbpf.analyzers.options import Window
 from trainbpf.analyzers.pipeline import analyze
-from trainbpf.reports.render import run_analyze
 from trainbpf.reports.document import build_report
+from trainbpf.reports.render import run_analyze
 from trainbpf.trace.asuser import Invoker
+from trainbpf.trace.reader import read_trace
 from trainbpf.tracer import access
 from trainbpf.tracer.collectors import sched
 from trainbpf.tracer.settings import Settings
-from trainbpf.trace.reader import read_trace
 
 KEY = np.dtype([("tid", "<u4"), ("peer_tid", "<u4")])
 COUNT = np.dtype([("preemptions", "<u8"), ("pid", "<u4"), ("pad", "<u4"), ("comm", "S1", (16,))])

@@ -312,9 +312,9 @@ def test_decoded_event_sizes_match_the_c_structs():
 def test_system_wide_recording_sees_other_processes_but_not_itself(tmp_path):
     require_root()
     from trainbpf.trace.reader import read_trace
-    from trainbpf.tracer.settings import Settings
     from trainbpf.tracer.record import record
     from trainbpf.tracer.record_config import RecordConfig
+    from trainbpf.tracer.settings import Settings
 
     other = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.005)"])
     try:

@@ -18,11 +18,11 @@ from tests.recording import record_workload
 from trainbpf.analyzers.pipeline import analyze
 from trainbpf.reports.document import Report
 from trainbpf.reports.text import render_text
-from trainbpf.tracer.symbols import pystacks, pyruntime
 from trainbpf.trace.reader import read_trace
-from trainbpf.tracer.settings import Settings
 from trainbpf.tracer.record import record
 from trainbpf.tracer.record_config import RecordConfig
+from trainbpf.tracer.settings import Settings
+from trainbpf.tracer.symbols import pystacks, pyruntime
 
 WORKLOAD = Path(__file__).with_name("pyframes_workload.py")
 SECONDS = 4  # the forked worker is found at a flush (every second) after it starts

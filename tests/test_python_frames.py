@@ -11,13 +11,13 @@ import pytest
 
 from report_contract import validate_report
 from synth import DIRTY_STACK, FAULT_STACK, FUTEX_STACK, SLEEP_STACK, TRAINER, WORKER, Synth, input_pipeline, periodic
-from trainbpf.analyzers.pipeline import analyze
 from trainbpf.analyzers.causes.stack_reading import merge_frames, python_frame
+from trainbpf.analyzers.pipeline import analyze
+from trainbpf.reports.document import Report, render_json
+from trainbpf.reports.html import render_html
 from trainbpf.reports.perfetto import trace_events
 from trainbpf.reports.python_frames import python_line, shown_frame
 from trainbpf.reports.render import run_analyze
-from trainbpf.reports.document import Report, render_json
-from trainbpf.reports.html import render_html
 from trainbpf.reports.text import render_text
 from trainbpf.trace.reader import read_trace
 

@@ -9,9 +9,9 @@ import pytest
 
 from report_contract import validate_report
 from synth import TRAINER, WORKER, Synth, healthy, input_pipeline
-from trainbpf.reports.render import run_analyze
-from trainbpf.reports.document import build_report
 from trainbpf.analyzers.pipeline import analyze
+from trainbpf.reports.document import build_report
+from trainbpf.reports.render import run_analyze
 
 
 def empty() -> Synth:

@@ -15,12 +15,12 @@ from pathlib import Path
 from synth import TRAINER, Synth, input_pipeline
 from test_analyze_findings import trainer_blocked_every
 from test_python_frames import python_pipeline
+from trainbpf.analyzers.job_traces import analyze_traces
 from trainbpf.analyzers.pipeline import Analysis, analyze
 from trainbpf.analyzers.pipeline import trace_ranks
-from trainbpf.reports.html import render_html
-from trainbpf.analyzers.job_traces import analyze_traces
-from trainbpf.reports.present import duration, evidence_lines, number, pct, size
 from trainbpf.reports.document import Report
+from trainbpf.reports.html import render_html
+from trainbpf.reports.present import duration, evidence_lines, number, pct, size
 from trainbpf.trace.reader import read_trace
 
 PACKAGE = Path(__file__).resolve().parent.parent / "trainbpf"

@@ -8,8 +8,8 @@ import pytest
 
 from synth import TRAINER, Synth, healthy, input_pipeline
 from trainbpf.analyzers.options import Window
-from trainbpf.trace.errors import TraceReadError, UsageError
 from trainbpf.reports.render import run_analyze
+from trainbpf.trace.errors import TraceReadError, UsageError
 from trainbpf.trace.spool import SpoolWriter, make_batch, spool_path_for
 
 

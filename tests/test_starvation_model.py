@@ -12,16 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from synth import FUTEX_STACK, TRAINER, WORKER, Synth, periodic
-from trainbpf.analyzers.pipeline import analyze
 from trainbpf.analyzers.causes.attribution import RunSplit
-from trainbpf.analyzers.vocab import FUTEX_CLASS_DTYPE, RUN_CLASSES, STATE_DTYPE
+from trainbpf.analyzers.intervals import Span
+from trainbpf.analyzers.pipeline import analyze
 from trainbpf.analyzers.timeline.starvation import (
     gpu_utilisation,
     idle_fraction,
     sample_windows,
     starved_pieces,
 )
-from trainbpf.analyzers.intervals import Span
+from trainbpf.analyzers.vocab import FUTEX_CLASS_DTYPE, RUN_CLASSES, STATE_DTYPE
 
 MS = 1_000_000
 NO_SAMPLES = RunSplit(pd.DataFrame({"tid": np.zeros(0, np.int64), "ts_ns": np.zeros(0, np.int64),

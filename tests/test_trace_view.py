@@ -79,8 +79,8 @@ def test_a_version_1_trace_reads_the_python_stack_columns_as_null():
     """tests/data/small-trace.parquet predates the Python stack columns (schema v1)."""
     import pyarrow.parquet as pq
 
-    from trainbpf.trace.schema import V2_COLUMNS
     from trainbpf.trace.reader import read_trace
+    from trainbpf.trace.schema import V2_COLUMNS
 
     path = Path(__file__).with_name("data") / "small-trace.parquet"
     assert not set(V2_COLUMNS) & set(pq.read_schema(path).names)

@@ -18,6 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from trainbpf.trace.errors import TraceReadError
+from trainbpf.trace.meta import decode_meta, derive_final_meta
 from trainbpf.trace.safefile import fd_path, open_input
 from trainbpf.trace.schema import (
     COLUMNS,
@@ -28,7 +29,6 @@ from trainbpf.trace.schema import (
     storage_column,
 )
 from trainbpf.trace.spool import read_spool, settle, spool_path_for
-from trainbpf.trace.meta import decode_meta, derive_final_meta
 
 
 

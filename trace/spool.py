@@ -21,6 +21,8 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
 from trainbpf.trace.errors import OutputError, TraceReadError
+from trainbpf.trace.meta import decode_meta, derive_final_meta, meta_bytes
+from trainbpf.trace.rowgroups import write_parquet
 from trainbpf.trace.safefile import (
     NAME_MAX,
     OutputFile,
@@ -31,9 +33,7 @@ from trainbpf.trace.safefile import (
     output_error,
     try_lock,
 )
-from trainbpf.trace.rowgroups import write_parquet
 from trainbpf.trace.schema import COLUMNS, KIND_COLUMNS, TRACE_SCHEMA, V2_COLUMNS, stored_columns
-from trainbpf.trace.meta import decode_meta, derive_final_meta, meta_bytes
 
 SPOOL_SUFFIX = ".spool"
 

@@ -28,8 +28,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trainbpf.trace.errors import TargetError, UsageError
 from trainbpf.trace.asuser import Invoker
+from trainbpf.trace.errors import TargetError, UsageError
 from trainbpf.trace.spool import make_batch
 from trainbpf.tracer import loader
 from trainbpf.tracer.collector import ThreadTable

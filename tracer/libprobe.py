@@ -15,9 +15,9 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
+from trainbpf.tracer.collector import Collector, ThreadTable
 from trainbpf.tracer.symbols.elf import FUNCTION_KINDS, ElfSymbols
 from trainbpf.tracer.symbols.maps import Mapping, open_mapped, parse_maps
-from trainbpf.tracer.collector import Collector, ThreadTable
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from trainbpf.trace.errors import EnvironmentCheckError
 from trainbpf.trace.schema import PY_STACK_ID_BASE
-from trainbpf.tracer.collectors.block import BlockCollector
 from trainbpf.tracer.collector import (
     PROBE_IDS,
     Collector,
@@ -26,17 +25,18 @@ from trainbpf.tracer.collector import (
     delete_keys,
     probe_defines,
 )
-from trainbpf.tracer.settings import Settings
-from trainbpf.tracer.symbols import pystacks
+from trainbpf.tracer.collectors.block import BlockCollector
 from trainbpf.tracer.collectors.cuda import CudaCollector
 from trainbpf.tracer.collectors.faults import FaultsCollector
 from trainbpf.tracer.collectors.futex import FutexCollector
-from trainbpf.tracer.kheaders import use_headers
 from trainbpf.tracer.collectors.mm import MmCollector
 from trainbpf.tracer.collectors.nccl import NcclCollector
 from trainbpf.tracer.collectors.oncpu import OnCpuCollector
 from trainbpf.tracer.collectors.sched import SchedCollector
 from trainbpf.tracer.collectors.writeback import WritebackCollector
+from trainbpf.tracer.kheaders import use_headers
+from trainbpf.tracer.settings import Settings
+from trainbpf.tracer.symbols import pystacks
 
 ALL_COLLECTORS: tuple[type[Collector], ...] = (
     SchedCollector, FutexCollector, FaultsCollector, OnCpuCollector, MmCollector,

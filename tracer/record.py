@@ -16,21 +16,21 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf.trace.errors import OutputError, TargetError, UsageError
-from trainbpf.trace.schema import SCHEMA_ID
 from trainbpf.trace.safefile import OutputFile
+from trainbpf.trace.schema import SCHEMA_ID
 from trainbpf.trace.spool import SpoolWriter, combine, finalize, make_batch
 from trainbpf.tracer import access, loader, preflight, proctree, sources
-from trainbpf.tracer.collectors import jobenv
-from trainbpf.tracer.samplers import procfs
-from trainbpf.tracer.symbols.maps import ProcMaps
 from trainbpf.tracer.collector import Collector, ThreadTable
+from trainbpf.tracer.collectors import jobenv
 from trainbpf.tracer.drain import DrainLoop
-from trainbpf.tracer.samplers.clock import wall_minus_mono_ns
 from trainbpf.tracer.record_config import RecordConfig
 from trainbpf.tracer.record_output import RecordResult, check_output
 from trainbpf.tracer.ringbuf import open_rings
+from trainbpf.tracer.samplers import procfs
+from trainbpf.tracer.samplers.clock import wall_minus_mono_ns
 from trainbpf.tracer.settings import Settings
 from trainbpf.tracer.source import Source
+from trainbpf.tracer.symbols.maps import ProcMaps
 
 
 def check_target(pid: int) -> None:

@@ -8,11 +8,11 @@ import pyarrow as pa
 
 from trainbpf.tracer import loader
 from trainbpf.tracer.samplers import procfs, taskstats
+from trainbpf.tracer.samplers.gpu import GpuSampler
+from trainbpf.tracer.source import Source
 from trainbpf.tracer.symbols.addrs import AddressDescriber, futex_pairs
 from trainbpf.tracer.symbols.maps import ProcMaps
-from trainbpf.tracer.samplers.gpu import GpuSampler
 from trainbpf.tracer.symbols.pystacks import PythonStacks
-from trainbpf.tracer.source import Source
 from trainbpf.tracer.symbols.stacks import StackSymbolizer, drop_irq_wakers, kernel_refs, user_refs
 
 # vmstat and PSI are summed over the recording: sampled this often, and at the stop.

@@ -102,10 +102,10 @@ def record(
     force: bool = typer.Option(False, "--force", help="Replace an existing trace file (never a symlink, a device, or a file the sudo user could not write)."),
 ) -> None:
     """Record what a training process tree waits on into one trace file (needs root)."""
+    from trainbpf.trace.asuser import invoker
     from trainbpf.trace.errors import UsageError
     from trainbpf.tracer.record import record as do_record
     from trainbpf.tracer.record_config import RecordConfig
-    from trainbpf.trace.asuser import invoker
 
     try:
         if pid is None and not system_wide:
@@ -208,8 +208,8 @@ def _analyze_traces(traces: list[Path], fmt: ReportFormat, output: Optional[Path
                     window: Optional[str], force: bool, memory_check: bool) -> str:
     """`analyze` of several traces of one job: progress and clock warnings on stderr (the GPU
     idle threshold only shades the one-trace HTML: nothing here draws)."""
-    from trainbpf.trace.errors import UsageError
     from trainbpf.reports.traces import run_analyze_traces
+    from trainbpf.trace.errors import UsageError
 
     for name, value in (("--trainer-tid", trainer_tid), ("--window", window)):
         if value is not None:

@@ -221,8 +221,8 @@ def process_cuda(pid: int, probed: dict[tuple[str, int], Exported] | None = None
     exports (tracer.cuda.exported_calls, read through the mapped file itself as `record`
     does: addrs.open_mapped) or why they could not be read; or why the maps could not be
     read.  `probed` caches the symbols per library file (device, inode) across processes."""
-    from trainbpf.tracer.symbols.maps import open_mapped
     from trainbpf.tracer.collectors.cuda import cuda_mappings, exported_calls
+    from trainbpf.tracer.symbols.maps import open_mapped
 
     probed = {} if probed is None else probed
     try:

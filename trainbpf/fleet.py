@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from trainbpf.health.outputs import HEALTH_SCHEMA
 from trainbpf.trace.documents import load_json
 from trainbpf.trace.errors import UsageError
-from trainbpf.health.outputs import HEALTH_SCHEMA
 from trainbpf.trace.printable import printable
 from trainbpf.trace.safefile import OutputFile, check_output, read_small, write_new
 

@@ -11,14 +11,7 @@ from typing import Mapping
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.vocab import (
-    FUTEX_CLASS_DTYPE,
-    FUTEX_CODE,
-    RUN_CLASSES,
-    STATE_CODE,
-    STATE_DTYPE,
-    codes,
-)
+from trainbpf.analyzers.causes.stack_reading import CLASS_CODE, stack_class_codes
 from trainbpf.analyzers.intervals import (
     Span,
     as_int64,
@@ -29,7 +22,14 @@ from trainbpf.analyzers.intervals import (
     run_parallel,
     stable_order,
 )
-from trainbpf.analyzers.causes.stack_reading import CLASS_CODE, stack_class_codes
+from trainbpf.analyzers.vocab import (
+    FUTEX_CLASS_DTYPE,
+    FUTEX_CODE,
+    RUN_CLASSES,
+    STATE_CODE,
+    STATE_DTYPE,
+    codes,
+)
 
 # Evidence rows of the same thread that name a blocked interval's cause, strongest last
 # (later ones overwrite): a row that overlaps the interval is direct kernel evidence.

@@ -37,6 +37,8 @@ from trainbpf.analyzers.causes.categories import (
     RUN_CATEGORY,
     STATE_CATEGORY,
 )
+from trainbpf.analyzers.intervals import ClassTime, thread_ranges
+from trainbpf.analyzers.threads.states import BLOCKED_PART, PART_CODES, SLOT_EDGES, as_slots
 from trainbpf.analyzers.vocab import (
     FOLLOWED_STATES,
     FUTEX_CLASSES,
@@ -46,8 +48,6 @@ from trainbpf.analyzers.vocab import (
     STATES,
     codes,
 )
-from trainbpf.analyzers.intervals import ClassTime, thread_ranges
-from trainbpf.analyzers.threads.states import BLOCKED_PART, PART_CODES, SLOT_EDGES, as_slots
 
 MAX_DEPTH = 16
 LINK_COLUMNS = ("wait", "depth", "tid", "state", "parent")

@@ -12,13 +12,13 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.causes.attribution import address_names
-from trainbpf.analyzers.intervals import NS_PER_S, Span, as_int64, pair_ids, thread_ranges
 from trainbpf.analyzers.causes.numa import REMOTE_MIN_FRACTION
 from trainbpf.analyzers.causes.stack_reading import (
     PYTHON_STACK_COLUMNS,
     merged_excerpt,
     stack_excerpt,
 )
+from trainbpf.analyzers.intervals import NS_PER_S, Span, as_int64, pair_ids, thread_ranges
 from trainbpf.analyzers.threads.states import PART_CODES, SLOT_EDGES, clipped_lengths
 from trainbpf.analyzers.vocab import FUTEX_CODE, STATE_CODE, codes
 

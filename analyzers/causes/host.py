@@ -36,14 +36,14 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.causes import evidence as ev
-from trainbpf.analyzers.intervals import NS_PER_S, as_int64
-from trainbpf.analyzers.threads.states import clipped_lengths as clipped
 from trainbpf.analyzers.causes.stack_reading import (
     CLASS_CODE,
     LIBRARY_FILE,
     python_frame,
     stack_class_codes,
 )
+from trainbpf.analyzers.intervals import NS_PER_S, as_int64
+from trainbpf.analyzers.threads.states import clipped_lengths as clipped
 from trainbpf.analyzers.vocab import HOST_CLASSES, STATE_CODE, codes
 
 # A sample's host label: a host class (vocab.HOST_CLASSES), then "sync" and "unknown".

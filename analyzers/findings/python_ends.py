@@ -27,8 +27,8 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.causes.categories import RUN_CATEGORY
-from trainbpf.analyzers.intervals import intersect
 from trainbpf.analyzers.causes.stack_reading import python_frame, stack_frames
+from trainbpf.analyzers.intervals import intersect
 
 if TYPE_CHECKING:
     from trainbpf.analyzers.causes.evidence import EvidenceContext

@@ -28,7 +28,6 @@ from trainbpf.analyzers.causes.categories import (
     RUN_CATEGORY,
 )
 from trainbpf.analyzers.causes.chains import interval_category_codes, is_followed
-from trainbpf.analyzers.timeline.cuda_calls import in_gaps_ns
 from trainbpf.analyzers.causes.evidence import (
     MAX_THREADS,
     EvidenceContext,
@@ -36,9 +35,10 @@ from trainbpf.analyzers.causes.evidence import (
     numa_placement,
     trainer_waits,
 )
-from trainbpf.analyzers.intervals import NS_PER_S, run_parallel
 from trainbpf.analyzers.causes.numa import REMOTE_MIN_FRACTION
 from trainbpf.analyzers.findings.python_ends import no_python_frames, python_frames
+from trainbpf.analyzers.intervals import NS_PER_S, run_parallel
+from trainbpf.analyzers.timeline.cuda_calls import in_gaps_ns
 from trainbpf.analyzers.vocab import HOST_CLASSES, RUN_CLASSES, STATE_DTYPE, codes
 
 # Severity: share of starved time, and how much of the analysed window that time is

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.job.charge import charge
-from trainbpf.analyzers.job.collectives import match_collectives, rank_summary, waits_for
 from trainbpf.analyzers.findings.ranking import FINDING_COLUMNS, MIN_FINDING_NS, severity
 from trainbpf.analyzers.intervals import NS_PER_S
+from trainbpf.analyzers.job.charge import charge
+from trainbpf.analyzers.job.collectives import match_collectives, rank_summary, waits_for
 
 # A rank is the job's straggler when it arrived last in at least this share of the
 # collectives (and more than STRAGGLER_OVER_FAIR times its fair share, 1/ranks) ...

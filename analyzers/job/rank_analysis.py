@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.job.collectives import collective_waits
 from trainbpf.analyzers.findings.ranking import build_findings
 from trainbpf.analyzers.intervals import as_int64
+from trainbpf.analyzers.job.collectives import collective_waits
 from trainbpf.analyzers.job.join import JobResult, RankTables, join_ranks
-from trainbpf.analyzers.timeline.starvation import gpu_names_by_index, rank_gpu
 from trainbpf.analyzers.job.ranks import process_fields, rank_of_threads
+from trainbpf.analyzers.timeline.starvation import gpu_names_by_index, rank_gpu
 from trainbpf.analyzers.trainer import Shared, TrainerPart, roles, trainer_part
 
 

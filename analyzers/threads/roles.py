@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.vocab import ROLE_DTYPE
 from trainbpf.analyzers.intervals import Span, as_int64
+from trainbpf.analyzers.vocab import ROLE_DTYPE
 from trainbpf.trace.errors import UsageError
 
 # Roles from thread names, first match wins (comm is at most 15 characters, lower-cased).

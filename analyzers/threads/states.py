@@ -23,7 +23,6 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trainbpf.analyzers.vocab import FUTEX_CLASS_DTYPE, STATE_DTYPE, STATES, codes
 from trainbpf.analyzers.intervals import (
     NS_PER_S,
     Span,
@@ -35,6 +34,7 @@ from trainbpf.analyzers.intervals import (
     run_parallel,
     sort_by_thread,
 )
+from trainbpf.analyzers.vocab import FUTEX_CLASS_DTYPE, STATE_DTYPE, STATES, codes
 
 STATE_COLUMNS = ("tid", "start_ns", "end_ns", "state", "waker_tid", "kstack_id", "ustack_id")
 # Where each part of a slot starts, and where the last one ends.

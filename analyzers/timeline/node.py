@@ -10,8 +10,8 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.timeline.starvation import gpu_utilisation, idle_fraction
 from trainbpf.analyzers.intervals import Span, trace_span
+from trainbpf.analyzers.timeline.starvation import gpu_utilisation, idle_fraction
 
 # The row kinds node_values reads (whole frames: each is checked as it is read).
 NODE_KINDS = ("offcpu", "offcpu_short", "reclaim", "compaction", "dirty_pause", "psi", "vmstat", "numa_move", "gpu")

@@ -40,9 +40,9 @@ import pandas as pd
 from trainbpf.analyzers.causes.attribution import RunSplit
 from trainbpf.analyzers.causes.categories import CATEGORY_CODE
 from trainbpf.analyzers.causes.chains import interval_category_codes, is_followed
-from trainbpf.analyzers.timeline.cuda_calls import in_gaps_ns
 from trainbpf.analyzers.causes.host import HostSplit
 from trainbpf.analyzers.intervals import Span, as_int64, intersect
+from trainbpf.analyzers.timeline.cuda_calls import in_gaps_ns
 from trainbpf.analyzers.vocab import (
     HOST_CLASSES,
     RUN_CLASS_DTYPE,

@@ -10,9 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-from trainbpf.tracer.settings import Settings
 from trainbpf.tracer.record import record
 from trainbpf.tracer.record_config import RecordConfig
+from trainbpf.tracer.settings import Settings
 
 
 def main() -> None:

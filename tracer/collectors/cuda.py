@@ -11,9 +11,9 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf.trace.spool import make_batch
-from trainbpf.tracer.symbols.maps import Mapping
 from trainbpf.tracer.collector import array_values, bucket_batches, drain_hash, stack_ids
 from trainbpf.tracer.libprobe import LibraryCalls, LibraryCollector
+from trainbpf.tracer.symbols.maps import Mapping
 
 LAYERS = ("runtime", "driver")
 KINDS = ("launch", "wait", "copy", "alloc", "free")

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from trainbpf.trace.errors import UsageError
 from trainbpf.trace.documents import load_json
+from trainbpf.trace.errors import UsageError
 from trainbpf.trace.safefile import read_small
 from trainbpf.trace.spool import make_batch
 

@@ -21,8 +21,8 @@ import pyarrow as pa
 
 from trainbpf.trace.schema import PY_STACK_ID_BASE
 from trainbpf.trace.spool import make_batch
-from trainbpf.tracer.symbols import pyruntime
 from trainbpf.tracer.collector import ThreadTable
+from trainbpf.tracer.symbols import pyruntime
 from trainbpf.tracer.symbols.pycode import CodeNamer
 
 THREAD_LOOKS = 5  # flushes a thread is looked for in its interpreter's thread list

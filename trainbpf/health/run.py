@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from trainbpf.analyzers.timeline.node import node_check_values, node_metrics
-from trainbpf.trace.errors import OutputError, TrainbpfError
 from trainbpf.health.config import (
     DEFAULT_LOCK_FILE,
     TEXTFILE_NAME,
@@ -48,6 +47,7 @@ from trainbpf.health.targets import (
     tree_tids,
 )
 from trainbpf.trace.asuser import as_root, files
+from trainbpf.trace.errors import OutputError, TrainbpfError
 from trainbpf.trace.safefile import check_output
 from trainbpf.tracer.preflight import check_privileges, require
 from trainbpf.tracer.proctree import is_alive
@@ -265,9 +265,9 @@ def remove_stale_temp_dirs(folder: str | None = None) -> list[str]:
 
 
 def _record(*, root: int | None, output: Path, config: HealthConfig, expired: threading.Event) -> None:
-    from trainbpf.tracer.settings import Settings
     from trainbpf.tracer.record import record
     from trainbpf.tracer.record_config import RecordConfig
+    from trainbpf.tracer.settings import Settings
 
     # No Python frames: a node-wide check would attach to every Python process on the node.
     # Node-wide, every thread's fault counters are read once a second, not ten times.

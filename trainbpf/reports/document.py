@@ -13,9 +13,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from trainbpf.analyzers.pipeline import Analysis
 from trainbpf.analyzers.causes.categories import BY_NAME
 from trainbpf.analyzers.intervals import NS_PER_S
+from trainbpf.analyzers.pipeline import Analysis
 from trainbpf.analyzers.threads.states import state_seconds
 from trainbpf.analyzers.vocab import ROLES
 from trainbpf.reports.job import job_summary, rank_culprits, ranks_section, straggler_section

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable
 
+from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.options import GPU_IDLE_THRESHOLD
 from trainbpf.analyzers.pipeline import Analysis, observed_ns
-from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.vocab import STATES
 from trainbpf.reports.html_job import rank_section
 from trainbpf.reports.html_timeline import (

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.pipeline import Analysis
 from trainbpf.analyzers.causes.categories import BY_NAME, HOST_CATEGORY, REGISTRY
 from trainbpf.analyzers.intervals import NS_PER_S, ClassTime, Span, intersect, merge_intervals
+from trainbpf.analyzers.pipeline import Analysis
 from trainbpf.analyzers.vocab import STATES
 from trainbpf.reports.html_job import Lane, trainer_lanes
 

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.pipeline import Analysis, analyze
 from trainbpf.analyzers.causes.categories import CATEGORIES
 from trainbpf.analyzers.job.join import JobResult
+from trainbpf.analyzers.pipeline import Analysis, analyze
 from trainbpf.trace.memory import read_for_analysis
 from trainbpf.trace.safefile import OutputFile, check_output, write_new
 

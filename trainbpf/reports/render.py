@@ -15,11 +15,11 @@ from trainbpf.analyzers.options import (
     check_gpu_idle_threshold,
 )
 from trainbpf.analyzers.pipeline import analyze
-from trainbpf.reports.html import render_html
-from trainbpf.trace.memory import read_for_analysis
 from trainbpf.reports.document import Report, render_json
-from trainbpf.trace.safefile import OutputFile, check_output, write_new
+from trainbpf.reports.html import render_html
 from trainbpf.reports.text import render_text
+from trainbpf.trace.memory import read_for_analysis
+from trainbpf.trace.safefile import OutputFile, check_output, write_new
 
 
 def renderer(fmt: ReportFormat, *, gpu_idle_threshold: float = GPU_IDLE_THRESHOLD) -> Callable[[Report], str]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trainbpf.analyzers.pipeline import observed_ns
 from trainbpf.analyzers.intervals import NS_PER_S
+from trainbpf.analyzers.pipeline import observed_ns
 from trainbpf.analyzers.vocab import STATES
 from trainbpf.reports.job import rank_lines
 from trainbpf.reports.present import pct
-from trainbpf.trace.printable import printable
 from trainbpf.reports.python_frames import python_line, refused_note
+from trainbpf.trace.printable import printable
 
 if TYPE_CHECKING:
     from trainbpf.analyzers.pipeline import Analysis

@@ -9,14 +9,14 @@ import json
 import os
 from typing import Any, Callable, Sequence
 
-from trainbpf.analyzers.options import ReportFormat
 from trainbpf.analyzers.intervals import NS_PER_S
-from trainbpf.trace.errors import UsageError
-from trainbpf.reports.job import rank_lines, ranks_section, straggler_section
 from trainbpf.analyzers.job_traces import JobTraces, analyze_traces
-from trainbpf.reports.render import write_report
+from trainbpf.analyzers.options import ReportFormat
 from trainbpf.reports.document import REPORT_SCHEMA, findings_section
+from trainbpf.reports.job import rank_lines, ranks_section, straggler_section
+from trainbpf.reports.render import write_report
 from trainbpf.reports.text import as_text, finding_lines, starved_lines
+from trainbpf.trace.errors import UsageError
 
 
 def build_traces_report(found: JobTraces) -> dict[str, Any]:
