@@ -131,7 +131,7 @@ def test_time_limit_during_a_recording_asks_the_recorder_to_stop():
 BACKSTOP = textwrap.dedent("""
     import signal, sys, time
     from pathlib import Path
-    from trainbpf.health import time_limit
+    from trainbpf.health.run import time_limit
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])  # the soft stop cannot land
     with time_limit(0.3, grace_s=0.5, on_backstop=lambda: Path(sys.argv[1]).write_text("3")):
         time.sleep(20)

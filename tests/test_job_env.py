@@ -20,8 +20,8 @@ import pytest
 from kernel_env import require_root
 from trainbpf.trace.reader import read_trace
 from trainbpf.tracer.collector import ThreadTable
-from trainbpf.tracer.collectors import jobenv
-from trainbpf.tracer.collectors.jobenv import (
+from trainbpf.tracer.samplers import jobenv
+from trainbpf.tracer.samplers.jobenv import (
     JobEnvReader,
     lone_rank_note,
     parse_environ,
@@ -189,6 +189,14 @@ def _by_pid(rows) -> dict[int, list[dict]]:
     return out
 
 
+def _job_env_reader(rec: Recorder, box: dict):
+    """The recording's reader of the rank variables, once its sources are open."""
+    _wait("the sources to open", lambda: any(s.name == "job_env" for s in rec.sources) or "error" in box)
+    if "error" in box:
+        raise box["error"]
+    return next(s for s in rec.sources if s.name == "job_env").reader
+
+
 def test_a_launchers_ranks_are_found_by_their_environment(tmp_path):
     """--pid LAUNCHER: each rank's RANK/WORLD_SIZE/TORCHELASTIC_RUN_ID, the launcher with
     none, a child forked while recording read again after its exec, no note, and the
@@ -211,10 +219,11 @@ def test_a_launchers_ranks_are_found_by_their_environment(tmp_path):
         runner = threading.Thread(target=_run, args=(rec, box))
         runner.start()
         forked = int(launcher.stdout.readline())
-        _wait("the forked child's first read", lambda: forked in rec.jobenv.envs or "error" in box)
+        envs = _job_env_reader(rec, box).envs
+        _wait("the forked child's first read", lambda: forked in envs or "error" in box)
         launcher.stdin.write("exec\n")
         launcher.stdin.flush()
-        _wait("the read after its exec", lambda: "RANK" in rec.jobenv.envs.get(forked, {}) or "error" in box)
+        _wait("the read after its exec", lambda: "RANK" in envs.get(forked, {}) or "error" in box)
         rec.request_stop("done")
         runner.join(timeout=60)
     finally:

@@ -90,7 +90,7 @@ def samples(kind, last):
     except nv.NVMLError_NotFound:
         return None, []
     return vt, [(s.timeStamp, s.sampleValue.uiVal) for s in got]
-from trainbpf.tracer.clock import wall_minus_mono_ns
+from trainbpf.tracer.samplers.clock import wall_minus_mono_ns
 """
 
 
@@ -194,7 +194,7 @@ print(json.dumps({"gpus": gpus, "stamps": [s.timeStamp for s in got]}))
 
 
 SAMPLER = """
-from trainbpf.tracer.gpu import GpuSampler
+from trainbpf.tracer.samplers.gpu import GpuSampler
 s = GpuSampler(mode="nvml")
 s.start()
 time.sleep(1.2)

@@ -1,5 +1,5 @@
 """The environment variables that say which rank of a job a process is, declared once
-for the recorder (tracer/collectors/jobenv.py: the note and metadata of `record --pid`) and the
+for the recorder (tracer/samplers/jobenv.py: the note and metadata of `record --pid`) and the
 analysis (analyzers/job/ranks.py): which variables, in which order they are believed, and
 how a value is read as a number."""
 

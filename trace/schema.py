@@ -193,7 +193,7 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # The target's numa_maps summed per node: state = "start"/"end", count = pages.
     "numa_maps": ("ts_ns", "pid", "state", "node", "count"),
     # One variable of a traced process's environment that says which rank of a job it is
-    # (only the names of tracer/collectors/jobenv.py JOB_VARIABLES are ever read into a trace):
+    # (only the names of tracer/samplers/jobenv.py JOB_VARIABLES are ever read into a trace):
     # name = the variable, state = its value (at most 256 characters; bytes that are not
     # UTF-8 and control characters as \xNN escapes).  Read when the process is seeded or
     # forked and again after an exec; the rows of one read share its ts_ns, and a

@@ -21,7 +21,6 @@ from trainbpf.trace.schema import SCHEMA_ID
 from trainbpf.trace.spool import SpoolWriter, combine, finalize, make_batch
 from trainbpf.tracer import access, loader, preflight, proctree, sources
 from trainbpf.tracer.collector import Collector, ThreadTable
-from trainbpf.tracer.collectors import jobenv
 from trainbpf.tracer.drain import DrainLoop
 from trainbpf.tracer.record_config import RecordConfig
 from trainbpf.tracer.record_output import RecordResult, check_output
@@ -60,9 +59,6 @@ class Recorder(DrainLoop):
         self.notice = notice
         # Under sudo: only the processes the invoking user could ptrace are traced.
         self.gate = access.Gate(config.invoker, notice) if config.invoker is not None else None
-        # Each traced process's rank variables (`process_env` rows), the target's in `job`.
-        self.jobenv = jobenv.JobEnvReader(admitted=self.gate.admits if self.gate else None)
-        self.target_env: dict[str, str] | None = None
         self.stop_reason = ""
         self._stop = threading.Event()
         self._stop_fds: tuple[int, int] | None = None  # a pipe the drain loop waits on, while it runs
@@ -130,8 +126,6 @@ class Recorder(DrainLoop):
             check_target(self.pid)
         if self.gate is not None:
             self.gate.check_target(self.pid)
-        if self.pid is not None:
-            self.target_env = self.jobenv.read(self.pid)
         self.out = check_output(config.output, force=config.force, notice=self.notice)
         if config.topology_file is not None:  # read now: a bad one is refused before the compile
             self.declared_topology = procfs.declared_topology(config.topology_file)
@@ -170,12 +164,6 @@ class Recorder(DrainLoop):
         self._seed(self.seed)
         walked = self._walk()  # again: threads born between the first walk and the attach
         self._seed(walked)
-        envs = self.jobenv.take(self.threads)
-        if envs is not None:
-            self.writer.add(envs)
-        note = jobenv.lone_rank_note(self.pid, self.target_env, list(self.jobenv.envs.values()))
-        if note and self.notice:
-            self.notice(note)
         for source in self.sources:
             for batch in source.seed(walked):
                 self.writer.add(batch)
@@ -229,7 +217,6 @@ class Recorder(DrainLoop):
             "target_pid": self.pid,
             "target_cmdline": proctree.cmdline(self.pid) if self.pid else [],
             "trainer_tid": self.config.trainer_tid,
-            "job": jobenv.job_meta(self.target_env),
             "clock": {
                 "start_mono_ns": 0,  # set by _open_spool, as the last step before the seed
                 "wall_minus_mono_ns": self.wall_minus_mono,
@@ -314,8 +301,7 @@ class Recorder(DrainLoop):
         now_ns = time.monotonic_ns()
         rows = [b for s in self.sources if s.thread_rows for b in s.flush(now_ns, final=final)]
         ended = self._after_execs()
-        envs = self.jobenv.take(self.threads)  # after the execs: a process let back in is read anew
-        batches = self._described(rows) + ended + ([envs] if envs is not None else [])
+        batches = self._described(rows) + ended  # then the sources' own: after the execs, a process let back in is read anew
         batches += [b for s in self.sources if not s.thread_rows for b in s.flush(now_ns, final=final)]
         if not final:  # what a killed recording's last segment says was still blocked
             segment_ns = time.monotonic_ns()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from trainbpf.tracer import loader
-from trainbpf.tracer.samplers import procfs, taskstats
+from trainbpf.tracer.samplers import jobenv, procfs, taskstats
 from trainbpf.tracer.samplers.gpu import GpuSampler
 from trainbpf.tracer.source import Source
 from trainbpf.tracer.symbols.addrs import AddressDescriber, futex_pairs
@@ -180,6 +180,32 @@ class NumaPages(Source):
         return ended + _present(procfs.numa_maps_batch(self.session.threads.tgids(), "end")) if final else ended
 
 
+class JobEnvironments(Source):
+    """Each traced process's rank variables (`process_env` rows), read when it joins or
+    execs, and the target's as the trace's `job` (tracer/samplers/jobenv.py)."""
+
+    name = "job_env"
+
+    def open(self, session) -> None:
+        super().open(session)
+        # under sudo, a process the user could no longer ptrace has its read thrown away
+        self.reader = jobenv.JobEnvReader(admitted=session.gate.admits if session.gate is not None else None)
+        self.target_env = self.reader.read(session.pid) if session.pid is not None else None
+
+    def start(self) -> dict:
+        return {"job": jobenv.job_meta(self.target_env)}
+
+    def seed(self, walked: list) -> list[pa.RecordBatch]:
+        rows = self.flush(self.session.start_ns, final=False)
+        note = jobenv.lone_rank_note(self.session.pid, self.target_env, list(self.reader.envs.values()))
+        if note and self.session.notice:
+            self.session.notice(note)
+        return rows
+
+    def flush(self, now_ns: int, *, final: bool) -> list[pa.RecordBatch]:
+        return _present(self.reader.take(self.session.threads))
+
+
 class TaskDelays(Source):
     """Each traced thread's delay accounting (taskstats), at the start and at the stop."""
 
@@ -198,5 +224,5 @@ class TaskDelays(Source):
 # After the probes, in this order: symbolisers name the flush's rows in turn, and each
 # source's end() sees what the ones before it ended.
 SOURCES: list[type[Source]] = [
-    StackNames, FutexAddresses, PythonFrames, GpuSamples, ProcSamples, NumaPages, TaskDelays,
+    StackNames, FutexAddresses, PythonFrames, JobEnvironments, GpuSamples, ProcSamples, NumaPages, TaskDelays,
 ]
