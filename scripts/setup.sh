@@ -35,7 +35,9 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 # bcc comes from the distribution (PyPI's "bcc" is an unrelated package).
-APT_PACKAGES=(python3-bpfcc bpfcc-tools libbpfcc python3-venv python3-dev bpftool linux-headers-amd64)
+# libc6-dbg: glibc's local symbols (main_arena, the allocator's lock) name the futex a
+# trainer waits on (tracer/symbols/addrs.py).
+APT_PACKAGES=(python3-bpfcc bpfcc-tools libbpfcc python3-venv python3-dev bpftool linux-headers-amd64 libc6-dbg)
 if [ "$WITH_TEST" -eq 1 ]; then
   # node_exporter for the health-check test, chromium for the HTML screenshot test,
   # sudo for the documented `sudo .venv/bin/trainbpf` invocation, gcc for the stand-in

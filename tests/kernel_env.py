@@ -23,17 +23,21 @@ def require_root(what: str = "loads BPF programs") -> None:
     pytest.skip(reason)
 
 
-def require_module(name: str, what: str) -> None:
-    """Skip where module `name` is not installed, except in CI, where the test set-up
-    (scripts/setup.sh --test) installs it: a skip there would hide a broken set-up."""
-    import importlib.util
-
-    if importlib.util.find_spec(name) is not None:
-        return
-    reason = f"{what} needs {name}, which is not installed (scripts/setup.sh --test installs it)"
+def missing(reason: str) -> None:
+    """Something scripts/setup.sh installs is missing: skip, except in CI, where a skip
+    would hide a broken set-up."""
     if os.environ.get("CI") == "true":
         pytest.fail(reason)
     pytest.skip(reason)
+
+
+def require_module(name: str, what: str) -> None:
+    """Skip where module `name` is not installed, except in CI (scripts/setup.sh --test
+    installs it)."""
+    import importlib.util
+
+    if importlib.util.find_spec(name) is None:
+        missing(f"{what} needs {name}, which is not installed (scripts/setup.sh --test installs it)")
 
 
 # The CPython versions the Python-frame walk supports, as installed under pyenv here.
@@ -112,8 +116,5 @@ def memory_cgroup(limit_bytes: int):
 def which_or_fail(exe: str, package: str) -> str:
     path = shutil.which(exe)
     if path is None:
-        msg = f"{exe} not installed (Debian package {package}; scripts/setup.sh --test installs it)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
+        missing(f"{exe} not installed (Debian package {package}; scripts/setup.sh --test installs it)")
     return path

@@ -168,8 +168,11 @@ class Synth:
     def compaction(self, tid: int, ts: float, dur: float, status: int = 0) -> None:
         self.add("compaction", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), op=status)
 
-    def mm_syscall(self, tid: int, ts: float, dur: float, name: str, size: int, addr: int = 0x7F0000000000) -> None:
-        self.add("mm_syscall", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), name=name, addr=addr, size=size, op=0, count=0)
+    def mm_syscall(self, tid: int, ts: float, dur: float, name: str, size: int, addr: int = 0x7F0000000000,
+                   flags: int = 0) -> None:
+        """`flags`: mmap's flags, madvise's advice."""
+        self.add("mm_syscall", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), name=name, addr=addr,
+                 size=size, op=flags, count=0)
 
     def numa_move(self, tid: int, ts: float, *, cpu: int, src: int, dst: int) -> None:
         self.add("numa_move", ts_ns=t(ts), tid=tid, pid=self._pid(tid, None), cpu=cpu, op=src, node=dst, name="move")

@@ -10,7 +10,9 @@ import os
 import numpy as np
 import pytest
 
+from kernel_env import missing
 from trainbpf.tracer.symbols.addrs import AddressDescriber
+from trainbpf.tracer.symbols.elf import OBJECT_KINDS, symbol_tables
 from trainbpf.tracer.symbols.maps import parse_maps
 
 
@@ -31,6 +33,22 @@ def test_a_librarys_data_symbol_is_named():
     stdout = ctypes.addressof(ctypes.c_void_p.in_dll(libc, "stdout"))
     ((state, name),) = describe(stdout)
     assert state == "image" and name.startswith("stdout+0x0 [libc.so")
+
+
+def test_glibcs_malloc_arena_is_named_from_its_debug_file():
+    """Debian's libc is stripped: main_arena, whose first word is the allocator's lock, is a
+    local symbol of libc6-dbg's debug file (found by build-id), named only from there."""
+    with open("/proc/self/maps") as fh:
+        maps = parse_maps(fh.read())
+    libc = next(m.path for m in maps if os.path.basename(m.path).startswith("libc.so"))
+    tables = symbol_tables(libc, libc, OBJECT_KINDS)
+    if len(tables) < 2:
+        missing("libc's debug symbols are not installed (Debian package libc6-dbg; scripts/setup.sh installs it)")
+    debug, own = tables
+    linked = debug.address_of("main_arena")
+    assert linked is not None and own.symbol(linked) is None, "the library itself does not name it"
+    base = min(m.start - m.offset for m in maps if m.path == libc)
+    assert describe(base + linked - own.first_vaddr) == [("image", f"main_arena+0x0 [{os.path.basename(libc)}]")]
 
 
 def test_regions_outside_images():

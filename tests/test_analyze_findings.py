@@ -220,6 +220,23 @@ def test_allocator_churn_in_bulk(tmp_path):
     assert f.share == pytest.approx(1.0 - a.host_bound_ns / a.starved_ns)  # the rest: its user work
 
 
+@pytest.mark.parametrize("advice, category", [(4, "allocator_churn"),  # MADV_DONTNEED: the pages go
+                                              (14, "page_faults")])  # MADV_HUGEPAGE: the memory is kept
+def test_madvise_gives_memory_back_only_when_it_drops_pages(tmp_path, advice, category):
+    """A 384 MiB buffer mapped once per step, faulted in, then madvised: dropped pages
+    (MADV_DONTNEED) fault in afresh each step, churn; huge-page advice keeps the memory,
+    and the faults are the page-fault path of a kept buffer."""
+    s = Synth()
+    s.thread(TRAINER, "python")
+    for x in periodic(0.0, 10.0, 0.15):
+        s.mm_syscall(TRAINER, x, 0.0001, "mmap", 384 << 20)
+        s.faults(TRAINER, x, 0.1, (384 << 20) // 4096)
+        s.mm_syscall(TRAINER, x + 0.1, 0.01, "madvise", 384 << 20, flags=advice)
+    s.oncpu_every(TRAINER, 0.0, 10.0, hz=100, kstack=lambda ts: FAULT_STACK if (ts % 0.15) < 0.1 else None)
+    s.gpu_series(lambda ts: 3.0)
+    assert top(analyze(s.read(tmp_path))).category == category
+
+
 def test_one_big_allocation_is_page_faults_not_churn(tmp_path):
     """The same faults on one buffer mapped once and kept: page faults, not churn."""
     s = Synth()

@@ -367,9 +367,16 @@ class RunSplit:
         return exact_share + out * (1.0 - known)[:, None]
 
 
+# The madvise advice that gives memory back (the pages are dropped, and fault in afresh
+# when touched again): MADV_DONTNEED, MADV_FREE, MADV_REMOVE and MADV_DONTNEED_LOCKED.
+# Any other (MADV_HUGEPAGE, MADV_WILLNEED, MADV_NOHUGEPAGE, ...) keeps the memory.
+MADV_GIVE_BACK = (4, 8, 9, 24)
+
+
 def churn_threads(mm_syscall: pd.DataFrame, faults: pd.DataFrame, span: Span) -> pd.DataFrame:
     """Per thread: mmap/munmap/brk/madvise/mremap rates and sizes and page-fault rates;
-    `churning` when calls are frequent and fresh mappings account for the faults."""
+    `churning` when calls are frequent and fresh mappings account for the faults.  Only
+    munmap and the madvise that drops pages (MADV_GIVE_BACK) count as memory given back."""
     seconds = max(span.seconds, 1e-9)
     lo, hi = span.start_ns, span.end_ns
 
@@ -385,7 +392,8 @@ def churn_threads(mm_syscall: pd.DataFrame, faults: pd.DataFrame, span: Span) ->
         return np.append(np.isin(np.asarray(names, dtype=object), syscalls), False)[name]
 
     maps = named("mmap", "brk", "mremap")
-    unmaps = named("munmap", "madvise")
+    advice = as_int64(mm["flags"], -1)
+    unmaps = named("munmap") | (named("madvise") & np.isin(advice, MADV_GIVE_BACK))
     per = pd.DataFrame(
         {"calls": calls.groupby("tid").size(),
          "map_bytes": calls[maps].groupby("tid")["size"].sum(),

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trainbpf.trace.spool import make_batch
-from trainbpf.tracer.symbols.elf import ElfSymbols
+from trainbpf.tracer.symbols.elf import OBJECT_KINDS, ElfSymbols, symbol_tables
 from trainbpf.tracer.symbols.maps import Mapping, MapsIndex, ProcMaps, open_mapped
 
 MAX_DESCRIBED = 65536  # (pid, addr) pairs remembered; cleared beyond, like the stack caches
@@ -45,7 +45,7 @@ class AddressDescriber:
     def __init__(self, proc: str = "/proc"):
         self.proc = proc
         self.done: set[tuple[int, int]] = set()
-        self._images: dict[tuple[str, int], ElfSymbols | None] = {}  # (device, inode)
+        self._images: dict[tuple[str, int], list[ElfSymbols] | None] = {}  # (device, inode) -> symbol_tables
         # Each process's mappings as last read: re-read (~1.5 ms) only for an address in
         # none of them.  A mapping replaced in place is described as it was.
         self._maps: dict[int, MapsIndex] = {}
@@ -111,23 +111,24 @@ class AddressDescriber:
         return "anon", m.path or "[anon]"
 
     def _symbol(self, pid: int, maps: list[Mapping], path: str, addr: int) -> str | None:
-        elf = self._elf(pid, next(m for m in maps if m.path == path))
-        if elf is None:
+        elfs = self._elf(pid, next(m for m in maps if m.path == path))
+        if elfs is None:
             return None
+        elf = elfs[-1]  # the file's own: where its segments are placed
         base = min((m.start - m.offset for m in maps if m.path == path), default=0)
         vaddr = addr if elf.is_exec else addr - base + elf.first_vaddr
         if not elf.first_vaddr <= vaddr < elf.end_vaddr:
             return None
         short = os.path.basename(path)
-        sym = elf.symbol(vaddr)
+        sym = next((found for found in (e.symbol(vaddr) for e in elfs) if found), None)
         if sym is None:
             return f"{short}+0x{vaddr:x}"
         name, off = sym
         return f"{name}+0x{off:x} [{short}]"
 
-    def _elf(self, pid: int, m: Mapping) -> ElfSymbols | None:
-        """The symbols of the file mapped at `m` (open_mapped: the very file, also in a
-        container), None where it cannot be read or is malformed."""
+    def _elf(self, pid: int, m: Mapping) -> list[ElfSymbols] | None:
+        """The symbol tables of the file mapped at `m` (open_mapped: the very file, also in
+        a container; its debug file's first), None where it cannot be read or is malformed."""
         if m.file not in self._images:
             if len(self._images) >= MAX_IMAGES:
                 self._images.clear()
@@ -136,9 +137,7 @@ class AddressDescriber:
             except OSError:
                 return None  # not kept: a later flush may open it
             try:
-                self._images[m.file] = ElfSymbols(f"/proc/self/fd/{fd}")
-            except (OSError, ValueError):
-                self._images[m.file] = None
+                self._images[m.file] = symbol_tables(f"/proc/self/fd/{fd}", m.path, OBJECT_KINDS) or None
             finally:
                 os.close(fd)
         return self._images[m.file]

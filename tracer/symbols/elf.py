@@ -4,6 +4,7 @@ program headers and the build id, bounds-checked, since the processes choose the
 from __future__ import annotations
 
 import mmap
+import os
 import re
 
 import numpy as np
@@ -15,6 +16,7 @@ _SHT_NOTE, _SHT_NOBITS = 7, 8
 _STT_OBJECT, _STT_FUNC, _STT_TLS, _STT_GNU_IFUNC = 1, 2, 6, 10
 OBJECT_KINDS = (_STT_OBJECT, _STT_TLS)
 FUNCTION_KINDS = (_STT_FUNC, _STT_GNU_IFUNC)  # what bcc names code with
+DEBUG_ROOT = "/usr/lib/debug"
 _PT_LOAD = 1
 _ET_EXEC = 2
 _EHDR_SIZE, _PHDR_SIZE, _SHDR_SIZE = 64, 56, 64  # Elf64 header, program and section header sizes
@@ -208,3 +210,34 @@ def _cstring(data, start: int) -> bytes:
         return b""
     end = data.find(b"\0", start)
     return data[start:end if end >= 0 else start]
+
+
+def debug_file(path: str, elf: ElfSymbols) -> str | None:
+    """Where a stripped file's debug symbols are, as bcc looks: by build-id, then by
+    debuglink beside the file, in .debug/ there, and under /usr/lib/debug."""
+    candidates = []
+    if elf.build_id:
+        candidates.append(f"{DEBUG_ROOT}/.build-id/{elf.build_id[:2]}/{elf.build_id[2:]}.debug")
+    if elf.debuglink:
+        folder = os.path.dirname(path)
+        candidates += [f"{folder}/{elf.debuglink}", f"{folder}/.debug/{elf.debuglink}",
+                       f"{DEBUG_ROOT}{folder}/{elf.debuglink}"]
+    return next((c for c in candidates if c != path and os.path.isfile(c)), None)
+
+
+def symbol_tables(opened: str, path: str, kinds: tuple[int, ...], *, every_table: bool = False) -> list[ElfSymbols]:
+    """The symbols of the file `path` (read from `opened`, e.g. /proc/self/fd/N): its
+    separate debug file's first, where one is installed (a distribution's libraries are
+    stripped: glibc's main_arena is named only there), the file's own last; none when the
+    file cannot be read or is malformed."""
+    try:
+        own = ElfSymbols(opened, kinds, every_table=every_table)
+    except (OSError, ValueError):
+        return []
+    debug = debug_file(path, own)
+    if debug:
+        try:
+            return [ElfSymbols(debug, kinds, every_table=every_table), own]
+        except (OSError, ValueError):
+            pass
+    return [own]

@@ -17,13 +17,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trainbpf.trace.spool import make_batch
-from trainbpf.tracer.symbols.elf import FUNCTION_KINDS, ElfSymbols
+from trainbpf.tracer.symbols.elf import FUNCTION_KINDS, ElfSymbols, symbol_tables
 from trainbpf.tracer.symbols.maps import MapsIndex, Mapping, ProcMaps, open_mapped
 
 MAX_CACHED_NAMES = 65536
 MAX_HELD_FILES = 512  # descriptors kept open; beyond, a file is reopened by path after the stop
 MMAP_MIN_ADDR = 65536  # vm.mmap_min_addr's default; no user mapping starts lower
-DEBUG_ROOT = "/usr/lib/debug"
 # A wake-up whose kernel stack holds one of these ran in interrupt context (a timer
 # expiring, an I/O completing): `current` there is whoever was interrupted, not a waker.
 IRQ_FRAMES = ("asm_sysvec_", "asm_common_interrupt", "__sysvec_", "sysvec_", "hrtimer_interrupt",
@@ -234,19 +233,8 @@ class MappedFiles:
         """The file's symbol tables, its separate debug file's first, the file's own last."""
         if file not in self._symbols:
             path, fd = self._opened[file]
-            elfs = []
-            try:
-                elfs.append(ElfSymbols(f"/proc/self/fd/{fd}" if fd is not None else path, FUNCTION_KINDS,
-                                       every_table=True))
-            except (OSError, ValueError):
-                pass
-            debug = _debug_file(path, elfs[0]) if elfs else None
-            if debug:
-                try:
-                    elfs.insert(0, ElfSymbols(debug, FUNCTION_KINDS, every_table=True))
-                except (OSError, ValueError):
-                    pass
-            self._symbols[file] = elfs
+            self._symbols[file] = symbol_tables(f"/proc/self/fd/{fd}" if fd is not None else path, path,
+                                                FUNCTION_KINDS, every_table=True)
         return self._symbols[file]
 
     def close(self) -> None:
@@ -255,19 +243,6 @@ class MappedFiles:
                 os.close(fd)
         self._opened.clear()
         self._symbols.clear()
-
-
-def _debug_file(path: str, elf: ElfSymbols) -> str | None:
-    """Where a stripped file's debug symbols are, as bcc looks: by build-id, then by
-    debuglink beside the file, in .debug/ there, and under /usr/lib/debug."""
-    candidates = []
-    if elf.build_id:
-        candidates.append(f"{DEBUG_ROOT}/.build-id/{elf.build_id[:2]}/{elf.build_id[2:]}.debug")
-    if elf.debuglink:
-        folder = os.path.dirname(path)
-        candidates += [f"{folder}/{elf.debuglink}", f"{folder}/.debug/{elf.debuglink}",
-                       f"{DEBUG_ROOT}{folder}/{elf.debuglink}"]
-    return next((c for c in candidates if c != path and os.path.isfile(c)), None)
 
 
 def _cxa_demangle():
