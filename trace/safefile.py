@@ -247,14 +247,6 @@ def rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     rename_at(None, os.fsencode(src), os.fsencode(dst), RENAME_NOREPLACE)
 
 
-def same_file(fd: int, path: Path) -> bool:
-    try:
-        a, b = os.fstat(fd), os.lstat(path)
-    except OSError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
 def write_new(path: str | os.PathLike | OutputFile, write: Callable[[BinaryIO], None], *, mode: int = 0o600,
               force: bool = False) -> Path:
     """Write a whole file with `write(fh)` out of sight, then publish it at `path` (an
