@@ -38,9 +38,9 @@ def _plain_json(value: Any) -> None:
 
 
 def validate_report(doc: dict[str, Any]) -> None:
-    """Assert that `doc` is exactly a trainbpf.reports.document/3 document."""
+    """Assert that `doc` is exactly a trainbpf.report/3 document."""
     assert set(doc) == TOP_KEYS, set(doc) ^ TOP_KEYS
-    assert doc["schema"] == "trainbpf.reports.document/3"
+    assert doc["schema"] == "trainbpf.report/3"
     _plain_json(doc)
     assert json.loads(json.dumps(doc)) == doc
 

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ROOT / "scripts" / "workloads"
 FAKE_SMI = ROOT / "scripts" / "fake-nvidia-smi"
 FAKE_NVML_BUILD = ROOT / "scripts" / "fake-nvml" / "build.py"
-REPORT_SCHEMA = "trainbpf.reports.document/3"
+REPORT_SCHEMA = "trainbpf.report/3"
 
 RECORD_SECONDS = 6
 # The workload outlives any recording; it is stopped once the recorder is done.

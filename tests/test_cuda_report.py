@@ -115,7 +115,7 @@ def test_findings_gain_the_launch_gap_they_explain(tmp_path):
 def test_json_cuda_section(tmp_path):
     doc = build_report(analyze(cuda_trainer().read(tmp_path)))
     validate_report(doc)
-    assert doc["schema"] == "trainbpf.reports.document/3"
+    assert doc["schema"] == "trainbpf.report/3"
     assert doc["findings"][0]["launch_gap_s"] == 2.97
     cuda = doc["cuda"]
     assert cuda["gpu_bound_s"] == 5.0 and cuda["launch_gap_s"] == 3.96

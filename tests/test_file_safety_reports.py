@@ -131,7 +131,7 @@ def test_reports_replace_an_existing_file_only_with_force(tmp_path):
     assert report.read_text() == "keep me"
     res = cli("analyze", trace, "--format", "json", "-o", report, "--force")
     assert res.returncode == 0, res.stderr
-    assert json.loads(report.read_text())["schema"] == "trainbpf.reports.document/3"
+    assert json.loads(report.read_text())["schema"] == "trainbpf.report/3"
 
 
 # -- M7: health without root ---------------------------------------------------------------

@@ -57,7 +57,7 @@ def job(tmp_path_factory) -> dict[str, list[Path]]:
 
 def test_traces_of_one_job_name_the_straggler_its_cause_and_each_clock(job):
     doc, stderr = _report(*job["three"])
-    assert doc["schema"] == "trainbpf.reports.document/3" and doc["trace"]["path"] == [str(p) for p in job["three"]]
+    assert doc["schema"] == "trainbpf.report/3" and doc["trace"]["path"] == [str(p) for p in job["three"]]
     assert doc["threads"] == [] and doc["cuda"] is None
     assert [set(t) for t in doc["traces"]] == [TRACES_KEYS] * 3
     assert [t["ranks"] for t in doc["traces"]] == [[0, 1], [2, 3], [4, 5]]

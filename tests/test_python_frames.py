@@ -112,7 +112,7 @@ def test_reports_show_the_frames(tmp_path):
     report = Report.of(analyze(read_trace(path)))
     doc = json.loads(render_json(report))
     validate_report(doc)
-    assert doc["schema"] == "trainbpf.reports.document/3"
+    assert doc["schema"] == "trainbpf.report/3"
     frames = doc["findings"][0]["evidence"]["python_frames"]
     assert frames["waiter"][2] == {"function": "train_step", "file": "/srv/job/train.py", "line": 54}
     assert frames["producer"][0] == {"function": "decode_batch", "file": "/srv/job/data.py", "line": 31}

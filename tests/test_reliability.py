@@ -72,7 +72,7 @@ def test_sigkill_leaves_a_readable_spool_missing_at_most_2s(tmp_path):
     assert wait_until_detached(ours) == set(), "the kernel must drop our programs when the recorder dies"
     res = cli("analyze", str(spool), "--format", "json")
     assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["schema"] == "trainbpf.reports.document/3"
+    assert json.loads(res.stdout)["schema"] == "trainbpf.report/3"
     res = cli("recover", str(spool))
     assert res.returncode == 0, res.stderr
     assert read_trace(out).table.num_rows == trace.table.num_rows

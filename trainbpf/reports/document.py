@@ -21,7 +21,7 @@ from trainbpf.analyzers.vocab import ROLES
 from trainbpf.reports.job import job_summary, rank_culprits, ranks_section, straggler_section
 from trainbpf.reports.python_frames import frame_label
 
-REPORT_SCHEMA = "trainbpf.reports.document/3"
+REPORT_SCHEMA = "trainbpf.report/3"
 _ROLE_ORDER = {role: i for i, role in enumerate(ROLES)}
 
 
