@@ -22,8 +22,7 @@ import pyarrow as pa
 
 from trainbpf.trace.reader import read_trace
 from trainbpf.trace.schema import KIND_COLUMNS, PY_STACK_ID_BASE, SCHEMA_ID
-from trainbpf.trace.spool import stored_batch
-from trainbpf.trace.spool import SpoolWriter, finalize, spool_path_for
+from trainbpf.trace.spool import SpoolWriter, finalize, spool_path_for, stored_batch
 
 START_NS = 1_000_000_000_000
 NS = 1_000_000_000

@@ -9,8 +9,7 @@ from synth import (
     BLOCK_STACK, DIRTY_STACK, FAULT_IO_STACK, FAULT_STACK, FUTEX_STACK, GIL_USTACK, LOCK_USTACK,
     RECLAIM_STACK, SLEEP_STACK, TRAINER, WORKER, Synth, d, healthy, input_pipeline, periodic, t,
 )
-from trainbpf.analyzers.causes.categories import CATEGORIES
-from trainbpf.analyzers.causes.categories import CATEGORY_DTYPE
+from trainbpf.analyzers.causes.categories import CATEGORIES, CATEGORY_DTYPE
 from trainbpf.analyzers.pipeline import analyze
 
 

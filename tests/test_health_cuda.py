@@ -20,8 +20,7 @@ from test_health_outputs import parse_exposition, sample_result
 from trainbpf.fleet import fleet_rows, load_documents, render
 from trainbpf.health.config import DEFAULT_THRESHOLDS, OK, HealthConfig
 from trainbpf.health.outputs import STEP_METRICS, health_document, render_summary, render_textfile
-from trainbpf.health.results import StepMetrics, TargetResult, step_metrics
-from trainbpf.health.results import grade_report
+from trainbpf.health.results import StepMetrics, TargetResult, grade_report, step_metrics
 from trainbpf.health.run import assess
 from trainbpf.health.targets import Target
 

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from synth import Synth
-from trainbpf.analyzers.causes.categories import CATEGORIES
-from trainbpf.analyzers.causes.categories import CHECK_CATEGORY
+from trainbpf.analyzers.causes.categories import CATEGORIES, CHECK_CATEGORY
 from trainbpf.analyzers.timeline.node import node_check_values, node_metrics, weighted_quantile
 from trainbpf.health.config import CRITICAL, DEFAULT_THRESHOLDS, OK, UNKNOWN, WARNING, Threshold
 from trainbpf.health.results import Check, TargetResult, grade, overall_status

@@ -33,6 +33,8 @@ STAGES = ("trainbpf.analyzers.vocab trainbpf.analyzers.options trainbpf.analyzer
           "trainbpf.analyzers.threads", "trainbpf.analyzers.causes", "trainbpf.analyzers.timeline",
           "trainbpf.analyzers.findings", "trainbpf.analyzers.trainer", "trainbpf.analyzers.job",
           "trainbpf.analyzers.pipeline", "trainbpf.analyzers.job_traces")
+RENDERERS = ("trainbpf.reports.text", "trainbpf.reports.html", "trainbpf.reports.html_timeline",
+             "trainbpf.reports.html_job", "trainbpf.reports.render")
 SOURCE_FOLDERS = ("trainbpf.tracer.collectors", "trainbpf.tracer.symbols", "trainbpf.tracer.samplers")
 
 
@@ -97,6 +99,13 @@ def stage_of(module: str) -> int | None:
 def stage_violations(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
     return [f"{where} (a later stage)" for name, target, where in imports_of(modules, root)
             if stage_of(name) is not None and stage_of(target) is not None and stage_of(target) > stage_of(name)]
+
+
+def test_the_report_document_imports_no_renderer():
+    """reports/document.py holds numbers, JSON and sentences; the renderers import it,
+    never the reverse."""
+    imported = {target for _, target in imported_modules(ROOT / "trainbpf" / "reports" / "document.py")}
+    assert not imported & set(RENDERERS), imported & set(RENDERERS)
 
 
 def test_every_analyzers_module_has_a_stage():

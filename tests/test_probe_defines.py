@@ -9,8 +9,7 @@ import subprocess
 from kernel_env import which_or_fail
 from trainbpf.tracer import loader
 from trainbpf.tracer.collector import PROBE_IDS
-from trainbpf.tracer.collectors import cuda as cuda_calls
-from trainbpf.tracer.collectors import nccl as nccl_calls
+from trainbpf.tracer.collectors import cuda as cuda_calls, nccl as nccl_calls
 from trainbpf.tracer.settings import Settings
 
 REQUIRED = re.compile(r'^#ifndef (\w+)\n#error "\1 must be defined by the loader"\n#endif$', re.M)

@@ -1,11 +1,11 @@
 """The renderers present the report's numbers for people (trainbpf/reports/present.py): the HTML
 evidence in units (GB, MB, ms, %) and Python frames drawn as stacks, not JSON dumps; the
 JSON keeps the raw numbers.  The analysis returns numbers only: the GPU idle threshold
-and the stretches it shades are the HTML renderer's; report.py imports no renderer."""
+and the stretches it shades are the HTML renderer's (that the report document imports no
+renderer: tests/test_layers.py)."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import html
 import inspect
@@ -16,15 +16,11 @@ from synth import TRAINER, Synth, input_pipeline
 from test_analyze_findings import trainer_blocked_every
 from test_python_frames import python_pipeline
 from trainbpf.analyzers.job_traces import analyze_traces
-from trainbpf.analyzers.pipeline import Analysis, analyze
-from trainbpf.analyzers.pipeline import trace_ranks
+from trainbpf.analyzers.pipeline import Analysis, analyze, trace_ranks
 from trainbpf.reports.document import Report
 from trainbpf.reports.html import render_html
 from trainbpf.reports.present import duration, evidence_lines, number, pct, size
 from trainbpf.trace.reader import read_trace
-
-PACKAGE = Path(__file__).resolve().parent.parent / "trainbpf"
-
 
 def _evidence(page: str, key: str) -> str:
     """The text of the evidence row `key` of the page's first finding."""
@@ -96,13 +92,3 @@ def test_the_html_renderer_shades_by_its_own_threshold(tmp_path):
     assert "grey: below 5%" in low and "grey: below 60%" in high
     # The input-bound trainer keeps its GPU at 9.5-47.5%: every sample is shaded under 60, none under 5.
     assert high.count('fill="#f1f1f1"') > 0 == low.count('fill="#f1f1f1"')
-
-
-def test_report_imports_no_renderer():
-    """reports/document.py holds numbers, JSON and sentences; the renderers import it, never the reverse."""
-    tree = ast.parse((PACKAGE / "reports" / "document.py").read_text())
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    renderers = {"trainbpf.reports.text", "trainbpf.reports.html", "trainbpf.reports.html_timeline",
-                 "trainbpf.reports.html_job", "trainbpf.reports.render"}
-    assert not imported & renderers, imported & renderers

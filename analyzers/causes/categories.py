@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from trainbpf.analyzers.causes import evidence as ev
-from trainbpf.analyzers.causes import host
+from trainbpf.analyzers.causes import evidence as ev, host
 from trainbpf.analyzers.vocab import HOST_CLASSES, RUN_CLASSES, STATES
 
 

@@ -25,8 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from trainbpf.trace.schema import SCHEMA_ID
-from trainbpf.trace.spool import stored_batch
-from trainbpf.trace.spool import SpoolWriter, finalize, spool_path_for
+from trainbpf.trace.spool import SpoolWriter, finalize, spool_path_for, stored_batch
 
 MS = 1_000_000
 NS = 1_000_000_000

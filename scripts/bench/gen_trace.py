@@ -22,8 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from trainbpf.trace.schema import SCHEMA_ID
-from trainbpf.trace.spool import stored_batch
-from trainbpf.trace.spool import SpoolWriter, finalize, spool_path_for
+from trainbpf.trace.spool import SpoolWriter, finalize, spool_path_for, stored_batch
 
 START_NS = 1_000_000_000_000
 NS = 1_000_000_000
