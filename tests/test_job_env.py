@@ -100,8 +100,10 @@ def _process(env: dict[str, str]) -> subprocess.Popen:
     kernel does that after Popen's exec pipe closes; until then environ reads empty)."""
     proc = subprocess.Popen(["sleep", "30"], env=env)
     # Until the exec the child is a fork of this test (its own arguments and environment):
-    # wait for sleep's own arguments.
+    # wait for sleep's own arguments, then for its environment, whose end the kernel sets
+    # after the arguments' (a read between the two is empty).
     _wait("the exec", lambda: cmdline(proc.pid)[:1] == ["sleep"])
+    _wait("the environment", lambda: Path(f"/proc/{proc.pid}/environ").read_bytes() != b"")
     return proc
 
 
