@@ -12,7 +12,8 @@ sentences.  Every other table of categories is derived from these records.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 import pandas as pd
 
@@ -26,7 +27,10 @@ class Category:
     `s` (its starved seconds); `unmeasured` (numa_remote only) is the summary of a
     finding seen without starved time, formatted with `who` and `gpu_node`; `own_work`
     (input_pipeline only) the summary of one that is mostly the trainer's own host work
-    of this category, formatted with `who`, `s`, `where` (its function) and `workers`."""
+    of this category, formatted with `who`, `s`, `where` (its function) and `workers`.
+    `cases`: what the evidence found for certain, by name -> (summary, recommendation):
+    a finding whose evidence says `case` takes that pair instead of the general one,
+    formatted with `who`, `s` and the evidence's `names` (strings: the culprit's names)."""
 
     name: str
     evidence: ev.Builder
@@ -43,6 +47,7 @@ class Category:
     health_checks: tuple[str, ...] = ()  # `trainbpf health` node checks that point at it
     unmeasured: str | None = None
     own_work: str | None = None
+    cases: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
 
 REGISTRY: tuple[Category, ...] = (

@@ -74,7 +74,7 @@ def findings_section(findings: Any, *, pids: Mapping[int, int], trainers: Mappin
                 str(f.category), f.share, f.seconds, f.threads, f.evidence,
                 own_seconds=_own_seconds(f.evidence, f.seconds))),
             "evidence": plain(f.evidence),
-            "recommendation": BY_NAME[str(f.category)].recommendation,
+            "recommendation": recommendation(str(f.category), f.evidence),
             "launch_gap_s": None if math.isnan(f.launch_gap_s) else _seconds(f.launch_gap_s),
         })
     return sorted(out, key=lambda f: (-f["share"], -f["seconds"]))
@@ -210,11 +210,15 @@ def finding_summary(category: str, share: float, seconds: float, threads: list[d
                     evidence: dict[str, Any], *, own_seconds: float | None = None) -> str:
     """A finding in one sentence, from its category's summary template; a finding without
     starved time (numa_remote placement alone) from the `unmeasured` one; one that is
-    mostly the trainer loading its own data from the `own_work` one.  `own_seconds`: in a
+    mostly the trainer loading its own data from the `own_work` one; one whose evidence
+    found a `case` of the category's from that case's.  `own_seconds`: in a
     job, the time the finding's rank spent (the sentence says that, not the job's sum)."""
     record = BY_NAME[category]
     seconds = seconds if own_seconds is None else own_seconds
     who = _who(threads)
+    case = record.cases.get(evidence.get("case"))
+    if case:
+        return case[0].format(who=who, s=seconds, **evidence.get("names", {})) + f" ({share:.0%} of starved time)"
     if seconds == 0 and record.unmeasured:
         return record.unmeasured.format(who=who, gpu_node=evidence.get("gpu_node"))
     own = evidence.get("trainer_loading")
@@ -228,6 +232,14 @@ def finding_summary(category: str, share: float, seconds: float, threads: list[d
         return text + f" ({share:.0%} of starved time)"
     return record.summary.format(s=seconds, who=who, where=_where(evidence.get("functions"))) + \
         f" ({share:.0%} of starved time)"
+
+
+def recommendation(category: str, evidence: dict[str, Any]) -> str:
+    """What to do: the category's advice for what its evidence found for certain (its
+    `case`, formatted with the evidence's `names`), else the category's general advice."""
+    record = BY_NAME[category]
+    case = record.cases.get(evidence.get("case"))
+    return case[1].format(**evidence.get("names", {})) if case else record.recommendation
 
 
 def _where(functions: list[dict[str, Any]] | None) -> str:
