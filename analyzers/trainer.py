@@ -23,6 +23,7 @@ from trainbpf.analyzers.causes.attribution import (
 from trainbpf.analyzers.causes.chains import followed_waits, is_followed, wait_chains
 from trainbpf.analyzers.causes.evidence import EvidenceContext
 from trainbpf.analyzers.causes.host import HostSplit, host_labels
+from trainbpf.analyzers.causes.io_culprits import IO_KINDS
 from trainbpf.analyzers.causes.numa import gpu_node, memory_placement, thread_placement
 from trainbpf.analyzers.causes.stack_reading import classify_stacks, python_stacks
 from trainbpf.analyzers.findings.ranking import attribute_starved
@@ -48,7 +49,7 @@ from trainbpf.analyzers.timeline.starvation import (
 )
 from trainbpf.analyzers.vocab import codes
 from trainbpf.trace.reader import release_unused_memory
-from trainbpf.trace.schema import KIND_COLUMNS
+from trainbpf.trace.schema import KIND_COLUMNS, MACHINE_WIDE_KINDS
 
 
 def _seen(frames: list[pd.DataFrame]) -> pd.DataFrame:
@@ -79,8 +80,8 @@ OFFCPU_COLUMNS = ("ts_ns", "dur_ns", "tid", "pid", "cpu", "state", "runq_ns", "p
 # The oncpu columns the analyzers read.  Python stack ids (offcpu: states.PYTHON_ID_COLUMNS,
 # oncpu: pystack_id) are read only from a trace that holds Python stacks.
 ONCPU_COLUMNS = ("ts_ns", "tid", "pid", "cpu", "kstack_id", "ustack_id")
-# The kinds whose rows name a thread: every one of them shows when a thread was seen.
-THREAD_KINDS = tuple(kind for kind, columns in KIND_COLUMNS.items() if "tid" in columns)
+# The kinds whose rows name a traced thread: every one of them shows when a thread was seen.
+THREAD_KINDS = tuple(kind for kind, columns in KIND_COLUMNS.items() if "tid" in columns and kind not in MACHINE_WIDE_KINDS)
 # Threads whose CPU use is the input pipeline's own.
 PIPELINE_ROLES = ("trainer", "dataloader", "pin_memory")
 
@@ -222,7 +223,7 @@ def trainer_part(sh: Shared, threads: pd.DataFrame, trainer: int | None, states:
     topology = sh.meta.get("topology") or {}
     ctx = EvidenceContext(
         window=win, threads=threads, slots=sh.slots, trainer_states=states, futex_waits=sh.futex_waits,
-        stacks=sh.stacks, frames={**sh.frames, **{k: sh.trace.view(k) for k in ("faults", "mm_syscall", "preempted_by")}},
+        stacks=sh.stacks, frames={**sh.frames, **{k: sh.trace.view(k) for k in ("faults", "mm_syscall", "preempted_by") + IO_KINDS}},
         churn=sh.churn, placement=sh.placement, memory_nodes=memory_placement(sh.trace.view("numa_maps"), topology),
         gpu_node=gpu_node(topology), pystacks=sh.pystacks, samples=sh.samples,
     )

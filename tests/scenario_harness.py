@@ -65,6 +65,9 @@ class Scenario:
     function: str | None = None  # the function its evidence names first (host work)
     # The GPU sampling it runs under (the host-bound ones: one, to keep the suite short).
     gpu_sources: tuple[str, ...] = ("nvidia-smi", "nvml")
+    variant: tuple[str, ...] = ()  # the workload's own arguments: another case of it
+    # (file name, thread comm) the top finding's culprits name: what made the disk busy.
+    culprit: tuple[str, str] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -72,10 +75,13 @@ class Scenario:
 
     @property
     def id(self) -> str:
-        return self.name if self.step_ms is None else f"{self.name}@{self.step_ms:g}ms"
+        name = self.name + "".join(a.replace("--", "+") for a in self.variant)
+        return name if self.step_ms is None else f"{name}@{self.step_ms:g}ms"
 
 
-# Every workload runs at step scale: GPU steps of 40 ms, an injected stall of about a
+# Each GPU sampling runs every kind of stall; a scenario runs under both where the two
+# sample periods (100 ms, 167 ms) meet its stall differently, under one otherwise (the
+# suite's time).  Every workload runs at step scale: GPU steps of 40 ms, an injected stall of about a
 # step (shorter than one GPU sample), the GPU partly busy in every sample.
 SCENARIOS = (
     # Issue 10's case: half of every 30-60 ms step waiting for the dataloader.
@@ -84,7 +90,7 @@ SCENARIOS = (
     # The slow variant: 150 ms steps, stalls longer than a sample.
     Scenario("decode_threads", ("input_pipeline",), step_ms=150),
     Scenario("decode_processes", ("input_pipeline",)),
-    Scenario("decode_torch", ("input_pipeline",), requires="torch", producer="dataloader"),
+    Scenario("decode_torch", ("input_pipeline",), requires="torch", producer="dataloader", gpu_sources=("nvidia-smi",)),
     # Issue 35: the trainer's own work on the CPU, the GPU idle meanwhile.
     Scenario("inproc_torch", ("input_pipeline",), requires="torch", producer="trainer", function="__getitem__",
              gpu_sources=("nvidia-smi",)),
@@ -92,16 +98,23 @@ SCENARIOS = (
              gpu_sources=("nvml",)),
     Scenario("cpu_optimizer", ("host_compute",), producer="trainer", function="adam_step",
              gpu_sources=("nvidia-smi",)),
-    Scenario("cpu_oversubscribed", ("cpu_contention",)),
+    Scenario("cpu_oversubscribed", ("cpu_contention",), gpu_sources=("nvml",)),
     # A real pthread mutex, not the GIL: gil_contention would be the wrong answer.
-    Scenario("allocator_lock", ("lock_contention",)),
+    Scenario("allocator_lock", ("lock_contention",), gpu_sources=("nvml",)),
     # The GIL, named by its address in _PyRuntime: lock_contention would be the wrong answer.
     Scenario("gil_threads", ("gil_contention",)),
     Scenario("mmap_churn", ("allocator_churn", "page_faults")),
     Scenario("checkpoint_dirty", ("dirty_throttling",), dirty_limits=(2 * MiB, 1 * MiB)),
-    Scenario("reclaim_cgroup", ("memory_reclaim",), memory_limit=256 * MiB),
+    # Issue 29: the loader's O_DIRECT reads queue behind a checkpoint's writeback; the
+    # culprit is the checkpoint and its writer, not the storage.  Then the checkpoint
+    # written with O_DIRECT itself: no writeback, the writer's own requests.
+    Scenario("checkpoint_loader", ("block_io",), dirty_limits=(64 * MiB, 16 * MiB),
+             culprit=("checkpoint.bin", "ckpt_writer"), gpu_sources=("nvidia-smi",)),
+    Scenario("checkpoint_loader", ("block_io",), variant=("--direct-checkpoint",),
+             culprit=("checkpoint.bin", "ckpt_writer"), gpu_sources=("nvml",)),
+    Scenario("reclaim_cgroup", ("memory_reclaim",), memory_limit=256 * MiB, gpu_sources=("nvidia-smi",)),
     Scenario("numa_wrong_node", ("numa_remote",), declares_topology=True),
-    Scenario("demo_trainer", ("input_pipeline",)),
+    Scenario("demo_trainer", ("input_pipeline",), gpu_sources=("nvml",)),
     Scenario("healthy"),
 )
 # The GPU sampling each scenario runs under (the same simulated GPU behind both).
@@ -342,7 +355,7 @@ def run_scenario_recorders(scenario: Scenario, workdir: Path, gpu_source: str,
     record_args = ["--gpu", gpu_source]
     # The spool appears once the probes are compiled and attaching: start the load then.
     go = workdir / "go" if together else spool_path_for(next(iter(traces.values())))
-    workload_args: tuple[str, ...] = ("--hold-until", str(go))
+    workload_args: tuple[str, ...] = ("--hold-until", str(go), *scenario.variant)
     if scenario.step_ms is not None:
         workload_args += ("--step-ms", str(scenario.step_ms))
     if scenario.declares_topology:

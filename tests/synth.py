@@ -185,6 +185,34 @@ class Synth:
     def block_rq(self, tid: int, ts: float, dur: float, *, size: int = 131072, rwbs: str = "R", dev: int = 259 << 20, sector: int = 0) -> None:
         self.add("block_rq", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), size=size, name=rwbs, op=dev, addr=sector)
 
+    # -- disk: per-bucket counts (bucket `dur` seconds from `ts`), devices as "MAJ:MIN" --
+    def disk_io(self, tid: int, ts: float, *, bytes: int, direction: str = "read", comm: str = "python",
+                pid: int | None = None, device: str = "254:0", dur: float = 0.1, requests: int = 1) -> None:
+        self.add("disk_io", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, pid), comm=comm, name=device,
+                 state=direction, size=bytes, count=requests)
+
+    def writeback_inode(self, ts: float, inode: int, bytes: int, *, tid: int = 300, comm: str = "kworker/u8:1",
+                        device: str = "254:0", dur: float = 0.1) -> None:
+        self.add("writeback_inode", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=tid, comm=comm, name=device, addr=inode,
+                 size=bytes)
+
+    def dirtied(self, tid: int, ts: float, inode: int, folios: int, *, comm: str = "python", device: str = "254:0",
+                dur: float = 0.1) -> None:
+        self.add("dirtied", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), comm=comm, name=device,
+                 addr=inode, count=folios)
+
+    def file(self, inode: int, path: str, *, device: str = "254:0", pid: int | None = None) -> None:
+        self.add("file", ts_ns=START_NS, pid=pid if pid is not None else self.meta["target_pid"], state=device,
+                 addr=inode, name=path)
+
+    def block_device(self, device: str, name: str) -> None:
+        self.add("block_device", ts_ns=START_NS, state=device, name=name)
+
+    def write_path(self, tid: int, ts: float, inode: int, path: str, bytes: int, *, device: str = "254:0",
+                   dur: float = 0.1) -> None:
+        self.add("write_path", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), name=device, addr=inode,
+                 state=path, size=bytes, count=1)
+
     def gpu(self, ts: float, util: float, index: int = 0) -> None:
         self.add("gpu", ts_ns=t(ts), op=index, value=float(util), count=1000, size=10, name=f"GPU-{index}")
 

@@ -131,6 +131,8 @@ def test_injected_bottleneck_is_the_top_finding(scenario: Scenario, gpu_source: 
         holders = [c for c in top["culprits"] if c.get("holder")]
         assert holders and all(c["tid"] != meta["target_pid"] for c in holders), top["culprits"]
         assert [c for c in top["culprits"] if c["kind"] == "lock"], top["culprits"]
+    if scenario.culprit:
+        _names_the_culprit(top, scenario, result)
     role, function = _named(top, scenario).split(" ", 1)
     if scenario.producer is not None:
         assert role == scenario.producer, (top["threads"], result.describe())
@@ -182,3 +184,22 @@ def test_memory_cgroup_is_removed_after_a_failure(can_record):
             assert int((path / limit_file).read_text()) == 256 * MiB
             raise RuntimeError("boom")
     assert not path.exists()
+
+
+def _names_the_culprit(top: dict, scenario: Scenario, result) -> None:
+    """A disk finding names the file that filled the disk and the thread that wrote it,
+    and its advice is about that writer (with O_DIRECT already: the device's limit)."""
+    file, comm = scenario.culprit
+    files = [c for c in top["culprits"] if c["kind"] == "file"]
+    direct = "--direct-checkpoint" in scenario.variant
+    writers = [c for c in top["culprits"] if c["kind"] in ("thread", "process") and c["name"] == comm]
+    assert writers, (top["culprits"], result.describe())
+    assert comm in top["recommendation"], (top["recommendation"], result.describe())
+    if direct:
+        assert not files, "O_DIRECT: no writeback culprit"
+        assert top["evidence"]["case"] == "direct_writes", (top["summary"], result.describe())
+        assert file in top["summary"] and "already writes" in top["recommendation"], top
+    else:
+        assert files and files[0]["name"].endswith("/" + file), (top["culprits"], result.describe())
+        assert files[0]["write_paths"] == ["buffered"], top["culprits"]
+        assert top["evidence"]["case"] == "writeback" and "O_DIRECT" in top["recommendation"], top

@@ -150,6 +150,29 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # A block request issued for a traced thread: dur_ns = issue -> completion,
     # size = bytes, name = rwbs, op = device number, addr = sector.
     "block_rq": ("ts_ns", "dur_ns", "tid", "pid", "size", "name", "op", "addr"),
+    # Block requests on every device by every issuer (traced or not, kernel flushers
+    # included), counted in the kernel per (bucket of thresholds.disk_bucket_ns, device,
+    # issuing task, direction): ts_ns = the bucket's start, dur_ns = its length,
+    # tid/pid/comm = the issuing task (in the submitter's context: for buffered
+    # writeback, the flusher), name = the whole disk "MAJ:MIN", state = "read" / "write" /
+    # "other" (flush, discard), size = bytes, count = requests.
+    "disk_io": ("ts_ns", "dur_ns", "tid", "pid", "comm", "name", "state", "size", "count"),
+    # Bytes written back per inode per bucket (every process's files): name = the whole
+    # disk "MAJ:MIN", addr = the inode number, size = bytes, tid/pid/comm = the task that
+    # wrote them back (a flusher, or a thread in fsync/sync).
+    "writeback_inode": ("ts_ns", "dur_ns", "tid", "pid", "comm", "name", "addr", "size"),
+    # Folios dirtied per (bucket, dirtying task, device, inode), every process: name = the
+    # whole disk "MAJ:MIN", addr = the inode number, count = folios.
+    "dirtied": ("ts_ns", "dur_ns", "tid", "pid", "comm", "name", "addr", "count"),
+    # A file a traced process had open or mapped: state = the whole disk "MAJ:MIN" of its
+    # file system, addr = its inode number, name = its path, pid = the process.
+    "file": ("ts_ns", "pid", "state", "addr", "name"),
+    # A block device the trace names: state = "MAJ:MIN", name = its name ("vda").
+    "block_device": ("ts_ns", "state", "name"),
+    # Writes of traced threads per (bucket, thread, device, inode, path): name = the whole
+    # disk "MAJ:MIN", addr = the inode number, state = the write path ("buffered",
+    # "direct": O_DIRECT, "io_uring", "mapped"), size = bytes, count = calls.
+    "write_path": ("ts_ns", "dur_ns", "tid", "pid", "name", "addr", "state", "size", "count"),
     # CUDA launches (cudaLaunchKernel*, cudaLaunchCooperativeKernel, cudaGraphLaunch,
     # cuLaunchKernel*, cuGraphLaunch and their _ptsz/_ptds/_v2 aliases) counted in the
     # kernel per (tid, bucket of thresholds.cuda_bucket_ns, layer, nesting):
@@ -209,6 +232,8 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
 }
 
 KINDS = tuple(KIND_COLUMNS)
+# Kinds whose tid/pid may be any task on the machine, traced or not (what filled a disk).
+MACHINE_WIDE_KINDS = ("disk_io", "writeback_inode", "dirtied")
 
 # What the shared storage columns mean in each kind, by their meaningful names: the one
 # name of each field, from the probe's C struct through the collectors (spool.make_batch
@@ -228,6 +253,12 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "numa_migrate": {"count": "pages_migrated", "size": "pages_failed", "op": "reason"},
     "dirty_pause": {"count": "dirty_pages", "size": "limit_pages", "name": "device"},
     "block_rq": {"size": "bytes", "name": "rwbs", "op": "dev", "addr": "sector"},
+    "disk_io": {"name": "device", "state": "direction", "size": "bytes", "count": "requests"},
+    "writeback_inode": {"name": "device", "addr": "inode", "size": "bytes"},
+    "dirtied": {"name": "device", "addr": "inode", "count": "folios"},
+    "file": {"state": "device", "addr": "inode", "name": "path"},
+    "block_device": {"state": "device"},
+    "write_path": {"name": "device", "addr": "inode", "state": "path", "size": "bytes", "count": "calls"},
     "cuda_launch": {"name": "layer", "op": "nested", "count": "launches"},
     "cuda_call": {"op": "nested", "size": "bytes", "count": "ret"},
     "collective": {"op": "seq", "addr": "comm", "size": "elements", "count": "ret"},

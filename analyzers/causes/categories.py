@@ -50,6 +50,13 @@ class Category:
     cases: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
 
+# Another writer's page cache fills the disk: the advice is about that writer, not the storage.
+_WRITEBACK_ADVICE = (
+    "The disk is busy with the writeback of {file}, which {writer_name} writes through the page cache: change that "
+    "writer, not the storage. Write it with O_DIRECT or io_uring, rate-limit it (io.max or io.weight on its cgroup, "
+    "ionice), flush it in small steps (sync_file_range) instead of letting writeback come in bursts, or put it on "
+    "another device or in object storage.")
+
 REGISTRY: tuple[Category, ...] = (
     Category(
         "input_pipeline", host.input_pipeline, "The trainer waited {s:.2f} s for data that {who} was still producing",
@@ -106,12 +113,29 @@ REGISTRY: tuple[Category, ...] = (
         "Writers are throttled for dirty pages (balance_dirty_pages): write checkpoints with O_DIRECT or "
         "io_uring, lower or tune vm.dirty_bytes/dirty_background_bytes, put the writer in its own cgroup/io "
         "class, or stream checkpoints to object storage.",
-        "#e8702a", states=("dirty_throttling",), run_class="dirty_throttling", health_checks=("dirty_throttle_ratio",)),
+        "#e8702a", states=("dirty_throttling",), run_class="dirty_throttling", health_checks=("dirty_throttle_ratio",),
+        cases={"writeback": (
+            "{who} was throttled {s:.2f} s writing dirty pages on {device}: {writer} dirtied {written} of "
+            "{file} meanwhile", _WRITEBACK_ADVICE)}),
     Category(
         "block_io", ev.block_io, "{who} waited {s:.2f} s for block I/O",
         "Threads wait for block I/O: use faster storage or a local cache, prefetch and read ahead, and warm the "
         "page cache before training.",
-        "#2f6db5", states=("block_io",), run_class="block_io", health_checks=("io_pressure_ratio",)),
+        "#2f6db5", states=("block_io",), run_class="block_io", health_checks=("io_pressure_ratio",),
+        cases={
+            "writeback": (
+                "{who} waited {s:.2f} s for I/O on {device} behind {written} of writeback of {file}, "
+                "dirtied by {writer}", _WRITEBACK_ADVICE),
+            "direct_writes": (
+                "{who} waited {s:.2f} s for I/O on {device} behind {issued} of O_DIRECT writes to {file} by {issuer}",
+                "{issuer_name} already writes {file} with O_DIRECT, so the device's bandwidth is the limit: rate-limit "
+                "that writer (io.max or io.weight on its cgroup, ionice), write while the loader is idle, or move it to "
+                "another device or to object storage."),
+            "other_io": (
+                "{who} waited {s:.2f} s for I/O on {device} behind {issued} of I/O by {issuer}",
+                "{issuer_name} keeps {device} busy while the training data waits on it: limit it (io.max or io.weight "
+                "on its cgroup, ionice -c3), run it elsewhere, or give the dataset its own device."),
+        }),
     Category(
         "numa_remote", ev.numa_remote, "{who} produced data on a NUMA node other than the GPU's, costing {s:.2f} s",
         "Data-loading threads run on a NUMA node other than the GPU's: bind them and their memory to the GPU's "

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.causes.attribution import address_names
+from trainbpf.analyzers.causes.io_culprits import io_culprits
 from trainbpf.analyzers.causes.numa import REMOTE_MIN_FRACTION
 from trainbpf.analyzers.causes.stack_reading import (
     PYTHON_STACK_COLUMNS,
@@ -328,18 +329,18 @@ def mmap_lock(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> d
 
 
 def dirty_throttling(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
-    return _interval_rows("dirty_pause", lambda r: {
+    return {**_interval_rows("dirty_pause", lambda r: {
         "dirty_pages_max": int(as_int64(r["dirty_pages"], 0).max()),
         "dirty_limit_pages": int(as_int64(r["limit_pages"], 0).max()),
         "devices": sorted({str(d) for d in r["device"].dropna()}),
-    })(ctx, pieces, roots)
+    })(ctx, pieces, roots), **io_culprits(ctx, pieces, roots, dirtying=True)}
 
 
 def block_io(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
-    return _interval_rows("block_rq", lambda r: {
+    return {**_interval_rows("block_rq", lambda r: {
         "bytes": int(as_int64(r["bytes"], 0).sum()),
         "ops": {str(k): int(v) for k, v in r["rwbs"].astype(str).value_counts().items()},
-    })(ctx, pieces, roots)
+    })(ctx, pieces, roots), **io_culprits(ctx, pieces, roots)}
 
 
 def numa_remote(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:

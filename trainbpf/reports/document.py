@@ -19,9 +19,12 @@ from trainbpf.analyzers.pipeline import Analysis
 from trainbpf.analyzers.threads.states import state_seconds
 from trainbpf.analyzers.vocab import ROLES
 from trainbpf.reports.job import job_summary, rank_culprits, ranks_section, straggler_section
+from trainbpf.reports.present import size
 from trainbpf.reports.python_frames import frame_label
 
 REPORT_SCHEMA = "trainbpf.report/3"
+# Other tasks' I/O named as a disk finding's culprit from this share of the device's bytes.
+MIN_ISSUER_SHARE = 0.05
 _ROLE_ORDER = {role: i for i, role in enumerate(ROLES)}
 
 
@@ -173,7 +176,33 @@ def culprits(category: str, threads: list[dict[str, Any]], evidence: dict[str, A
             row["function"] = _function_label(own["functions"][0])
             row.setdefault("seconds", _seconds(sum(f["seconds"] for f in own["functions"])))
         out.append(row)
-    return out + _preempting(evidence) + _lock_culprits(evidence, pids) + rank_culprits(evidence)
+    return out + _preempting(evidence) + _lock_culprits(evidence, pids) + _io_culprits(evidence) + rank_culprits(evidence)
+
+
+def _io_culprits(evidence: dict[str, Any]) -> list[dict[str, Any]]:
+    """A disk finding's device, the files written back (or dirtied) during its waits
+    and who dirtied them, and the other tasks whose requests filled the device (its
+    evidence's `io`, analyzers/causes/io_culprits.py)."""
+    io = evidence.get("io")
+    if not io:
+        return []
+    out: list[dict[str, Any]] = [{"kind": "device", "name": d["name"], "device": d["device"],
+                                  "bytes": int(io["bytes"])} for d in io["devices"][:1]]
+    named: set[int] = set()
+    for f in io["files"]:
+        out.append({"kind": "file", "name": f["path"] or f"inode {f['inode']} on {f['device']}", "device": f["device"],
+                    "inode": f["inode"], "bytes": int(f["bytes"]), "write_paths": sorted(f["write_paths"])})
+        for w in f["dirtiers"][:1]:
+            if w["tid"] not in named:
+                named.add(w["tid"])
+                out.append({"kind": "thread", "name": w["comm"], "tid": w["tid"], "pid": w["pid"],
+                            "folios": int(w["folios"]), "function": w["function"]})
+    for i in io["issuers"]:
+        if not i["victim"] and not i["flusher"] and i["tid"] not in named and i["bytes"] >= MIN_ISSUER_SHARE * io["bytes"]:
+            named.add(i["tid"])
+            out.append({"kind": "process" if i["tid"] == i["pid"] else "thread", "name": i["comm"], "tid": i["tid"],
+                        "pid": i["pid"], "bytes": int(i["bytes"]), "direction": i["direction"]})
+    return out
 
 
 def _preempting(evidence: dict[str, Any]) -> list[dict[str, Any]]:
@@ -218,7 +247,7 @@ def finding_summary(category: str, share: float, seconds: float, threads: list[d
     who = _who(threads)
     case = record.cases.get(evidence.get("case"))
     if case:
-        return case[0].format(who=who, s=seconds, **evidence.get("names", {})) + f" ({share:.0%} of starved time)"
+        return case[0].format(who=who, s=seconds, **_case_names(evidence)) + f" ({share:.0%} of starved time)"
     if seconds == 0 and record.unmeasured:
         return record.unmeasured.format(who=who, gpu_node=evidence.get("gpu_node"))
     own = evidence.get("trainer_loading")
@@ -239,7 +268,14 @@ def recommendation(category: str, evidence: dict[str, Any]) -> str:
     `case`, formatted with the evidence's `names`), else the category's general advice."""
     record = BY_NAME[category]
     case = record.cases.get(evidence.get("case"))
-    return case[1].format(**evidence.get("names", {})) if case else record.recommendation
+    return case[1].format(**_case_names(evidence)) if case else record.recommendation
+
+
+def _case_names(evidence: dict[str, Any]) -> dict[str, Any]:
+    """The evidence's `names` for a case's sentences; a `<name>_bytes` number also as
+    `<name>`, in units ("1.05 GB")."""
+    names = dict(evidence.get("names", {}))
+    return {**names, **{k[:-len("_bytes")]: size(v) for k, v in names.items() if k.endswith("_bytes")}}
 
 
 def _where(functions: list[dict[str, Any]] | None) -> str:

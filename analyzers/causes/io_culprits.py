@@ -1,0 +1,227 @@
+"""What made the disk busy while a finding's threads waited on it (docs/findings.md,
+"Disk culprits"): the device, every issuer's bytes on it during the waits (the recorder
+counts every block request in the kernel: `disk_io` rows), the files whose writeback
+filled it (`writeback_inode`), the threads that dirtied them (`dirtied`) and the path
+each file is written by (`write_path`).
+
+The waits are the finding's starved pieces: the trainer's time, during which the thread
+at the end of its chain waited for the disk.  A row counted per bucket is weighted by
+the part of its bucket that lies inside those waits.  From the shares the evidence
+takes a `case` (analyzers/causes/categories.py): the victim's own I/O alone on the disk
+(no case: the storage is the limit), another writer's writeback, another thread's
+O_DIRECT writes, or another process's I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+import pandas as pd
+
+from trainbpf.analyzers.causes.stack_reading import python_frame, stack_frames
+from trainbpf.analyzers.intervals import as_int64, intersect, merge_intervals
+
+# The kinds it reads beside the victims' block_rq and dirty_pause rows.
+IO_KINDS = ("disk_io", "writeback_inode", "dirtied", "file", "block_device", "write_path")
+# Others' bytes below this share of the device's during the waits: the victims' own I/O
+# is the load.  Reads are served before writes, so a writer with a quarter of the bytes
+# already lengthens every read.
+OTHERS_MIN_SHARE = 0.25
+# Files and threads named at most.
+MAX_NAMED = 5
+
+
+def device_id(dev: int) -> str:
+    """A kernel dev_t (major << 20 | minor, as block tracepoints give it) as "MAJ:MIN"."""
+    return f"{int(dev) >> 20}:{int(dev) & 0xFFFFF}"
+
+
+def _frame(frames: Mapping[str, pd.DataFrame], kind: str) -> pd.DataFrame:
+    frame = frames.get(kind)
+    return frame if frame is not None else pd.DataFrame()
+
+
+def _inside(frame: pd.DataFrame, ws: np.ndarray, we: np.ndarray) -> np.ndarray:
+    """Per row of a bucketed `frame` (ts_ns, dur_ns), the share of its bucket inside the
+    disjoint sorted windows (ws, we)."""
+    if not len(frame):
+        return np.zeros(0)
+    start = as_int64(frame["ts_ns"], 0)
+    end = start + np.maximum(as_int64(frame["dur_ns"], 0), 1)
+    row, _, s, e = intersect(start, end, ws, we)
+    inside = np.bincount(row, weights=(e - s).astype(np.float64), minlength=len(frame))
+    return inside / (end - start)
+
+
+def _waited_devices(frames: Mapping[str, pd.DataFrame], roots: list[int], ws: np.ndarray, we: np.ndarray) -> list[str]:
+    """The devices the victims' own requests and dirty pauses went to during the waits,
+    most first."""
+    per: dict[str, float] = {}
+    rq = _frame(frames, "block_rq")
+    if len(rq):
+        rq = rq[np.isin(as_int64(rq["tid"]), roots)]
+        w = _inside(rq.assign(dur_ns=np.maximum(as_int64(rq["dur_ns"], 0), 1)), ws, we) * as_int64(rq["bytes"], 0)
+        for dev, b in pd.Series(w).groupby(as_int64(rq["dev"], 0)).sum().items():
+            per[device_id(dev)] = per.get(device_id(dev), 0.0) + float(b) + 1.0
+    pauses = _frame(frames, "dirty_pause")
+    if len(pauses):
+        pauses = pauses[np.isin(as_int64(pauses["tid"]), roots)]
+        for dev, n in pauses["device"].dropna().astype(str).value_counts().items():
+            per[dev] = per.get(dev, 0.0) + float(n)
+    return [d for d, _ in sorted(per.items(), key=lambda kv: -kv[1])]
+
+
+def _python_function(ctx: Any, tid: int) -> str | None:
+    """A thread's most sampled Python frame, "file.py:25 function"; None without one."""
+    s = ctx.samples
+    if s is None or "pystack_id" not in s or not len(ctx.pystacks):
+        return None
+    ids = s["pystack_id"].to_numpy(np.int64)[(s["tid"].to_numpy(np.int64) == tid)]
+    ids = ids[ids >= 0]
+    if not len(ids):
+        return None
+    frames = stack_frames(ctx.pystacks, int(pd.Series(ids).value_counts().idxmax()))
+    if not frames:
+        return None
+    f = python_frame(frames[0])
+    return f"{str(f['file']).rsplit('/', 1)[-1]}:{f['line']} {f['function']}" if f["file"] else str(f["function"])
+
+
+def io_culprits(ctx: Any, pieces: pd.DataFrame, roots: list[int], *, dirtying: bool = False) -> dict[str, Any]:
+    """The `io` evidence of a finding whose `pieces` (findings.ATTRIBUTED_COLUMNS) ended
+    in disk waits of threads `roots`, with its `case` and `names` where it found a
+    culprit; {} when the trace has no per-device counts (an older recorder).  `dirtying`
+    (dirty throttling): files are ranked by the folios others dirtied during the waits,
+    not by the bytes written back."""
+    frames = ctx.frames
+    disk = _frame(frames, "disk_io")
+    if not len(disk) or not len(pieces):
+        return {}
+    ws, we = merge_intervals(pieces["start_ns"].to_numpy(np.int64), pieces["end_ns"].to_numpy(np.int64))
+    roots = [int(r) for r in roots]
+    waited = _waited_devices(frames, roots, ws, we)
+    weight = _inside(disk, ws, we)
+    on = disk.assign(weighted=weight * as_int64(disk["bytes"], 0))
+    on = on[on["weighted"] > 0]
+    if not len(on):
+        return {}
+    devices = waited or [str(on.groupby("device")["weighted"].sum().idxmax())]
+    on = on[on["device"].astype(str).isin(devices)]
+    names = _device_names(frames)
+    issuers = _issuers(on, roots)
+    total = float(issuers["bytes"].sum()) if len(issuers) else 0.0
+    victim = float(issuers.loc[issuers["victim"], "bytes"].sum()) if len(issuers) else 0.0
+    files = _files(ctx, devices, ws, we, roots, dirtying=dirtying)
+    out = {
+        "devices": [{"device": d, "name": names.get(d, d)} for d in devices],
+        "bytes": total, "victim_bytes": victim,
+        "issuers": issuers.head(MAX_NAMED).to_dict("records"),
+        "files": files,
+    }
+    case = _case({**out, "paths": _paths(frames)}, names.get(devices[0], devices[0]), _frame(frames, "write_path"))
+    return {"io": out, **case}
+
+
+def _device_names(frames: Mapping[str, pd.DataFrame]) -> dict[str, str]:
+    bd = _frame(frames, "block_device")
+    return dict(zip(bd["device"].astype(str), bd["name"].astype(str))) if len(bd) else {}
+
+
+def _issuers(on: pd.DataFrame, roots: list[int]) -> pd.DataFrame:
+    """Bytes and requests per (issuing task, direction) during the waits, most first."""
+    keys = ["tid", "pid", "comm", "direction"]
+    g = on.assign(tid=as_int64(on["tid"]), pid=as_int64(on["pid"]), comm=on["comm"].fillna("").astype(str),
+                  direction=on["direction"].fillna("other").astype(str))
+    per = g.groupby(keys, sort=False)["weighted"].sum().rename("bytes").reset_index()
+    per["victim"] = per["tid"].isin(roots)
+    per["flusher"] = per["comm"].str.startswith("kworker")
+    return per.sort_values("bytes", ascending=False, kind="stable").reset_index(drop=True)
+
+
+def _files(ctx: Any, devices: list[str], ws: np.ndarray, we: np.ndarray, roots: list[int], *,
+           dirtying: bool) -> list[dict[str, Any]]:
+    """The files on `devices` written back (or, `dirtying`, dirtied by others) during
+    the waits, most bytes first, each with its path, write paths and dirtiers."""
+    frames = ctx.frames
+    rows = _frame(frames, "dirtied" if dirtying else "writeback_inode")
+    if not len(rows):
+        return []
+    rows = rows[rows["device"].astype(str).isin(devices)]
+    if dirtying:
+        rows = rows[~np.isin(as_int64(rows["tid"]), roots)]
+    amount = as_int64(rows["folios"], 0) * 4096 if dirtying else as_int64(rows["bytes"], 0)
+    w = pd.Series(_inside(rows, ws, we) * amount, index=rows.index)
+    per = w.groupby([rows["device"].astype(str), as_int64(rows["inode"], 0)]).sum()
+    per = per[per > 0].sort_values(ascending=False).head(MAX_NAMED)
+    paths = _paths(frames)
+    dirtied, write_path = _frame(frames, "dirtied"), _frame(frames, "write_path")
+    out = []
+    for (device, inode), b in per.items():
+        out.append({"device": device, "inode": int(inode), "path": paths.get((device, int(inode))),
+                    "bytes": float(b), "write_paths": _write_paths(write_path, device, int(inode)),
+                    "dirtiers": _dirtiers(ctx, dirtied, device, int(inode))})
+    return out
+
+
+def _paths(frames: Mapping[str, pd.DataFrame]) -> dict[tuple[str, int], str]:
+    f = _frame(frames, "file")
+    if not len(f):
+        return {}
+    return dict(zip(zip(f["device"].astype(str), as_int64(f["inode"], 0).tolist()), f["path"].astype(str)))
+
+
+def _of_inode(rows: pd.DataFrame, device: str, inode: int) -> pd.DataFrame:
+    if not len(rows):
+        return rows
+    return rows[(rows["device"].astype(str) == device) & (as_int64(rows["inode"], 0) == inode)]
+
+
+def _write_paths(write_path: pd.DataFrame, device: str, inode: int) -> dict[str, float]:
+    rows = _of_inode(write_path, device, inode)
+    return {str(k): float(v) for k, v in rows.groupby(rows["path"].astype(str))["bytes"].sum().items()} if len(rows) else {}
+
+
+def _dirtiers(ctx: Any, dirtied: pd.DataFrame, device: str, inode: int) -> list[dict[str, Any]]:
+    rows = _of_inode(dirtied, device, inode)
+    if not len(rows):
+        return []
+    per = rows.groupby([as_int64(rows["tid"]), as_int64(rows["pid"]), rows["comm"].fillna("").astype(str)])["folios"].sum()
+    return [{"tid": int(t), "pid": int(p), "comm": c, "folios": int(n), "function": _python_function(ctx, int(t))}
+            for (t, p, c), n in per.sort_values(ascending=False).head(MAX_NAMED).items()]
+
+
+def _who(tid: int, comm: str, function: str | None = None) -> str:
+    return f"{comm or '?'} ({tid})" + (f" at {function}" if function else "")
+
+
+def _case(io: dict[str, Any], device: str, write_path: pd.DataFrame) -> dict[str, Any]:
+    """The evidence's `case` and `names` (analyzers/causes/categories.py cases of block_io
+    and dirty_throttling): who besides the victims filled `device`."""
+    total, files = io["bytes"], io["files"]
+    others = [i for i in io["issuers"] if not i["victim"]]
+    other_bytes = total - io["victim_bytes"]
+    if total <= 0 or other_bytes < OTHERS_MIN_SHARE * total:
+        return {}  # the victims' own I/O is the load: the storage is the limit
+    flushed = sum(i["bytes"] for i in others if i["flusher"])
+    if files and (flushed >= 0.5 * other_bytes or files[0]["bytes"] >= 0.5 * other_bytes):
+        top = files[0]
+        writer = top["dirtiers"][0] if top["dirtiers"] else None
+        return {"case": "writeback", "names": {
+            "device": device, "file": top["path"] or f"inode {top['inode']} on {device}",
+            "written_bytes": top["bytes"],
+            "writer": _who(writer["tid"], writer["comm"], writer["function"]) if writer else "a writer before the recording",
+            "writer_name": writer["comm"] if writer else "the file's writer"}}
+    if not others:
+        return {}
+    top = others[0]
+    names = {"device": device, "issuer": _who(top["tid"], top["comm"]), "issuer_name": top["comm"] or "?",
+             "issued_bytes": sum(i["bytes"] for i in others if i["tid"] == top["tid"])}
+    direct = write_path[(as_int64(write_path["tid"]) == top["tid"]) & (write_path["path"].astype(str) == "direct")] \
+        if len(write_path) else write_path
+    if top["direction"] == "write" and len(direct):
+        dev, inode = pd.Series(as_int64(direct["bytes"], 0), index=direct.index).groupby(
+            [direct["device"].astype(str), as_int64(direct["inode"], 0)]).sum().idxmax()
+        names["file"] = io["paths"].get((dev, int(inode))) or f"inode {inode} on {device}"
+        return {"case": "direct_writes", "names": names}
+    return {"case": "other_io", "names": names}
