@@ -65,6 +65,7 @@ class Scenario:
     function: str | None = None  # the function its evidence names first (host work)
     # The GPU sampling it runs under (the host-bound ones: one, to keep the suite short).
     gpu_sources: tuple[str, ...] = ("nvidia-smi", "nvml")
+    record_seconds: float = RECORD_SECONDS  # a scenario tested on its own may record less
 
     @property
     def healthy(self) -> bool:
@@ -362,7 +363,7 @@ def run_scenario_recorders(scenario: Scenario, workdir: Path, gpu_source: str,
         neighbours.start()
         procs = {name: _start_recorder(cli, pythonpath, env, [
             "record", "--pid", str(workload.pid), "-o", str(traces[name]), *record_args,
-            *([] if together else ["--duration", str(RECORD_SECONDS)])]) for name, pythonpath in recorders.items()}
+            *([] if together else ["--duration", f"{scenario.record_seconds:g}"])]) for name, pythonpath in recorders.items()}
         go_ns = _record_together(procs, traces, go) if together else 0
         recorded = {name: _finished(p) for name, p in procs.items()}
         neighbour_cores = neighbours.stop()
