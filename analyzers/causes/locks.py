@@ -54,7 +54,8 @@ def lock_identity(address: str, address_name: str, user_stack: str, holders: lis
         lock = f"Python lock taken at {_taken_at(python)}" if python else "Python lock (no Python frame recorded)"
         return {"lock": {"kind": "python_lock", "name": lock}, "case": "python_lock",
                 "names": {"lock": lock, "holders": named_holders}}
-    lock = f"lock at {address} in {address_name}" if address_name else f"lock at {address}"
+    lock = f"lock at {address}" if address else "lock (no futex wait recorded)"
+    lock += f" in {address_name}" if address_name else ""
     return {"lock": {"kind": "mapping", "name": lock}}
 
 
