@@ -16,7 +16,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import secrets
 import selectors
 import signal
 import subprocess
@@ -25,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from scenario_machine import NeighbourMeter, lowered_dirty_limits, wait_for_quiet
+from scenario_machine import MemoryCgroup, NeighbourMeter, ScenarioError, lowered_dirty_limits, memory_cgroup, wait_for_quiet
 from trainbpf.trace.spool import spool_path_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,6 +67,7 @@ class Scenario:
     variant: tuple[str, ...] = ()  # the workload's own arguments: another case of it
     # (file name, thread comm) the top finding's culprits name: what made the disk busy.
     culprit: tuple[str, str] | None = None
+    record_seconds: float = RECORD_SECONDS  # a scenario tested on its own may record less
 
     @property
     def healthy(self) -> bool:
@@ -119,10 +119,6 @@ SCENARIOS = (
 )
 # The GPU sampling each scenario runs under (the same simulated GPU behind both).
 GPU_SOURCES = ("nvidia-smi", "nvml")
-
-
-class ScenarioError(RuntimeError):
-    """The scenario could not be run to a report (as opposed to a wrong answer)."""
 
 
 @dataclass
@@ -195,85 +191,6 @@ def build_fake_nvml(out_dir: Path) -> Path:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.build(out_dir)
-
-
-# --- machine settings a scenario bends, always restored -------------------------------
-
-
-@dataclass
-class MemoryCgroup:
-    path: Path
-    parent: Path  # where left-over processes go before the cgroup is removed
-    version: int
-
-    def add_self(self) -> None:
-        """Move the calling process in (used between fork and exec)."""
-        (self.path / "cgroup.procs").write_text(str(os.getpid()))
-
-    def remove(self) -> None:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                for pid in (self.path / "cgroup.procs").read_text().split():
-                    with contextlib.suppress(OSError):
-                        (self.parent / "cgroup.procs").write_text(pid)
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                # EBUSY while exiting tasks are still charged to it: retry briefly.
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-
-
-def _memory_cgroup_location() -> tuple[Path, int]:
-    """(this process's memory cgroup folder, cgroup version) from /proc/self."""
-    v1_path = v2_path = None
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            v1_path = path
-        elif controllers == "":
-            v2_path = path
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        root, mount_point = fields[3], fields[4]
-        after = fields[fields.index("-") + 1:]
-        fstype, super_options = after[0], after[2].split(",")
-        if v1_path is not None and fstype == "cgroup" and "memory" in super_options:
-            return Path(mount_point) / os.path.relpath(v1_path, root), 1
-        if v1_path is None and v2_path is not None and fstype == "cgroup2":
-            return Path(mount_point), 2
-    raise ScenarioError("no memory cgroup controller is mounted")
-
-
-@contextlib.contextmanager
-def memory_cgroup(limit_bytes: int):
-    """A fresh memory cgroup limited to `limit_bytes`, removed afterwards.
-
-    cgroup v1 (the memory controller on its own hierarchy): a child of this process's
-    memory cgroup, so the limits above still count.  cgroup v2: a child of the root (a
-    v2 cgroup holding processes cannot delegate controllers to children)."""
-    base, version = _memory_cgroup_location()
-    name = f"trainbpf-test-{os.getpid()}-{secrets.token_hex(3)}"
-    if version == 2:
-        control = base / "cgroup.subtree_control"
-        if "memory" not in control.read_text().split():
-            raise ScenarioError(f"the memory controller is not enabled in {control}")
-    cgroup = MemoryCgroup(base / name, base, version)
-    cgroup.path.mkdir()
-    try:
-        if version == 1:
-            (cgroup.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
-        else:
-            (cgroup.path / "memory.max").write_text(str(limit_bytes))
-            with contextlib.suppress(FileNotFoundError):
-                (cgroup.path / "memory.swap.max").write_text("0")
-        yield cgroup
-    finally:
-        cgroup.remove()
 
 
 # --- one run ---------------------------------------------------------------------------
@@ -375,7 +292,7 @@ def run_scenario_recorders(scenario: Scenario, workdir: Path, gpu_source: str,
         neighbours.start()
         procs = {name: _start_recorder(cli, pythonpath, env, [
             "record", "--pid", str(workload.pid), "-o", str(traces[name]), *record_args,
-            *([] if together else ["--duration", str(RECORD_SECONDS)])]) for name, pythonpath in recorders.items()}
+            *([] if together else ["--duration", f"{scenario.record_seconds:g}"])]) for name, pythonpath in recorders.items()}
         go_ns = _record_together(procs, traces, go) if together else 0
         recorded = {name: _finished(p) for name, p in procs.items()}
         neighbour_cores = neighbours.stop()

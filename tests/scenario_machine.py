@@ -1,5 +1,5 @@
 """The machine around a scenario run (tests/scenario_harness.py): the dirty-page limits a
-run lowers (always restored), how busy its cores are, a wait for it to quieten down
+run lowers and the memory cgroup it runs in (always restored or removed), how busy its cores are, a wait for it to quieten down
 before a run, and the CPU time its neighbours (everything but the workload and the
 recorder) used during one."""
 
@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 VM_SYSCTL = Path("/proc/sys/vm")
+
+
+class ScenarioError(RuntimeError):
+    """The scenario could not be run to a report (as opposed to a wrong answer)."""
 
 
 @contextlib.contextmanager
@@ -108,3 +114,79 @@ def wait_for_quiet(limit_cores: float = QUIET_BELOW_CORES, timeout: float = QUIE
         load = busy_cores()
         if load < limit_cores or time.monotonic() > deadline:
             return load
+
+
+@dataclass
+class MemoryCgroup:
+    path: Path
+    parent: Path  # where left-over processes go before the cgroup is removed
+    version: int
+
+    def add_self(self) -> None:
+        """Move the calling process in (used between fork and exec)."""
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def remove(self) -> None:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                for pid in (self.path / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(OSError):
+                        (self.parent / "cgroup.procs").write_text(pid)
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                # EBUSY while exiting tasks are still charged to it: retry briefly.
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
+def _memory_cgroup_location() -> tuple[Path, int]:
+    """(this process's memory cgroup folder, cgroup version) from /proc/self."""
+    v1_path = v2_path = None
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            v1_path = path
+        elif controllers == "":
+            v2_path = path
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        root, mount_point = fields[3], fields[4]
+        after = fields[fields.index("-") + 1:]
+        fstype, super_options = after[0], after[2].split(",")
+        if v1_path is not None and fstype == "cgroup" and "memory" in super_options:
+            return Path(mount_point) / os.path.relpath(v1_path, root), 1
+        if v1_path is None and v2_path is not None and fstype == "cgroup2":
+            return Path(mount_point), 2
+    raise ScenarioError("no memory cgroup controller is mounted")
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_bytes: int):
+    """A fresh memory cgroup limited to `limit_bytes`, removed afterwards.
+
+    cgroup v1 (the memory controller on its own hierarchy): a child of this process's
+    memory cgroup, so the limits above still count.  cgroup v2: a child of the root (a
+    v2 cgroup holding processes cannot delegate controllers to children)."""
+    base, version = _memory_cgroup_location()
+    name = f"trainbpf-test-{os.getpid()}-{secrets.token_hex(3)}"
+    if version == 2:
+        control = base / "cgroup.subtree_control"
+        if "memory" not in control.read_text().split():
+            raise ScenarioError(f"the memory controller is not enabled in {control}")
+    cgroup = MemoryCgroup(base / name, base, version)
+    cgroup.path.mkdir()
+    try:
+        if version == 1:
+            (cgroup.path / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        else:
+            (cgroup.path / "memory.max").write_text(str(limit_bytes))
+            with contextlib.suppress(FileNotFoundError):
+                (cgroup.path / "memory.swap.max").write_text("0")
+        yield cgroup
+    finally:
+        cgroup.remove()

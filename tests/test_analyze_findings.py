@@ -88,9 +88,11 @@ def test_cpu_contention(tmp_path):
 LOCK_ADDR = 0x5555_0000_AA00
 
 
-def round_robin_lock(ustack=None, tids=(TRAINER, 101, 102), slot: float = 0.1) -> Synth:
+def round_robin_lock(ustack=None, tids=(TRAINER, 101, 102), slot: float = 0.1, pystacks=None) -> Synth:
     """Python threads take one mutex in turn for `slot` seconds each; while one holds it
-    the others wait on its futex, and each is woken by the previous holder's unlock."""
+    the others wait on its futex, and each is woken by the previous holder's unlock.
+    `pystacks`: tid -> that thread's Python stack (at its waits and at its wake-ups)."""
+    py = pystacks or {}
     s = Synth()
     for tid in tids:
         s.thread(tid, "python")
@@ -101,8 +103,9 @@ def round_robin_lock(ustack=None, tids=(TRAINER, 101, 102), slot: float = 0.1) -
         # The holder's next wait: from the end of its slot to the start of its next one.
         wait_start, wait_end = (k + 1) * slot, (k + n) * slot
         waker = tids[(k + n - 1) % n]  # held the slot just before `holder`'s next turn
-        s.offcpu(holder, wait_start, wait_end - wait_start, waker=waker, kstack=FUTEX_STACK, runq=0.0002)
-        s.futex(holder, wait_start, wait_end - wait_start - 0.0002, addr=LOCK_ADDR, ustack=ustack)
+        s.offcpu(holder, wait_start, wait_end - wait_start, waker=waker, kstack=FUTEX_STACK, runq=0.0002,
+                 pystack=py.get(holder), waker_pystack=py.get(waker))
+        s.futex(holder, wait_start, wait_end - wait_start - 0.0002, addr=LOCK_ADDR, ustack=ustack, pystack=py.get(holder))
         k += 1
     s.gpu_from_running(TRAINER)
     return s

@@ -22,11 +22,10 @@ from scenario_harness import (
     REPORT_SCHEMA,
     SCENARIOS,
     Scenario,
-    memory_cgroup,
     run_scenario,
     trainbpf_cli,
 )
-from scenario_machine import VM_SYSCTL, lowered_dirty_limits
+from scenario_machine import VM_SYSCTL, lowered_dirty_limits, memory_cgroup
 
 MiB = 1 << 20
 # A 6 s recording: nvidia-smi samples every 100 ms, NVML's driver every 167 ms.

@@ -77,7 +77,20 @@ REGISTRY: tuple[Category, ...] = (
         "Threads queue on a shared lock: reduce sharing (per-thread queues and buffers); if the lock is the "
         "allocator's (malloc/arena frames in the stack) use a thread-caching allocator (tcmalloc or jemalloc via "
         "LD_PRELOAD) or tune MALLOC_ARENA_MAX; or run fewer threads.",
-        "#8e6bd1", futex_class="lock"),
+        "#8e6bd1", futex_class="lock", cases={
+            "malloc_arena": (
+                "{who} waited {s:.2f} s for glibc's malloc arena lock ({lock}), held by {holders}",
+                "Every malloc and free queues on one glibc arena lock ({lock}): "
+                "preload a thread-caching allocator (LD_PRELOAD=libjemalloc.so.2 or libtcmalloc_minimal.so.4), "
+                "or give the threads arenas and caches of their own (unset MALLOC_ARENA_MAX or raise it to the "
+                "number of allocating threads, the same for GLIBC_TUNABLES=glibc.malloc.arena_max, and keep "
+                "glibc.malloc.tcache_count above 0); and allocate less in those threads (reuse buffers)."),
+            "python_lock": (
+                "{who} waited {s:.2f} s for a {lock}, held by {holders}",
+                "Threads queue on one Python lock ({lock}; held by {holders}): hold it for less time (do the work "
+                "outside the `with lock:` block), split it per thread or per queue, or hand data over through a "
+                "queue instead of shared state."),
+        }),
     Category(
         "gil_contention", ev.futex_class_waits("gil"), "{who} waited {s:.2f} s for the Python GIL",
         "Python threads fight for the GIL: move CPU-heavy work to processes (DataLoader workers) or to code that "

@@ -13,6 +13,7 @@ import pandas as pd
 
 from trainbpf.analyzers.causes.attribution import address_names
 from trainbpf.analyzers.causes.io_culprits import io_culprits
+from trainbpf.analyzers.causes.locks import holder_frames, lock_identity
 from trainbpf.analyzers.causes.numa import REMOTE_MIN_FRACTION
 from trainbpf.analyzers.causes.stack_reading import (
     PYTHON_STACK_COLUMNS,
@@ -133,7 +134,12 @@ def futex_class_waits(cls: str) -> Builder:
     """Lock and GIL findings: the waits of futex class `cls` on the top addresses."""
 
     def build(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
-        return {**_futex_evidence(ctx, cls, roots), "holders": holders(ctx, pieces)}
+        found, held_by = _futex_evidence(ctx, cls, roots), holders(ctx, pieces)
+        if cls != "lock":
+            return {**found, "holders": held_by}
+        names = found["address_names"]
+        return {**found, "holders": held_by, **lock_identity(
+            found["addresses"][0] if found["addresses"] else "", names[0] if names else "", found["user_stack"], held_by)}
 
     return build
 
@@ -141,12 +147,18 @@ def futex_class_waits(cls: str) -> Builder:
 def holders(ctx: EvidenceContext, pieces: pd.DataFrame) -> list[dict[str, Any]]:
     """The threads that ended the trainer's waits behind these pieces (a lock's or the
     GIL's holders: the release wakes the next waiter), most waiting time first, with the
-    seconds of it each ended."""
+    seconds of it each ended and, where the trace has them, the Python frames it woke
+    the trainer from (locks.holder_frames)."""
     waits = pieces.loc[(pieces["state"] != "running").to_numpy()]
-    waker = ctx.trainer_states["waker_tid"].to_numpy(np.int64)[waits["interval"].to_numpy(np.int64)]
-    ns = pd.Series(waits["ns"].to_numpy(np.float64)).groupby(waker).sum()
+    interval = waits["interval"].to_numpy(np.int64)
+    waker = ctx.trainer_states["waker_tid"].to_numpy(np.int64)[interval]
+    weights = waits["ns"].to_numpy(np.float64)
+    ns = pd.Series(weights).groupby(waker).sum()
     ns = ns[ns.index >= 0].sort_values(ascending=False)
-    return [{**ctx.thread(int(t)), "seconds": float(v) / NS_PER_S} for t, v in ns.iloc[:MAX_THREADS].items()]
+    peer = ctx.trainer_states["peer_pystack_id"].to_numpy(np.int64)[interval] \
+        if "peer_pystack_id" in ctx.trainer_states else None
+    return [{**ctx.thread(int(t)), "seconds": float(v) / NS_PER_S,
+             **holder_frames(ctx.pystacks, waker, peer, weights, int(t))} for t, v in ns.iloc[:MAX_THREADS].items()]
 
 
 def _futex_evidence(ctx: EvidenceContext, cls: str, roots: list[int]) -> dict[str, Any]:

@@ -218,11 +218,14 @@ def _lock_culprits(evidence: dict[str, Any], pids: dict[int, int]) -> list[dict[
     if "holders" not in evidence:
         return []
     out = []
+    lock = evidence.get("lock") or {}
     for address, name in zip(evidence.get("addresses", [])[:1], evidence.get("address_names", [])[:1]):
-        out.append({"kind": "lock", "name": name or address, "address": address})
+        out.append({"kind": "lock", "name": lock.get("name") or name or address, "address": address,
+                    **({"lock_kind": lock["kind"]} if lock else {})})
     for h in evidence["holders"]:
         out.append({"kind": "thread", "name": str(h["comm"]), "tid": int(h["tid"]), "pid": pids.get(int(h["tid"])),
-                    "seconds": _seconds(h["seconds"]), "holder": True})
+                    "seconds": _seconds(h["seconds"]), "holder": True,
+                    **({"function": h["function"]} if h.get("function") else {})})
     return out
 
 
