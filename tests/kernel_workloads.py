@@ -166,6 +166,46 @@ def dirty(path: str, total_mb: int) -> dict:
     return {"writer": threading.get_native_id()}
 
 
+WRITE_CHUNK = 1 << 20  # bytes per write of write_paths
+WRITES = 4
+
+
+def write_paths(folder: str) -> dict:
+    """WRITES writes of WRITE_CHUNK bytes to each of three files, each by a thread of its
+    own: buffered (write), O_DIRECT (write from a page-aligned buffer), io_uring."""
+    from io_uring_raw import io_uring_write
+
+    def buffered(out: dict) -> None:
+        set_thread_name("tb_buffered")
+        out["buffered"] = threading.get_native_id()
+        with open(os.path.join(folder, "buffered.bin"), "wb", buffering=0) as fh:
+            for _ in range(WRITES):
+                fh.write(b"\xab" * WRITE_CHUNK)
+
+    def direct(out: dict) -> None:
+        set_thread_name("tb_direct")
+        out["direct"] = threading.get_native_id()
+        buf = mmap.mmap(-1, WRITE_CHUNK)  # page-aligned, as O_DIRECT wants
+        buf.write(b"\xcd" * WRITE_CHUNK)
+        fd = os.open(os.path.join(folder, "direct.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+        for _ in range(WRITES):
+            assert os.write(fd, buf) == WRITE_CHUNK
+        os.close(fd)
+
+    def uring(out: dict) -> None:
+        set_thread_name("tb_io_uring")
+        out["io_uring"] = threading.get_native_id()
+        fd = os.open(os.path.join(folder, "io_uring.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        for i in range(WRITES):
+            assert io_uring_write(fd, b"\xef" * WRITE_CHUNK, i * WRITE_CHUNK) == WRITE_CHUNK
+        os.close(fd)
+
+    out: dict = {}
+    for target in (buffered, direct, uring):
+        _run_thread(target, out)
+    return out
+
+
 def reclaim(path: str, total_mb: int) -> dict:
     """Write then read back a file larger than the cgroup's limit: page cache must be
     reclaimed inside the cgroup, by this thread."""
@@ -309,7 +349,7 @@ def cuda_real(runtime: str) -> dict:
 
 WORKLOADS = {"basic": basic, "dirty": dirty, "reclaim": reclaim, "sleeper": sleeper, "cuda_fake": cuda_fake,
              "cuda_real": cuda_real, "forked_worker": forked_worker, "short_threads": short_threads,
-             "bursts": bursts}
+             "bursts": bursts, "write_paths": write_paths}
 
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]

@@ -196,6 +196,14 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # ncclGroupEnd), size = the count argument in elements (0 where none), count = the
     # return value (ncclResult_t, 0 = success).
     "collective": ("ts_ns", "dur_ns", "tid", "pid", "name", "op", "addr", "size", "count"),
+    # Writes of a traced thread per (bucket of thresholds.write_bucket_ns, thread, device,
+    # inode, path), counted in the kernel (probes/writepath.bpf.c): ts_ns = the bucket's
+    # start, dur_ns = its length, name = the whole disk "MAJ:MIN" of the file's file
+    # system ("" for io_uring), addr = inode (0 for io_uring), state = path "buffered" /
+    # "direct" (O_DIRECT) / "io_uring", size = bytes written (0 for io_uring: a request
+    # carries no file or length), count = calls (write syscalls, direct I/Os or io_uring
+    # write submissions).  A bucket may come in several rows (one per flush): add them up.
+    "write_path": ("ts_ns", "dur_ns", "tid", "pid", "name", "addr", "state", "size", "count"),
     # GPU utilisation sample: ts_ns = the END of the period it describes; op = GPU
     # index, name = uuid, value = utilisation percent, size = memory utilisation percent,
     # count = memory used MiB (null in process rows).  pid null: the whole device
@@ -262,6 +270,7 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "cuda_launch": {"name": "layer", "op": "nested", "count": "launches"},
     "cuda_call": {"op": "nested", "size": "bytes", "count": "ret"},
     "collective": {"op": "seq", "addr": "comm", "size": "elements", "count": "ret"},
+    "write_path": {"name": "device", "addr": "inode", "state": "path", "size": "bytes", "count": "calls"},
     "gpu": {"op": "index", "name": "uuid", "value": "util_pct", "size": "mem_util_pct", "count": "mem_used_mib"},
     "vmstat": {"name": "key", "count": "delta"},
     "psi": {"name": "resource", "count": "stalled_us"},

@@ -34,13 +34,14 @@ from trainbpf.tracer.collectors.nccl import NcclCollector
 from trainbpf.tracer.collectors.oncpu import OnCpuCollector
 from trainbpf.tracer.collectors.sched import SchedCollector
 from trainbpf.tracer.collectors.writeback import WritebackCollector
+from trainbpf.tracer.collectors.writepath import WritePathCollector
 from trainbpf.tracer.kheaders import use_headers
 from trainbpf.tracer.settings import Settings
 from trainbpf.tracer.symbols import pystacks
 
 ALL_COLLECTORS: tuple[type[Collector], ...] = (
     SchedCollector, FutexCollector, FaultsCollector, OnCpuCollector, MmCollector,
-    WritebackCollector, BlockCollector, CudaCollector, NcclCollector,
+    WritebackCollector, BlockCollector, CudaCollector, NcclCollector, WritePathCollector,
 )
 PROBE_NAMES = tuple(c.name for c in ALL_COLLECTORS)
 TRACEFS = Path(os.environ.get("TRAINBPF_TRACEFS", "/sys/kernel/tracing"))  # where tracefs lives or is mounted

@@ -1,0 +1,82 @@
+"""Collector for probes/writepath.bpf.c: how each file a traced thread writes is written
+(buffered, O_DIRECT, io_uring), counted in the kernel per bucket of write_bucket_ns and
+read out as `write_path` rows at each flush."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from trainbpf.tracer.collector import Collector, bucket_batches, delete_keys, drain_hash
+
+# The path codes of write_key.path (0 unused), passed to the probe as -D WP_<NAME>.
+PATHS = ("buffered", "direct", "io_uring")
+IOCB_WRITE = 1 << 18  # ki_flags of iomap_dio_rw_begin (its format's print fmt: "WRITE")
+IOMAP_WRITE = 1 << 0  # flags of iomap_iter (its print fmt: "WRITE")
+# io_uring opcodes that write a file (include/uapi/linux/io_uring.h): WRITEV, WRITE_FIXED,
+# WRITE, WRITEV_FIXED (6.15).
+IO_URING_WRITE_OPS = (2, 5, 23, 61)
+WRITE_ENTRIES = 16384  # (bucket, thread, file, path) counts between two flushes
+KERNEL_MINOR_BITS = 20  # the kernel's dev_t: major << 20 | minor
+SYS_DEV_BLOCK = Path("/sys/dev/block")
+
+
+def whole_disk(major: int, minor: int, sys_dev_block: Path = SYS_DEV_BLOCK) -> str:
+    """The disk a block device is on, as "MAJ:MIN": a partition's parent disk (its
+    /sys/dev/block entry has a `partition` file and sits in the disk's folder), else the
+    device itself (a whole disk, or a file system without a block device, e.g. "0:45")."""
+    entry = sys_dev_block / f"{major}:{minor}"
+    try:
+        if (entry / "partition").exists():
+            return (entry.resolve().parent / "dev").read_text().strip()
+    except OSError:
+        pass
+    return f"{major}:{minor}"
+
+
+class WritePathCollector(Collector):
+    name = "writepath"
+    source = "writepath.bpf.c"
+    tracepoints = tuple(f"syscalls:sys_{edge}_{call}" for edge in ("enter", "exit")
+                        for call in ("write", "pwrite64", "writev", "pwritev"))
+    # Each names files on the file systems that have it; a kernel lacking one counts less.
+    optional_tracepoints = ("iomap:iomap_dio_rw_begin", "iomap:iomap_iter", "ext4:ext4_da_write_begin",
+                            "ext4:ext4_write_begin", "io_uring:io_uring_submit_req")
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.disks: dict[int, str] = {}  # kernel dev_t -> its whole disk
+
+    def defines(self) -> dict[str, int]:
+        return {
+            "WRITE_ENTRIES": WRITE_ENTRIES,
+            **{f"WP_{path.upper()}": code for code, path in enumerate(PATHS, 1)},
+            "IOCB_WRITE_FLAG": IOCB_WRITE,
+            "IOMAP_WRITE_FLAG": IOMAP_WRITE,
+            "IO_URING_WRITE_OPS": sum(1 << op for op in IO_URING_WRITE_OPS),
+        }
+
+    def device(self, dev: int) -> str:
+        """A kernel dev_t as its whole disk "MAJ:MIN"; "" for none (io_uring rows)."""
+        if dev == 0:
+            return ""
+        if dev not in self.disks:
+            self.disks[dev] = whole_disk(dev >> KERNEL_MINOR_BITS, dev & ((1 << KERNEL_MINOR_BITS) - 1))
+        return self.disks[dev]
+
+    def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
+        # A bucket still counting when drained goes on in a new entry: its rows add up.
+        keys, counts = drain_hash(bpf["write_counts"])
+        rows = list(zip(*(a.tolist() for a in (keys["bucket"], keys["tid"], keys["pid"], counts["calls"],
+                                                counts["bytes"], keys["dev"], keys["ino"], keys["path"]))))
+        return bucket_batches("write_path", rows, self.settings.write_bucket_ns, counted="calls", extra={
+            "bytes": lambda b: b,
+            "device": lambda devs: np.array([self.device(d) for d in devs.tolist()], dtype=object),
+            "inode": lambda ino: ino.astype(np.uint64),
+            "path": lambda paths: np.array([PATHS[p - 1] for p in paths.tolist()], dtype=object),
+        })
+
+    def forget(self, bpf, tids: list[int]) -> None:
+        delete_keys(bpf["write_calls"], tids)
