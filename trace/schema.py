@@ -169,10 +169,6 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     "file": ("ts_ns", "pid", "state", "addr", "name"),
     # A block device the trace names: state = "MAJ:MIN", name = its name ("vda").
     "block_device": ("ts_ns", "state", "name"),
-    # Writes of traced threads per (bucket, thread, device, inode, path): name = the whole
-    # disk "MAJ:MIN", addr = the inode number, state = the write path ("buffered",
-    # "direct": O_DIRECT, "io_uring", "mapped"), size = bytes, count = calls.
-    "write_path": ("ts_ns", "dur_ns", "tid", "pid", "name", "addr", "state", "size", "count"),
     # CUDA launches (cudaLaunchKernel*, cudaLaunchCooperativeKernel, cudaGraphLaunch,
     # cuLaunchKernel*, cuGraphLaunch and their _ptsz/_ptds/_v2 aliases) counted in the
     # kernel per (tid, bucket of thresholds.cuda_bucket_ns, layer, nesting):
@@ -266,7 +262,6 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "dirtied": {"name": "device", "addr": "inode", "count": "folios"},
     "file": {"state": "device", "addr": "inode", "name": "path"},
     "block_device": {"state": "device"},
-    "write_path": {"name": "device", "addr": "inode", "state": "path", "size": "bytes", "count": "calls"},
     "cuda_launch": {"name": "layer", "op": "nested", "count": "launches"},
     "cuda_call": {"op": "nested", "size": "bytes", "count": "ret"},
     "collective": {"op": "seq", "addr": "comm", "size": "elements", "count": "ret"},
