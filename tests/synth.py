@@ -213,6 +213,14 @@ class Synth:
         self.add("write_path", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), name=device, addr=inode,
                  state=path, size=bytes, count=1)
 
+    def memory_cgroup(self, ts: float, cgroup: str, key: str, value: float, *, pid: int | None = None) -> None:
+        self.add("memory_cgroup", ts_ns=t(ts), pid=pid if pid is not None else self.meta["target_pid"], name=cgroup,
+                 state=key, count=int(value))
+
+    def page_cache(self, ts: float, inode: int, change: str, pages: int, *, device: str = "254:0",
+                   dur: float = 0.1) -> None:
+        self.add("page_cache", ts_ns=t(ts), dur_ns=d(dur), name=device, addr=inode, state=change, count=pages)
+
     def gpu(self, ts: float, util: float, index: int = 0) -> None:
         self.add("gpu", ts_ns=t(ts), op=index, value=float(util), count=1000, size=10, name=f"GPU-{index}")
 

@@ -140,3 +140,23 @@ def test_a_throttled_writer_names_the_thread_that_dirtied_most(tmp_path):
     assert f["category"] == "dirty_throttling" and f["evidence"]["case"] == "writeback"
     assert f"ckpt_writer ({WRITER}) dirtied" in f["summary"] and CKPT in f["summary"], f["summary"]
     assert "ckpt_writer" in f["recommendation"]
+
+
+def test_the_text_report_lists_the_disk_culprits(tmp_path):
+    from trainbpf.reports.document import Report
+    from trainbpf.reports.text import render_text
+
+    a = _trace(tmp_path, _writeback)
+    text = render_text(Report(analysis=a, doc=build_report(a)))
+    assert "    disk: vda (254:0), 1.07 GB of requests during the waits" in text, text
+    assert f"    file: {CKPT} (1.05 GB written back, written buffered)" in text, text
+    assert f"    dirtied by: ckpt_writer ({WRITER}, pid 100), 512000 folios" in text, text
+
+
+def test_the_html_report_lists_the_disk_culprits(tmp_path):
+    from trainbpf.reports.document import Report
+    from trainbpf.reports.html import render_html
+
+    a = _trace(tmp_path, _writeback)
+    html = render_html(Report(analysis=a, doc=build_report(a)))
+    assert f"<p><b>Culprits:</b><br>disk: vda (254:0), 1.07 GB of requests during the waits<br>file: {CKPT} " in html

@@ -119,7 +119,22 @@ REGISTRY: tuple[Category, ...] = (
         "memory.max/memory.high), reduce page-cache pressure (drop caches, O_DIRECT for big reads) and "
         "pre-allocate memory before training.",
         "#c2389a", states=("memory_reclaim",), run_class="memory_reclaim",
-        health_checks=("reclaim_ratio", "memory_pressure_ratio")),
+        health_checks=("reclaim_ratio", "memory_pressure_ratio"),
+        cases={
+            "page_cache": (
+                "{who} lost {s:.2f} s to reclaim in cgroup {cgroup} (memory limit {limit}), {file_share:.0%} of it "
+                "page cache, most of it {file}{by}{dirty}",
+                "Reclaim in {cgroup} makes room in its page cache, most of it {file}: the trainer's own memory is not "
+                "the problem. Drop those pages once they are written or read (sync_file_range then posix_fadvise "
+                "POSIX_FADV_DONTNEED, or O_DIRECT for checkpoints and one-pass reads), put {file_user} in a cgroup of "
+                "its own, or raise the limit if the cache is wanted."),
+            "anon": (
+                "{who} lost {s:.2f} s to reclaim in cgroup {cgroup} (memory limit {limit}), mostly anonymous memory "
+                "({anon}) of its processes",
+                "The processes in {cgroup} need more memory than its limit ({limit}): raise memory.max (or "
+                "memory.limit_in_bytes), or use less (smaller batches or prefetch queues, fewer workers, shared "
+                "instead of copied datasets)."),
+        }),
     Category(
         "dirty_throttling", ev.dirty_throttling,
         "{who} was throttled {s:.2f} s writing dirty pages (balance_dirty_pages)",
@@ -144,6 +159,12 @@ REGISTRY: tuple[Category, ...] = (
                 "{issuer_name} already writes {file} with O_DIRECT, so the device's bandwidth is the limit: rate-limit "
                 "that writer (io.max or io.weight on its cgroup, ionice), write while the loader is idle, or move it to "
                 "another device or to object storage."),
+            "refault": (
+                "{who} waited {s:.2f} s for I/O on {device}: it re-read {refaulted} of {file} after the page cache "
+                "dropped it for {evictor}",
+                "The data is read again because the page cache dropped it for {evictor}: keep that writer's pages out "
+                "of the cache (O_DIRECT, or posix_fadvise POSIX_FADV_DONTNEED after writing), give {evictor_name} a "
+                "cgroup of its own, or keep the dataset resident (a larger memory limit, a local copy, mlock)."),
             "other_io": (
                 "{who} waited {s:.2f} s for I/O on {device} behind {issued} of I/O by {issuer}",
                 "{issuer_name} keeps {device} busy while the training data waits on it: limit it (io.max or io.weight "

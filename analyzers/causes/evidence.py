@@ -15,6 +15,7 @@ from trainbpf.analyzers.causes.attribution import address_names
 from trainbpf.analyzers.causes.io_culprits import io_culprits
 from trainbpf.analyzers.causes.locks import holder_frames, lock_identity
 from trainbpf.analyzers.causes.numa import REMOTE_MIN_FRACTION
+from trainbpf.analyzers.causes.page_cache import reclaim_culprits
 from trainbpf.analyzers.causes.stack_reading import (
     PYTHON_STACK_COLUMNS,
     merged_excerpt,
@@ -314,7 +315,7 @@ def memory_reclaim(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int])
         "kinds": {str(k): int(v) for k, v in r["state"].astype(str).value_counts().items()},
     })(ctx, pieces, roots)
     out["compaction_events"] = int(len(ctx.rows("compaction", roots)))
-    return out
+    return {**out, **reclaim_culprits(ctx, roots)}
 
 
 def numa_placement(ctx: EvidenceContext, roots: list[int]) -> dict[str, Any]:

@@ -19,11 +19,13 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
+from trainbpf.analyzers.causes.page_cache import refault_names, refaulted
 from trainbpf.analyzers.causes.stack_reading import python_frame, stack_frames
 from trainbpf.analyzers.intervals import as_int64, intersect, merge_intervals
 
-# The kinds it reads beside the victims' block_rq and dirty_pause rows.
-IO_KINDS = ("disk_io", "writeback_inode", "dirtied", "file", "block_device", "write_path")
+# The kinds it (and page_cache.py) reads beside the victims' block_rq and dirty_pause rows.
+IO_KINDS = ("disk_io", "writeback_inode", "dirtied", "file", "block_device", "write_path", "page_cache",
+           "memory_cgroup")
 # Others' bytes below this share of the device's during the waits: the victims' own I/O
 # is the load.  Reads are served before writes, so a writer with a quarter of the bytes
 # already lengthens every read.
@@ -118,8 +120,16 @@ def io_culprits(ctx: Any, pieces: pd.DataFrame, roots: list[int], *, dirtying: b
         "bytes": total, "victim_bytes": victim,
         "issuers": issuers.head(MAX_NAMED).to_dict("records"),
         "files": files,
+        "files_by": "dirtied" if dirtying else "written_back",  # what each file's bytes are
     }
-    case = _case({**out, "paths": _paths(frames)}, names.get(devices[0], devices[0]), _frame(frames, "write_path"))
+    device = names.get(devices[0], devices[0])
+    case = _case({**out, "paths": _paths(frames)}, device, _frame(frames, "write_path"))
+    if not case and not dirtying:  # their own reads: of pages the page cache had dropped?
+        reads = float(issuers.loc[issuers["victim"] & (issuers["direction"] == "read"), "bytes"].sum())
+        again = refaulted(ctx, devices[0], ws, we, reads, _inside)
+        if again:
+            out["refaulted"] = again
+            case = {"case": "refault", "names": {"device": device, **refault_names(again)}}
     return {"io": out, **case}
 
 

@@ -176,7 +176,27 @@ def culprits(category: str, threads: list[dict[str, Any]], evidence: dict[str, A
             row["function"] = _function_label(own["functions"][0])
             row.setdefault("seconds", _seconds(sum(f["seconds"] for f in own["functions"])))
         out.append(row)
-    return out + _preempting(evidence) + _lock_culprits(evidence, pids) + _io_culprits(evidence) + rank_culprits(evidence)
+    return (out + _preempting(evidence) + _lock_culprits(evidence, pids) + _io_culprits(evidence)
+            + _memory_culprits(evidence) + rank_culprits(evidence))
+
+
+def _memory_culprits(evidence: dict[str, Any]) -> list[dict[str, Any]]:
+    """A reclaim finding's memory cgroup (its limit and what it held) and the files
+    whose pages filled it, each with its dirtier (its evidence's `cgroup` and
+    `page_cache`, analyzers/causes/page_cache.py)."""
+    cgroup = evidence.get("cgroup")
+    if not cgroup:
+        return []
+    out: list[dict[str, Any]] = [{"kind": "cgroup", "name": cgroup["path"], **{
+        f"{key}_bytes" if key != "max" else "limit_bytes": int(cgroup[key])
+        for key in ("max", "usage", "file", "anon") if key in cgroup}}]
+    for f in evidence.get("page_cache", []):
+        out.append({"kind": "file", "name": f["path"] or f"inode {f['inode']} on {f['device']}", "device": f["device"],
+                    "inode": f["inode"], "added_bytes": f["added_bytes"]})
+        w = f["dirtier"]
+        if w and not any(c.get("tid") == w["tid"] for c in out):
+            out.append({"kind": "thread", "name": w["comm"], "tid": w["tid"], "pid": w["pid"], "folios": w["folios"]})
+    return out
 
 
 def _io_culprits(evidence: dict[str, Any]) -> list[dict[str, Any]]:
@@ -191,12 +211,21 @@ def _io_culprits(evidence: dict[str, Any]) -> list[dict[str, Any]]:
     named: set[int] = set()
     for f in io["files"]:
         out.append({"kind": "file", "name": f["path"] or f"inode {f['inode']} on {f['device']}", "device": f["device"],
-                    "inode": f["inode"], "bytes": int(f["bytes"]), "write_paths": sorted(f["write_paths"])})
+                    "inode": f["inode"], f"{io['files_by']}_bytes": int(f["bytes"]),
+                    "write_paths": sorted(f["write_paths"])})
         for w in f["dirtiers"][:1]:
             if w["tid"] not in named:
                 named.add(w["tid"])
                 out.append({"kind": "thread", "name": w["comm"], "tid": w["tid"], "pid": w["pid"],
                             "folios": int(w["folios"]), "function": w["function"]})
+    again = io.get("refaulted")
+    if again:
+        out.append({"kind": "file", "name": again["path"] or f"inode {again['inode']} on {again['device']}",
+                    "device": again["device"], "inode": again["inode"], "refaulted_bytes": int(again["refaulted_bytes"])})
+        if again["evictor"]:
+            e = again["evictor"]
+            out.append({"kind": "file", "name": e["path"] or f"inode {e['inode']} on {e['device']}", "device": e["device"],
+                        "inode": e["inode"], "added_bytes": e["added_bytes"], "evicted": True})
     for i in io["issuers"]:
         if not i["victim"] and not i["flusher"] and i["tid"] not in named and i["bytes"] >= MIN_ISSUER_SHARE * io["bytes"]:
             named.add(i["tid"])

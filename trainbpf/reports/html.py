@@ -23,7 +23,7 @@ from trainbpf.reports.html_timeline import (
     esc,
     timeline,
 )
-from trainbpf.reports.present import evidence_lines, pct
+from trainbpf.reports.present import culprit_lines, evidence_lines, pct
 from trainbpf.reports.python_frames import python_line
 
 if TYPE_CHECKING:
@@ -127,6 +127,7 @@ def _findings(report: dict[str, Any]) -> str:
         chain = " ← ".join(f"{esc(c['role'])} {c['tid']} [{esc(c['state'])}]" for c in f["chain"])
         threads = ", ".join(f"{esc(t['comm'] or '?')} ({t['tid']}, {esc(t['role'])})" for t in f["threads"])
         python = python_line(f)
+        culprits = culprit_lines(f["culprits"])
         out.append(
             f'<div class="finding {sev}"><div><b>{i}. {esc(f["category"])}</b><span class="badge {sev}">{sev}</span>'
             f' &nbsp; {pct(f["share"])} of starved time, {f["seconds"]:.2f} s'
@@ -134,6 +135,7 @@ def _findings(report: dict[str, Any]) -> str:
             f'<p>{esc(f["summary"])}</p>'
             + (f"<p><b>Threads:</b> {threads}</p>" if threads else "")
             + (f"<p><b>Chain:</b> {chain}</p>" if chain else "")
+            + (f"<p><b>Culprits:</b><br>{'<br>'.join(esc(line) for line in culprits)}</p>" if culprits else "")
             + (f'<p class="python"><b>Python:</b> {esc(python)}</p>' if python else "")
             + (f'<p><b>Launch gaps:</b> {f["launch_gap_s"]:.2f} s of it fell in launch gaps</p>'
                if f["launch_gap_s"] is not None else "")

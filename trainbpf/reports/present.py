@@ -93,3 +93,36 @@ def evidence_lines(key: str, value: Any) -> list[str]:
         # Keyed by names or ids (seconds per state, ops per kind): the unit is `key`'s.
         return [f"{k}: {number(key, v)}" for k, v in value.items()] or [NONE]
     return [number(key, value)]
+
+
+def culprit_lines(culprits: list[dict[str, Any]]) -> list[str]:
+    """What a disk or memory finding blames: the device, the memory cgroup, the files
+    (written back, added to the cache, read again) with who dirtied them, and the
+    other tasks whose I/O filled the device: a line each, for the text and HTML reports."""
+    lines = []
+    for c in culprits:
+        if c["kind"] == "device":
+            lines.append(f"disk: {c['name']} ({c['device']}), {size(c['bytes'])} of requests during the waits")
+        elif c["kind"] == "cgroup":
+            held = ", ".join(f"{label} {size(c[key])}" for key, label in (
+                ("limit_bytes", "limit"), ("usage_bytes", "usage"), ("file_bytes", "page cache"),
+                ("anon_bytes", "anonymous")) if key in c)
+            lines.append(f"cgroup: {c['name']} ({held})")
+        elif c["kind"] == "file":
+            lines.append(f"file: {c['name']} ({_file_amounts(c)})")
+        elif "folios" in c:
+            at = f" at {c['function']}" if c.get("function") else ""
+            lines.append(f"dirtied by: {c['name']} ({c['tid']}, pid {c['pid']}){at}, {c['folios']} folios")
+        elif "direction" in c:
+            lines.append(f"other I/O: {c['name']} ({c['tid']}, pid {c['pid']}) {size(c['bytes'])} {c['direction']}")
+    return lines
+
+
+def _file_amounts(c: dict[str, Any]) -> str:
+    said = [f"{size(c[key])} {what}" for key, what in (
+        ("written_back_bytes", "written back"), ("dirtied_bytes", "dirtied"), ("added_bytes", "added to the page cache"),
+        ("refaulted_bytes", "read again"))
+        if key in c]
+    if c.get("write_paths"):
+        said.append(f"written {'/'.join(c['write_paths'])}")
+    return ", ".join(said)

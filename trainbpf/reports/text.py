@@ -9,7 +9,7 @@ from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.pipeline import observed_ns
 from trainbpf.analyzers.vocab import STATES
 from trainbpf.reports.job import rank_lines
-from trainbpf.reports.present import pct, size
+from trainbpf.reports.present import culprit_lines, pct
 from trainbpf.reports.python_frames import python_line, refused_note
 from trainbpf.trace.printable import printable
 
@@ -139,7 +139,7 @@ def _finding_lines(i: int, f: dict[str, Any]) -> list[str]:
     took = [c for c in f["culprits"] if c["kind"] == "process" and "count" in c]
     if took:
         lines.append("    took the CPU: " + ", ".join(_process_label(c) for c in took))
-    lines += _disk_lines(f["culprits"])
+    lines += [f"    {line}" for line in culprit_lines(f["culprits"])]
     python = python_line(f)
     if python:
         lines.append(f"    python: {python}")
@@ -147,23 +147,6 @@ def _finding_lines(i: int, f: dict[str, Any]) -> list[str]:
         lines.append(f"    launch gaps: {f['launch_gap_s']:.2f} s of it fell in launch gaps (the GPU had "
                      "finished its work and the trainer had not yet launched more)")
     lines.append(f"    do: {f['recommendation']}")
-    return lines
-
-
-def _disk_lines(culprits: list[dict[str, Any]]) -> list[str]:
-    """A disk finding's device, the files written back during its waits with who
-    dirtied them, and the other tasks whose I/O filled the device."""
-    lines = [f"    disk: {c['name']} ({c['device']}), {size(c['bytes'])} of requests during the waits"
-             for c in culprits if c["kind"] == "device"]
-    for c in culprits:
-        if c["kind"] == "file":
-            paths = f", written {'/'.join(c['write_paths'])}" if c["write_paths"] else ""
-            lines.append(f"    file: {c['name']} ({size(c['bytes'])}{paths})")
-        elif "folios" in c:
-            at = f" at {c['function']}" if c.get("function") else ""
-            lines.append(f"    dirtied by: {c['name']} ({c['tid']}, pid {c['pid']}){at}, {c['folios']} folios")
-        elif "direction" in c:
-            lines.append(f"    other I/O: {c['name']} ({c['tid']}, pid {c['pid']}) {size(c['bytes'])} {c['direction']}")
     return lines
 
 

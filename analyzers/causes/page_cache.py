@@ -1,0 +1,184 @@
+"""What filled memory while a finding's threads reclaimed it, and what they read again
+after it was dropped (docs/findings.md, "Memory culprits").
+
+From the recorder's `memory_cgroup` rows (each traced process's memory cgroup: its limit,
+usage and page-cache breakdown, sampled) and `page_cache` rows (pages added to, dropped
+from and added back to the page cache, per file, counted in the kernel):
+
+- a `memory_reclaim` finding names the cgroup it reclaimed in, its limit, how much of it
+  was page cache and which files filled it (and who dirtied them);
+- a `block_io` finding whose reads were pages dropped earlier in the recording names the
+  file read again and the file whose pages filled the cache meanwhile.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from trainbpf.analyzers.intervals import as_int64
+
+PAGE_BYTES = 4096
+# A cgroup whose page cache is at least this share of its usage is full of files.
+CACHE_MIN_SHARE = 0.5
+# Dirty and under-writeback pages from this share of usage: reclaim waits on writeback.
+DIRTY_MIN_SHARE = 0.1
+# Refaulted bytes during the waits from this share of the waiting threads' reads: they
+# re-read what the cache dropped.
+REFAULT_MIN_SHARE = 0.25
+MAX_FILES = 5
+# The keys of a memory cgroup's rows, as bytes (the rest are counts).
+_BYTE_KEYS = ("max", "high", "usage", "file", "anon", "file_dirty", "file_writeback")
+
+
+def _rows(ctx: Any, kind: str) -> pd.DataFrame:
+    frame = ctx.frames.get(kind)
+    return frame if frame is not None else pd.DataFrame()
+
+
+def victim_cgroup(ctx: Any, roots: list[int]) -> dict[str, Any] | None:
+    """The memory cgroup of the threads `roots`' process (the first root's), with each
+    key's largest value over the window (the limits: their last), or None without rows."""
+    rows = _rows(ctx, "memory_cgroup")
+    if not len(rows) or not roots:
+        return None
+    pid = int(ctx.threads.loc[ctx.threads["tid"] == roots[0], "pid"].iloc[0]) \
+        if (ctx.threads["tid"] == roots[0]).any() else roots[0]
+    mine = rows[as_int64(rows["pid"]) == pid]
+    if not len(mine):
+        return None
+    path = str(mine.sort_values("ts_ns")["cgroup"].iloc[-1])
+    of = rows[rows["cgroup"].astype(str) == path]
+    ts = as_int64(of["ts_ns"], 0)
+    inside = (ts >= ctx.window.start_ns) & (ts <= ctx.window.end_ns)
+    of = of[inside] if inside.any() else of
+    out: dict[str, Any] = {"path": path, "pids": sorted({int(p) for p in as_int64(of["pid"]) if p >= 0})}
+    for key, values in of.sort_values("ts_ns").groupby(of["key"].astype(str))["value"]:
+        v = pd.to_numeric(values, errors="coerce").dropna()
+        if len(v):
+            out[key] = float(v.iloc[-1] if key in ("max", "high", "version") else v.max())
+    return out
+
+
+def _paths(ctx: Any) -> dict[tuple[str, int], str]:
+    f = _rows(ctx, "file")
+    if not len(f):
+        return {}
+    return dict(zip(zip(f["device"].astype(str), as_int64(f["inode"], 0).tolist()), f["path"].astype(str)))
+
+
+def _dirtier(ctx: Any, device: str, inode: int) -> dict[str, Any] | None:
+    d = _rows(ctx, "dirtied")
+    if not len(d):
+        return None
+    d = d[(d["device"].astype(str) == device) & (as_int64(d["inode"], 0) == inode)]
+    if not len(d):
+        return None
+    per = d.groupby([as_int64(d["tid"]), as_int64(d["pid"]), d["comm"].fillna("").astype(str)])["folios"].sum()
+    (tid, pid, comm), folios = next(iter(per.sort_values(ascending=False).items()))
+    return {"tid": int(tid), "pid": int(pid), "comm": comm, "folios": int(folios)}
+
+
+def cache_fillers(ctx: Any, pids: list[int]) -> list[dict[str, Any]]:
+    """The files whose pages were added to the page cache most over the window, among
+    those the processes `pids` had open or dirtied (the page cache is the machine's:
+    other processes' files are not this cgroup's), each with its path and dirtier."""
+    pc = _rows(ctx, "page_cache")
+    if not len(pc):
+        return []
+    pc = pc[pc["change"].astype(str) == "added"]
+    ts = as_int64(pc["ts_ns"], 0)
+    pc = pc[(ts >= ctx.window.start_ns) & (ts < ctx.window.end_ns)]
+    paths = _paths(ctx)
+    theirs: set[tuple[str, int]] = set()
+    for kind in ("file", "dirtied"):  # the files they opened, mapped or dirtied
+        rows = _rows(ctx, kind)
+        if len(rows):
+            rows = rows[np.isin(as_int64(rows["pid"]), pids)]
+            theirs |= set(zip(rows["device"].astype(str), as_int64(rows["inode"], 0).tolist()))
+    per = pd.Series(as_int64(pc["pages"], 0), index=pc.index).groupby(
+        [pc["device"].astype(str), as_int64(pc["inode"], 0)]).sum()
+    per = per[[k in theirs for k in per.index]] if len(per) else per
+    out = []
+    for (device, inode), pages in per.sort_values(ascending=False).head(MAX_FILES).items():
+        out.append({"device": device, "inode": int(inode), "path": paths.get((device, int(inode))),
+                    "added_bytes": int(pages) * PAGE_BYTES, "dirtier": _dirtier(ctx, device, int(inode))})
+    return out
+
+
+def _file_name(f: dict[str, Any]) -> str:
+    return f["path"] or f"inode {f['inode']} on {f['device']}"
+
+
+def reclaim_culprits(ctx: Any, roots: list[int]) -> dict[str, Any]:
+    """A memory_reclaim finding's `cgroup` and `page_cache` evidence, with its `case`
+    ("page_cache": the cgroup is full of files; "anon": of its processes' memory) and
+    `names`; {} without cgroup rows."""
+    cgroup = victim_cgroup(ctx, roots)
+    if cgroup is None:
+        return {}
+    fillers = cache_fillers(ctx, cgroup["pids"])
+    usage = cgroup.get("usage") or cgroup.get("max") or 0.0
+    file_share = min(1.0, cgroup.get("file", 0.0) / usage) if usage else 0.0
+    dirty = cgroup.get("file_dirty", 0.0) + cgroup.get("file_writeback", 0.0)
+    out = {"cgroup": cgroup, "page_cache": fillers}
+    names: dict[str, Any] = {"cgroup": cgroup["path"], "file_share": file_share,
+                             "limit": "no limit" if "max" not in cgroup else None}
+    if "max" in cgroup:
+        names["limit_bytes"] = cgroup["max"]
+        names.pop("limit")
+    if file_share < CACHE_MIN_SHARE:
+        names["anon_bytes"] = cgroup.get("anon", 0.0)
+        return {**out, "case": "anon", "names": names}
+    top = fillers[0] if fillers else None
+    writer = top["dirtier"] if top else None
+    names.update({
+        "file": _file_name(top) if top else "files the trace did not see opened",
+        "by": f", dirtied by {writer['comm']} ({writer['tid']})" if writer else "",
+        "file_user": writer["comm"] if writer else "the process that reads or writes it",
+        "dirty": f"; {dirty / usage:.0%} of it dirty or under writeback, so reclaim waited for the disk"
+                 if usage and dirty >= DIRTY_MIN_SHARE * usage else "",
+    })
+    return {**out, "case": "page_cache", "names": names}
+
+
+def refaulted(ctx: Any, device: str, ws: np.ndarray, we: np.ndarray, read_bytes: float,
+              weigh) -> dict[str, Any] | None:
+    """The file whose dropped pages were read again during the waits (ws, we) on
+    `device`, when that is at least REFAULT_MIN_SHARE of `read_bytes` (the waiting
+    threads' reads), with the file that was added to the cache most meanwhile (what
+    pushed it out); `weigh(frame, ws, we)` weights bucketed rows by the waits."""
+    pc = _rows(ctx, "page_cache")
+    if not len(pc) or read_bytes <= 0:
+        return None
+    pc = pc[pc["device"].astype(str) == device]
+    back = pc[pc["change"].astype(str) == "refaulted"]
+    if not len(back):
+        return None
+    per = pd.Series(weigh(back, ws, we) * as_int64(back["pages"], 0) * PAGE_BYTES, index=back.index).groupby(
+        as_int64(back["inode"], 0)).sum()
+    inode, again = int(per.idxmax()), float(per.max())
+    if again < REFAULT_MIN_SHARE * read_bytes:
+        return None
+    added = pc[(pc["change"].astype(str) == "added") & (as_int64(pc["inode"], 0) != inode)]
+    paths = _paths(ctx)
+    out: dict[str, Any] = {"device": device, "inode": inode, "path": paths.get((device, inode)),
+                           "refaulted_bytes": again, "evictor": None}
+    if len(added):
+        filled = pd.Series(as_int64(added["pages"], 0), index=added.index).groupby(as_int64(added["inode"], 0)).sum()
+        other = int(filled.idxmax())
+        out["evictor"] = {"device": device, "inode": other, "path": paths.get((device, other)),
+                          "added_bytes": int(filled.max()) * PAGE_BYTES, "dirtier": _dirtier(ctx, device, other)}
+    return out
+
+
+def refault_names(refault: dict[str, Any]) -> dict[str, Any]:
+    """The `names` of a block_io finding's "refault" case."""
+    evictor = refault["evictor"]
+    writer = (evictor or {}).get("dirtier")
+    return {"file": _file_name(refault), "refaulted_bytes": refault["refaulted_bytes"],
+            "evictor": f"{_file_name(evictor)}{' written by ' + writer['comm'] + ' (' + str(writer['tid']) + ')' if writer else ''}"
+            if evictor else "other files",
+            "evictor_name": writer["comm"] if writer else "the other files' writers"}
