@@ -67,6 +67,9 @@ class Scenario:
     variant: tuple[str, ...] = ()  # the workload's own arguments: another case of it
     # (file name, thread comm) the top finding's culprits name: what made the disk busy.
     culprit: tuple[str, str] | None = None
+    # (file name, thread comm): a finding says the file was read again after the page
+    # cache dropped it for a file that thread wrote.
+    refault: tuple[str, str] | None = None
     record_seconds: float = RECORD_SECONDS  # a scenario tested on its own may record less
 
     @property
@@ -113,6 +116,9 @@ SCENARIOS = (
     Scenario("checkpoint_loader", ("block_io",), variant=("--direct-checkpoint",),
              culprit=("checkpoint.bin", "ckpt_writer"), gpu_sources=("nvml",)),
     Scenario("reclaim_cgroup", ("memory_reclaim",), memory_limit=256 * MiB, gpu_sources=("nvidia-smi",)),
+    # The dataset's pages dropped for the checkpoints' and read again.
+    Scenario("dataset_evicted", ("block_io", "memory_reclaim"), memory_limit=256 * MiB,
+             refault=("dataset.bin", "ckpt_writer"), gpu_sources=("nvml",)),
     Scenario("numa_wrong_node", ("numa_remote",), declares_topology=True),
     Scenario("demo_trainer", ("input_pipeline",), gpu_sources=("nvml",)),
     Scenario("healthy"),

@@ -132,6 +132,12 @@ def test_injected_bottleneck_is_the_top_finding(scenario: Scenario, gpu_source: 
         assert [c for c in top["culprits"] if c["kind"] == "lock"], top["culprits"]
     if scenario.culprit:
         _names_the_culprit(top, scenario, result)
+    if scenario.refault:
+        file, comm = scenario.refault
+        again = [f for f in result.findings if f["evidence"].get("case") == "refault"]
+        assert again, result.describe()
+        assert f"of {file} after the page cache dropped it for" in again[0]["summary"], again[0]["summary"]
+        assert comm in again[0]["summary"] and comm in again[0]["recommendation"], again[0]
     role, function = _named(top, scenario).split(" ", 1)
     if scenario.producer is not None:
         assert role == scenario.producer, (top["threads"], result.describe())
