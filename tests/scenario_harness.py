@@ -115,7 +115,8 @@ SCENARIOS = (
              culprit=("checkpoint.bin", "ckpt_writer"), gpu_sources=("nvidia-smi",)),
     Scenario("checkpoint_loader", ("block_io",), variant=("--direct-checkpoint",),
              culprit=("checkpoint.bin", "ckpt_writer"), gpu_sources=("nvml",)),
-    Scenario("reclaim_cgroup", ("memory_reclaim",), memory_limit=256 * MiB, gpu_sources=("nvidia-smi",)),
+    Scenario("reclaim_cgroup", ("memory_reclaim",), memory_limit=256 * MiB, gpu_sources=("nvidia-smi",),
+             culprit=("shard", "shard_writer")),
     # The dataset's pages dropped for the checkpoints' and read again.
     Scenario("dataset_evicted", ("block_io", "memory_reclaim"), memory_limit=256 * MiB,
              refault=("dataset.bin", "ckpt_writer"), gpu_sources=("nvml",)),

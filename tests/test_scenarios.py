@@ -196,6 +196,11 @@ def _names_the_culprit(top: dict, scenario: Scenario, result) -> None:
     and its advice is about that writer (with O_DIRECT already: the device's limit)."""
     file, comm = scenario.culprit
     files = [c for c in top["culprits"] if c["kind"] == "file"]
+    if top["category"] == "memory_reclaim":  # the cgroup, and the files that filled it
+        assert top["evidence"]["case"] == "page_cache", (top["summary"], result.describe())
+        assert [c for c in top["culprits"] if c["kind"] == "cgroup" and c["limit_bytes"] == scenario.memory_limit]
+        assert files and file in files[0]["name"] and comm in top["summary"], (top["summary"], top["culprits"])
+        return
     direct = "--direct-checkpoint" in scenario.variant
     writers = [c for c in top["culprits"] if c["kind"] in ("thread", "process") and c["name"] == comm]
     assert writers, (top["culprits"], result.describe())
