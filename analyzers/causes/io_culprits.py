@@ -19,8 +19,8 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
+from trainbpf.analyzers.causes.files import dirtiers, file_name, file_paths, kind_rows, of_inode
 from trainbpf.analyzers.causes.page_cache import refault_names, refaulted
-from trainbpf.analyzers.causes.stack_reading import python_frame, stack_frames
 from trainbpf.analyzers.intervals import as_int64, intersect, merge_intervals
 
 # The kinds it (and page_cache.py) reads beside the victims' block_rq and dirty_pause rows.
@@ -39,11 +39,6 @@ def device_id(dev: int) -> str:
     return f"{int(dev) >> 20}:{int(dev) & 0xFFFFF}"
 
 
-def _frame(frames: Mapping[str, pd.DataFrame], kind: str) -> pd.DataFrame:
-    frame = frames.get(kind)
-    return frame if frame is not None else pd.DataFrame()
-
-
 def _inside(frame: pd.DataFrame, ws: np.ndarray, we: np.ndarray) -> np.ndarray:
     """Per row of a bucketed `frame` (ts_ns, dur_ns), the share of its bucket inside the
     disjoint sorted windows (ws, we)."""
@@ -60,34 +55,18 @@ def _waited_devices(frames: Mapping[str, pd.DataFrame], roots: list[int], ws: np
     """The devices the victims' own requests and dirty pauses went to during the waits,
     most first."""
     per: dict[str, float] = {}
-    rq = _frame(frames, "block_rq")
+    rq = kind_rows(frames, "block_rq")
     if len(rq):
         rq = rq[np.isin(as_int64(rq["tid"]), roots)]
         w = _inside(rq.assign(dur_ns=np.maximum(as_int64(rq["dur_ns"], 0), 1)), ws, we) * as_int64(rq["bytes"], 0)
         for dev, b in pd.Series(w).groupby(as_int64(rq["dev"], 0)).sum().items():
             per[device_id(dev)] = per.get(device_id(dev), 0.0) + float(b) + 1.0
-    pauses = _frame(frames, "dirty_pause")
+    pauses = kind_rows(frames, "dirty_pause")
     if len(pauses):
         pauses = pauses[np.isin(as_int64(pauses["tid"]), roots)]
         for dev, n in pauses["device"].dropna().astype(str).value_counts().items():
             per[dev] = per.get(dev, 0.0) + float(n)
     return [d for d, _ in sorted(per.items(), key=lambda kv: -kv[1])]
-
-
-def _python_function(ctx: Any, tid: int) -> str | None:
-    """A thread's most sampled Python frame, "file.py:25 function"; None without one."""
-    s = ctx.samples
-    if s is None or "pystack_id" not in s or not len(ctx.pystacks):
-        return None
-    ids = s["pystack_id"].to_numpy(np.int64)[(s["tid"].to_numpy(np.int64) == tid)]
-    ids = ids[ids >= 0]
-    if not len(ids):
-        return None
-    frames = stack_frames(ctx.pystacks, int(pd.Series(ids).value_counts().idxmax()))
-    if not frames:
-        return None
-    f = python_frame(frames[0])
-    return f"{str(f['file']).rsplit('/', 1)[-1]}:{f['line']} {f['function']}" if f["file"] else str(f["function"])
 
 
 def io_culprits(ctx: Any, pieces: pd.DataFrame, roots: list[int], *, dirtying: bool = False) -> dict[str, Any]:
@@ -97,7 +76,7 @@ def io_culprits(ctx: Any, pieces: pd.DataFrame, roots: list[int], *, dirtying: b
     (dirty throttling): files are ranked by the folios others dirtied during the waits,
     not by the bytes written back."""
     frames = ctx.frames
-    disk = _frame(frames, "disk_io")
+    disk = kind_rows(frames, "disk_io")
     if not len(disk) or not len(pieces):
         return {}
     ws, we = merge_intervals(pieces["start_ns"].to_numpy(np.int64), pieces["end_ns"].to_numpy(np.int64))
@@ -123,7 +102,7 @@ def io_culprits(ctx: Any, pieces: pd.DataFrame, roots: list[int], *, dirtying: b
         "files_by": "dirtied" if dirtying else "written_back",  # what each file's bytes are
     }
     device = names.get(devices[0], devices[0])
-    case = _case({**out, "paths": _paths(frames)}, device, _frame(frames, "write_path"))
+    case = _case({**out, "paths": file_paths(frames)}, device, kind_rows(frames, "write_path"))
     if not case and not dirtying:  # their own reads: of pages the page cache had dropped?
         reads = float(issuers.loc[issuers["victim"] & (issuers["direction"] == "read"), "bytes"].sum())
         again = refaulted(ctx, devices[0], ws, we, reads, _inside)
@@ -134,7 +113,7 @@ def io_culprits(ctx: Any, pieces: pd.DataFrame, roots: list[int], *, dirtying: b
 
 
 def _device_names(frames: Mapping[str, pd.DataFrame]) -> dict[str, str]:
-    bd = _frame(frames, "block_device")
+    bd = kind_rows(frames, "block_device")
     return dict(zip(bd["device"].astype(str), bd["name"].astype(str))) if len(bd) else {}
 
 
@@ -154,7 +133,7 @@ def _files(ctx: Any, devices: list[str], ws: np.ndarray, we: np.ndarray, roots: 
     """The files on `devices` written back (or, `dirtying`, dirtied by others) during
     the waits, most bytes first, each with its path, write paths and dirtiers."""
     frames = ctx.frames
-    rows = _frame(frames, "dirtied" if dirtying else "writeback_inode")
+    rows = kind_rows(frames, "dirtied" if dirtying else "writeback_inode")
     if not len(rows):
         return []
     rows = rows[rows["device"].astype(str).isin(devices)]
@@ -164,41 +143,19 @@ def _files(ctx: Any, devices: list[str], ws: np.ndarray, we: np.ndarray, roots: 
     w = pd.Series(_inside(rows, ws, we) * amount, index=rows.index)
     per = w.groupby([rows["device"].astype(str), as_int64(rows["inode"], 0)]).sum()
     per = per[per > 0].sort_values(ascending=False).head(MAX_NAMED)
-    paths = _paths(frames)
-    dirtied, write_path = _frame(frames, "dirtied"), _frame(frames, "write_path")
+    paths = file_paths(frames)
+    write_path = kind_rows(frames, "write_path")
     out = []
     for (device, inode), b in per.items():
         out.append({"device": device, "inode": int(inode), "path": paths.get((device, int(inode))),
                     "bytes": float(b), "write_paths": _write_paths(write_path, device, int(inode)),
-                    "dirtiers": _dirtiers(ctx, dirtied, device, int(inode))})
+                    "dirtiers": dirtiers(ctx, device, int(inode))})
     return out
 
 
-def _paths(frames: Mapping[str, pd.DataFrame]) -> dict[tuple[str, int], str]:
-    f = _frame(frames, "file")
-    if not len(f):
-        return {}
-    return dict(zip(zip(f["device"].astype(str), as_int64(f["inode"], 0).tolist()), f["path"].astype(str)))
-
-
-def _of_inode(rows: pd.DataFrame, device: str, inode: int) -> pd.DataFrame:
-    if not len(rows):
-        return rows
-    return rows[(rows["device"].astype(str) == device) & (as_int64(rows["inode"], 0) == inode)]
-
-
 def _write_paths(write_path: pd.DataFrame, device: str, inode: int) -> dict[str, float]:
-    rows = _of_inode(write_path, device, inode)
+    rows = of_inode(write_path, device, inode)
     return {str(k): float(v) for k, v in rows.groupby(rows["path"].astype(str))["bytes"].sum().items()} if len(rows) else {}
-
-
-def _dirtiers(ctx: Any, dirtied: pd.DataFrame, device: str, inode: int) -> list[dict[str, Any]]:
-    rows = _of_inode(dirtied, device, inode)
-    if not len(rows):
-        return []
-    per = rows.groupby([as_int64(rows["tid"]), as_int64(rows["pid"]), rows["comm"].fillna("").astype(str)])["folios"].sum()
-    return [{"tid": int(t), "pid": int(p), "comm": c, "folios": int(n), "function": _python_function(ctx, int(t))}
-            for (t, p, c), n in per.sort_values(ascending=False).head(MAX_NAMED).items()]
 
 
 def _who(tid: int, comm: str, function: str | None = None) -> str:
@@ -218,7 +175,7 @@ def _case(io: dict[str, Any], device: str, write_path: pd.DataFrame) -> dict[str
         top = files[0]
         writer = top["dirtiers"][0] if top["dirtiers"] else None
         return {"case": "writeback", "names": {
-            "device": device, "file": top["path"] or f"inode {top['inode']} on {device}",
+            "device": device, "file": file_name(top, device),
             "written_bytes": top["bytes"],
             "writer": _who(writer["tid"], writer["comm"], writer["function"]) if writer else "a writer before the recording",
             "writer_name": writer["comm"] if writer else "the file's writer"}}
@@ -232,6 +189,6 @@ def _case(io: dict[str, Any], device: str, write_path: pd.DataFrame) -> dict[str
     if top["direction"] == "write" and len(direct):
         dev, inode = pd.Series(as_int64(direct["bytes"], 0), index=direct.index).groupby(
             [direct["device"].astype(str), as_int64(direct["inode"], 0)]).sum().idxmax()
-        names["file"] = io["paths"].get((dev, int(inode))) or f"inode {inode} on {device}"
+        names["file"] = file_name({"path": io["paths"].get((dev, int(inode))), "inode": int(inode), "device": dev}, device)
         return {"case": "direct_writes", "names": names}
     return {"case": "other_io", "names": names}

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from trainbpf.analyzers.causes.files import dirtiers, file_name, file_paths, kind_rows
 from trainbpf.analyzers.intervals import as_int64
 
 PAGE_BYTES = 4096
@@ -33,15 +34,10 @@ MAX_FILES = 5
 _BYTE_KEYS = ("max", "high", "usage", "file", "anon", "file_dirty", "file_writeback")
 
 
-def _rows(ctx: Any, kind: str) -> pd.DataFrame:
-    frame = ctx.frames.get(kind)
-    return frame if frame is not None else pd.DataFrame()
-
-
 def victim_cgroup(ctx: Any, roots: list[int]) -> dict[str, Any] | None:
     """The memory cgroup of the threads `roots`' process (the first root's), with each
     key's largest value over the window (the limits: their last), or None without rows."""
-    rows = _rows(ctx, "memory_cgroup")
+    rows = kind_rows(ctx.frames, "memory_cgroup")
     if not len(rows) or not roots:
         return None
     pid = int(ctx.threads.loc[ctx.threads["tid"] == roots[0], "pid"].iloc[0]) \
@@ -62,39 +58,20 @@ def victim_cgroup(ctx: Any, roots: list[int]) -> dict[str, Any] | None:
     return out
 
 
-def _paths(ctx: Any) -> dict[tuple[str, int], str]:
-    f = _rows(ctx, "file")
-    if not len(f):
-        return {}
-    return dict(zip(zip(f["device"].astype(str), as_int64(f["inode"], 0).tolist()), f["path"].astype(str)))
-
-
-def _dirtier(ctx: Any, device: str, inode: int) -> dict[str, Any] | None:
-    d = _rows(ctx, "dirtied")
-    if not len(d):
-        return None
-    d = d[(d["device"].astype(str) == device) & (as_int64(d["inode"], 0) == inode)]
-    if not len(d):
-        return None
-    per = d.groupby([as_int64(d["tid"]), as_int64(d["pid"]), d["comm"].fillna("").astype(str)])["folios"].sum()
-    (tid, pid, comm), folios = next(iter(per.sort_values(ascending=False).items()))
-    return {"tid": int(tid), "pid": int(pid), "comm": comm, "folios": int(folios)}
-
-
 def cache_fillers(ctx: Any, pids: list[int]) -> list[dict[str, Any]]:
     """The files whose pages were added to the page cache most over the window, among
     those the processes `pids` had open or dirtied (the page cache is the machine's:
     other processes' files are not this cgroup's), each with its path and dirtier."""
-    pc = _rows(ctx, "page_cache")
+    pc = kind_rows(ctx.frames, "page_cache")
     if not len(pc):
         return []
     pc = pc[pc["change"].astype(str) == "added"]
     ts = as_int64(pc["ts_ns"], 0)
     pc = pc[(ts >= ctx.window.start_ns) & (ts < ctx.window.end_ns)]
-    paths = _paths(ctx)
+    paths = file_paths(ctx.frames)
     theirs: set[tuple[str, int]] = set()
     for kind in ("file", "dirtied"):  # the files they opened, mapped or dirtied
-        rows = _rows(ctx, kind)
+        rows = kind_rows(ctx.frames, kind)
         if len(rows):
             rows = rows[np.isin(as_int64(rows["pid"]), pids)]
             theirs |= set(zip(rows["device"].astype(str), as_int64(rows["inode"], 0).tolist()))
@@ -104,12 +81,8 @@ def cache_fillers(ctx: Any, pids: list[int]) -> list[dict[str, Any]]:
     out = []
     for (device, inode), pages in per.sort_values(ascending=False).head(MAX_FILES).items():
         out.append({"device": device, "inode": int(inode), "path": paths.get((device, int(inode))),
-                    "added_bytes": int(pages) * PAGE_BYTES, "dirtier": _dirtier(ctx, device, int(inode))})
+                    "added_bytes": int(pages) * PAGE_BYTES, "dirtiers": dirtiers(ctx, device, int(inode))})
     return out
-
-
-def _file_name(f: dict[str, Any]) -> str:
-    return f["path"] or f"inode {f['inode']} on {f['device']}"
 
 
 def reclaim_culprits(ctx: Any, roots: list[int]) -> dict[str, Any]:
@@ -133,9 +106,9 @@ def reclaim_culprits(ctx: Any, roots: list[int]) -> dict[str, Any]:
         names["anon_bytes"] = cgroup.get("anon", 0.0)
         return {**out, "case": "anon", "names": names}
     top = fillers[0] if fillers else None
-    writer = top["dirtier"] if top else None
+    writer = top["dirtiers"][0] if top and top["dirtiers"] else None
     names.update({
-        "file": _file_name(top) if top else "files the trace did not see opened",
+        "file": file_name(top) if top else "files the trace did not see opened",
         "by": f", dirtied by {writer['comm']} ({writer['tid']})" if writer else "",
         "file_user": writer["comm"] if writer else "the process that reads or writes it",
         "dirty": f"; {dirty / usage:.0%} of it dirty or under writeback, so reclaim waited for the disk"
@@ -150,7 +123,7 @@ def refaulted(ctx: Any, device: str, ws: np.ndarray, we: np.ndarray, read_bytes:
     `device`, when that is at least REFAULT_MIN_SHARE of `read_bytes` (the waiting
     threads' reads), with the file that was added to the cache most meanwhile (what
     pushed it out); `weigh(frame, ws, we)` weights bucketed rows by the waits."""
-    pc = _rows(ctx, "page_cache")
+    pc = kind_rows(ctx.frames, "page_cache")
     if not len(pc) or read_bytes <= 0:
         return None
     pc = pc[pc["device"].astype(str) == device]
@@ -163,22 +136,22 @@ def refaulted(ctx: Any, device: str, ws: np.ndarray, we: np.ndarray, read_bytes:
     if again < REFAULT_MIN_SHARE * read_bytes:
         return None
     added = pc[(pc["change"].astype(str) == "added") & (as_int64(pc["inode"], 0) != inode)]
-    paths = _paths(ctx)
+    paths = file_paths(ctx.frames)
     out: dict[str, Any] = {"device": device, "inode": inode, "path": paths.get((device, inode)),
                            "refaulted_bytes": again, "evictor": None}
     if len(added):
         filled = pd.Series(as_int64(added["pages"], 0), index=added.index).groupby(as_int64(added["inode"], 0)).sum()
         other = int(filled.idxmax())
         out["evictor"] = {"device": device, "inode": other, "path": paths.get((device, other)),
-                          "added_bytes": int(filled.max()) * PAGE_BYTES, "dirtier": _dirtier(ctx, device, other)}
+                          "added_bytes": int(filled.max()) * PAGE_BYTES, "dirtiers": dirtiers(ctx, device, other)}
     return out
 
 
 def refault_names(refault: dict[str, Any]) -> dict[str, Any]:
     """The `names` of a block_io finding's "refault" case."""
     evictor = refault["evictor"]
-    writer = (evictor or {}).get("dirtier")
-    return {"file": _file_name(refault), "refaulted_bytes": refault["refaulted_bytes"],
-            "evictor": f"{_file_name(evictor)}{' written by ' + writer['comm'] + ' (' + str(writer['tid']) + ')' if writer else ''}"
+    writer = (evictor or {}).get("dirtiers", [None])[0] if evictor and evictor["dirtiers"] else None
+    return {"file": file_name(refault), "refaulted_bytes": refault["refaulted_bytes"],
+            "evictor": f"{file_name(evictor)}{' written by ' + writer['comm'] + ' (' + str(writer['tid']) + ')' if writer else ''}"
             if evictor else "other files",
             "evictor_name": writer["comm"] if writer else "the other files' writers"}

@@ -36,16 +36,6 @@ def _aligned(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
-def write_dataset(path: str) -> None:
-    """The dataset file, on disk before the go (fsync'd: no writeback of it later)."""
-    chunk = os.urandom(1 << 20)
-    with open(path, "wb") as f:
-        for _ in range(DATASET_BYTES >> 20):
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def load_forever(path: str, batches: queue.Queue) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     buffer = _aligned(READ_BYTES)
@@ -81,14 +71,12 @@ def main() -> None:
     args = common.parse_args(__doc__, _arguments)
     with common.scratch_folder("trainbpf-ckptload-", args.dir) as folder:
         dataset, checkpoint = os.path.join(folder, "dataset.bin"), os.path.join(folder, "checkpoint.bin")
-        write_dataset(dataset)
+        common.write_dataset(dataset, DATASET_BYTES)
         batches: queue.Queue = queue.Queue(maxsize=2)
         common.start_thread(common.DATALOADER_COMM, load_forever, dataset, batches)
         if args.direct_checkpoint:
-            stop = threading.Event()
-            common.start_thread("ckpt_writer", write_direct_forever, checkpoint, stop, cpus=common.BACKGROUND_CPUS)
-            common.train(args.seconds, batches.get)
-            stop.set()
+            with common.background_thread("ckpt_writer", write_direct_forever, checkpoint, cpus=common.BACKGROUND_CPUS):
+                common.train(args.seconds, batches.get)
             return
         with common.file_rewriters("ckpt_writer", [checkpoint], CHECKPOINT_BYTES, CHECKPOINT_WRITE_BYTES,
                                    cpus=common.BACKGROUND_CPUS):

@@ -277,6 +277,33 @@ def file_rewriters(name: str, paths: list[str], file_bytes: int, write_bytes: in
             thread.join()
 
 
+@contextlib.contextmanager
+def background_thread(name: str, target, *args, cpus: set[int] | None = None):
+    """A thread named `name` running `target(*args, stop)` from the go on (pinned to
+    `cpus` when given); `stop` set and the thread joined on exit."""
+    stop = threading.Event()
+    thread = start_thread(name, target, *args, stop, cpus=cpus)
+    try:
+        yield thread
+    finally:
+        stop.set()
+        release_hold()
+        thread.join()
+
+
+def write_dataset(path: str, nbytes: int, *, cached: bool = True) -> None:
+    """A dataset file of `nbytes` random bytes on disk before the go (fsync'd: none of
+    its writeback later); not `cached`: its pages dropped from the page cache too."""
+    chunk = os.urandom(1 << 20)
+    with open(path, "wb") as f:
+        for _ in range(nbytes >> 20):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+        if not cached:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def add_dir_argument(parser) -> None:
     parser.add_argument("--dir", help="where to write scratch files (default /var/tmp); "
                         "they go into a fresh subfolder, removed at exit")

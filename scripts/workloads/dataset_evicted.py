@@ -27,18 +27,6 @@ BATCH_BYTES = 48 << 20
 DECODE_STEPS = 0.05
 
 
-def write_dataset(path: str) -> None:
-    """The dataset, on disk before the go and not in the page cache (fsync'd, then
-    dropped), so its pages enter the cache as the loader reads them."""
-    chunk = os.urandom(1 << 20)
-    with open(path, "wb") as f:
-        for _ in range(DATASET_BYTES >> 20):
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-
-
 def load_forever(path: str, batches) -> None:
     fd = os.open(path, os.O_RDONLY)
     offset = 0
@@ -66,17 +54,13 @@ def main() -> None:
     args = common.parse_args(__doc__, common.add_dir_argument)
     with common.scratch_folder("trainbpf-evict-", args.dir) as folder:
         dataset = os.path.join(folder, "dataset.bin")
-        write_dataset(dataset)
+        # On disk before the go and not in the page cache: its pages enter the cache as
+        # the loader reads them.
+        common.write_dataset(dataset, DATASET_BYTES, cached=False)
         batches: queue.Queue = queue.Queue(maxsize=2)
-        stop = threading.Event()
         common.start_thread(common.DATALOADER_COMM, load_forever, dataset, batches)
-        writer = common.start_thread("ckpt_writer", checkpoint_forever, folder, stop, cpus=common.BACKGROUND_CPUS)
-        try:
+        with common.background_thread("ckpt_writer", checkpoint_forever, folder, cpus=common.BACKGROUND_CPUS):
             common.train(args.seconds, batches.get)
-        finally:
-            stop.set()
-            common.release_hold()
-            writer.join()
 
 
 if __name__ == "__main__":

@@ -41,16 +41,9 @@ def main() -> None:
         step += 1
         return worker_queues[step % len(worker_queues)].get()
 
-    stop = threading.Event()
-    with common.scratch_folder("trainbpf-demo-", args.dir) as folder:
-        writer = common.start_thread("ckpt_writer", checkpoint_periodically,
-                                     os.path.join(folder, "checkpoint.bin"), stop)
-        try:
-            common.train(args.seconds, next_batch)
-        finally:
-            stop.set()
-            common.release_hold()
-            writer.join()
+    with common.scratch_folder("trainbpf-demo-", args.dir) as folder, \
+            common.background_thread("ckpt_writer", checkpoint_periodically, os.path.join(folder, "checkpoint.bin")):
+        common.train(args.seconds, next_batch)
 
 
 if __name__ == "__main__":

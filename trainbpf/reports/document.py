@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from trainbpf.analyzers.causes.categories import BY_NAME
+from trainbpf.analyzers.causes.files import file_name
 from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.pipeline import Analysis
 from trainbpf.analyzers.threads.states import state_seconds
@@ -190,19 +191,17 @@ def _memory_culprits(evidence: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [{"kind": "cgroup", "name": cgroup["path"], **{
         f"{key}_bytes" if key != "max" else "limit_bytes": int(cgroup[key])
         for key in ("max", "usage", "file", "anon") if key in cgroup}}]
+    named: set[int] = set()
     for f in evidence.get("page_cache", []):
-        out.append({"kind": "file", "name": f["path"] or f"inode {f['inode']} on {f['device']}", "device": f["device"],
-                    "inode": f["inode"], "added_bytes": f["added_bytes"]})
-        w = f["dirtier"]
-        if w and not any(c.get("tid") == w["tid"] for c in out):
-            out.append({"kind": "thread", "name": w["comm"], "tid": w["tid"], "pid": w["pid"], "folios": w["folios"]})
+        out += [_file_culprit(f, added_bytes=f["added_bytes"])] + _dirtier_culprit(f, named)
     return out
 
 
 def _io_culprits(evidence: dict[str, Any]) -> list[dict[str, Any]]:
     """A disk finding's device, the files written back (or dirtied) during its waits
-    and who dirtied them, and the other tasks whose requests filled the device (its
-    evidence's `io`, analyzers/causes/io_culprits.py)."""
+    and who dirtied them, the file read again and the one that pushed it out of the page
+    cache, and the other tasks whose requests filled the device (its evidence's `io`,
+    analyzers/causes/io_culprits.py)."""
     io = evidence.get("io")
     if not io:
         return []
@@ -210,27 +209,33 @@ def _io_culprits(evidence: dict[str, Any]) -> list[dict[str, Any]]:
                                   "bytes": int(io["bytes"])} for d in io["devices"][:1]]
     named: set[int] = set()
     for f in io["files"]:
-        out.append({"kind": "file", "name": f["path"] or f"inode {f['inode']} on {f['device']}", "device": f["device"],
-                    "inode": f["inode"], f"{io['files_by']}_bytes": int(f["bytes"]),
-                    "write_paths": sorted(f["write_paths"])})
-        for w in f["dirtiers"][:1]:
-            if w["tid"] not in named:
-                named.add(w["tid"])
-                out.append({"kind": "thread", "name": w["comm"], "tid": w["tid"], "pid": w["pid"],
-                            "folios": int(w["folios"]), "function": w["function"]})
+        out += [_file_culprit(f, **{f"{io['files_by']}_bytes": int(f["bytes"])}, write_paths=sorted(f["write_paths"]))]
+        out += _dirtier_culprit(f, named)
     again = io.get("refaulted")
     if again:
-        out.append({"kind": "file", "name": again["path"] or f"inode {again['inode']} on {again['device']}",
-                    "device": again["device"], "inode": again["inode"], "refaulted_bytes": int(again["refaulted_bytes"])})
+        out.append(_file_culprit(again, refaulted_bytes=int(again["refaulted_bytes"])))
         if again["evictor"]:
-            e = again["evictor"]
-            out.append({"kind": "file", "name": e["path"] or f"inode {e['inode']} on {e['device']}", "device": e["device"],
-                        "inode": e["inode"], "added_bytes": e["added_bytes"], "evicted": True})
+            out.append(_file_culprit(again["evictor"], added_bytes=again["evictor"]["added_bytes"], evicted=True))
     for i in io["issuers"]:
         if not i["victim"] and not i["flusher"] and i["tid"] not in named and i["bytes"] >= MIN_ISSUER_SHARE * io["bytes"]:
             named.add(i["tid"])
             out.append({"kind": "process" if i["tid"] == i["pid"] else "thread", "name": i["comm"], "tid": i["tid"],
                         "pid": i["pid"], "bytes": int(i["bytes"]), "direction": i["direction"]})
+    return out
+
+
+def _file_culprit(f: dict[str, Any], **amounts: Any) -> dict[str, Any]:
+    return {"kind": "file", "name": file_name(f), "device": f["device"], "inode": f["inode"], **amounts}
+
+
+def _dirtier_culprit(f: dict[str, Any], named: set[int]) -> list[dict[str, Any]]:
+    """The file's first dirtier, unless a culprit already names that thread."""
+    out = []
+    for w in f["dirtiers"][:1]:
+        if w["tid"] not in named:
+            named.add(w["tid"])
+            out.append({"kind": "thread", "name": w["comm"], "tid": w["tid"], "pid": w["pid"],
+                        "folios": int(w["folios"]), "function": w["function"]})
     return out
 
 
