@@ -221,6 +221,41 @@ def reclaim(path: str, total_mb: int) -> dict:
     return {"reclaimer": threading.get_native_id()}
 
 
+def page_cache(read_path: str, write_path: str, write_mb: int) -> dict:
+    """Two children: a reader reads `read_path` (buffered) twice, its pages dropped
+    (fadvise DONTNEED) in between so the second read brings them back; a writer writes
+    `write_mb` MB to `write_path` and syncs it."""
+    def reader() -> None:
+        set_thread_name("tb_reader")
+        fd = os.open(read_path, os.O_RDONLY)
+        while os.read(fd, 1 << 20):
+            pass
+        time.sleep(0.6)  # a cgroup sample sees the file cached
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.lseek(fd, 0, os.SEEK_SET)
+        while os.read(fd, 1 << 20):
+            pass
+
+    def writer() -> None:
+        set_thread_name("tb_writer")
+        with open(write_path, "wb") as fh:
+            for _ in range(write_mb):
+                fh.write(os.urandom(1 << 20))
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    children = {}
+    for name, work in (("reader", reader), ("writer", writer)):
+        child = os.fork()
+        if child == 0:
+            work()
+            os._exit(0)
+        children[name] = child
+    for child in children.values():
+        os.waitpid(child, 0)
+    return children
+
+
 def sleeper(seconds: str) -> dict:
     """Exits after `seconds` (the target-exit test)."""
     time.sleep(float(seconds))
@@ -349,7 +384,7 @@ def cuda_real(runtime: str) -> dict:
 
 WORKLOADS = {"basic": basic, "dirty": dirty, "reclaim": reclaim, "sleeper": sleeper, "cuda_fake": cuda_fake,
              "cuda_real": cuda_real, "forked_worker": forked_worker, "short_threads": short_threads,
-             "bursts": bursts, "write_paths": write_paths}
+             "bursts": bursts, "write_paths": write_paths, "page_cache": page_cache}
 
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]

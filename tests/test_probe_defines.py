@@ -25,7 +25,7 @@ def _defined(collectors, tmp_path) -> dict[str, str]:
 
 
 def test_every_required_constant_is_passed_by_the_loader(tmp_path):
-    for c in (c for c in loader.select(None, Settings()) if c.source):
+    for c in (c for c in loader.select(list(loader.PROBE_NAMES), Settings()) if c.source):
         needed = _required("common.h") | _required("pyframes.h") | _required(c.source)
         assert needed, f"{c.source} checks no constant"
         missing = needed - set(_defined(loader.select([c.name], Settings()), tmp_path))
@@ -33,14 +33,14 @@ def test_every_required_constant_is_passed_by_the_loader(tmp_path):
 
 
 def test_shared_constants_are_not_defined_in_c(tmp_path):
-    sources = [c.source for c in loader.select(None, Settings()) if c.source]
+    sources = [c.source for c in loader.select(list(loader.PROBE_NAMES), Settings()) if c.source]
     required = set().union(*(_required(s) for s in sources)) | _required("common.h")
     text = "".join((loader.probes_dir() / src).read_text() for src in ["common.h"] + sources)
     assert not {name for name in required if re.search(rf"^#define {name}\b", text, re.M)}
 
 
 def test_lost_counter_indexes_come_from_probe_ids(tmp_path):
-    defined = _defined(loader.select(None, Settings()), tmp_path)
+    defined = _defined(loader.select(list(loader.PROBE_NAMES), Settings()), tmp_path)
     assert {name: int(defined[f"PROBE_{name.upper()}"]) for name in PROBE_IDS} == PROBE_IDS
     assert int(defined["PROBE_COUNT"]) == len(PROBE_IDS)
 
@@ -63,17 +63,18 @@ def test_settings_reach_the_probes_as_defines(tmp_path):
     (#error rule), and passed with the value the recording was given."""
     from trainbpf.tracer.settings import Settings as Declared
 
-    sources = [c.source for c in loader.select(None, Settings()) if c.source]
+    sources = [c.source for c in loader.select(list(loader.PROBE_NAMES), Settings()) if c.source]
     required = set().union(*(_required(s) for s in sources + ["common.h", "pyframes.h"]))
     given = Declared(min_block_ns=123, min_cuda_ns=456, cuda_bucket_ns=7_000_000, cuda_thread_records=64,
-                     write_bucket_ns=50_000_000, ringbuf_pages=8, stack_frames=20, stack_entries=1000, trace_all=True,
-                     exec_leaves=True)
+                     write_bucket_ns=50_000_000, page_cache_bucket_ns=30_000_000, refault_keys=4096, ringbuf_pages=8,
+                     stack_frames=20, stack_entries=1000, trace_all=True, exec_leaves=True)
     assert set(given.defines()) <= required, "a setting no probe requires"
-    flags = loader.cflags(loader.select(None, given), given, tmp_path)
+    flags = loader.cflags(loader.select(list(loader.PROBE_NAMES), given), given, tmp_path)
     defined = dict(f[2:].partition("=")[::2] for f in flags if f.startswith("-D"))
     assert {name: int(defined[name]) for name in given.defines()} == {
         "MIN_BLOCK_NS": 123, "MIN_FUTEX_NS": 20_000, "MIN_LOCK_NS": 10_000, "MIN_CUDA_NS": 456,
-        "CUDA_BUCKET_NS": 7_000_000, "CUDA_THREAD_RECORDS": 64, "WRITE_BUCKET_NS": 50_000_000, "RINGBUF_PAGES": 8,
+        "CUDA_BUCKET_NS": 7_000_000, "CUDA_THREAD_RECORDS": 64, "WRITE_BUCKET_NS": 50_000_000,
+        "PAGE_CACHE_BUCKET_NS": 30_000_000, "REFAULT_KEYS": 4096, "RINGBUF_PAGES": 8,
         "STACK_FRAMES": 20, "STACK_ENTRIES": 1000, "TRACE_ALL": 1, "PYTHON_FRAMES": 1, "EXEC_LEAVES": 1}
     assert len(flags) == len(set(flags)), "a define passed twice"
 
@@ -88,8 +89,8 @@ def test_thresholds_are_every_declared_number():
     numbers = [f.name for f in fields(Declared) if f.metadata.get("threshold")]
     assert list(Declared().thresholds()) == numbers == [
         "min_block_ns", "min_futex_ns", "min_lock_ns", "oncpu_hz", "fault_bucket_ns", "min_cuda_ns",
-        "cuda_bucket_ns", "cuda_thread_records", "write_bucket_ns", "ringbuf_pages", "stack_frames", "stack_entries",
-        "hz"]
+        "cuda_bucket_ns", "cuda_thread_records", "write_bucket_ns", "page_cache_bucket_ns", "refault_keys",
+        "cgroup_sample_ns", "ringbuf_pages", "stack_frames", "stack_entries", "hz"]
     assert Declared(min_lock_ns=5).thresholds()["min_lock_ns"] == 5
 
 

@@ -11,7 +11,7 @@ import pytest
 from kernel_env import require_root
 from kernel_workloads import WRITE_CHUNK, WRITES
 from recording import record_workload
-from trainbpf.tracer.collectors.writepath import whole_disk
+from trainbpf.tracer.disks import whole_disk
 
 pytestmark = pytest.mark.kernel
 WRITTEN = WRITE_CHUNK * WRITES

@@ -209,6 +209,26 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # carries no file or length), count = calls (write syscalls, direct I/Os or io_uring
     # write submissions).  A bucket may come in several rows (one per flush): add them up.
     "write_path": ("ts_ns", "dur_ns", "tid", "pid", "name", "addr", "state", "size", "count"),
+    # The memory cgroup of each traced process, read at the start, every
+    # thresholds.cgroup_sample_ns and at the stop (tracer/samplers/memcg.py): one row per
+    # (time, cgroup, key); pid = a traced process in it, name = its path below the
+    # hierarchy's mount ("/train.slice/job-1"), state = key, count = value: "version"
+    # (1 or 2), "max" (v2 memory.max, v1 memory.limit_in_bytes; no row when unlimited),
+    # "high" (v2 memory.high; no row when unlimited), "usage" (memory.current,
+    # memory.usage_in_bytes) and from memory.stat "file", "anon", "file_dirty",
+    # "file_writeback" in bytes and "workingset_refault_file" (a count of refaults); v1's
+    # hierarchical total_cache, total_rss, total_dirty, total_writeback,
+    # total_workingset_refault_file stand for them.
+    "memory_cgroup": ("ts_ns", "pid", "name", "state", "count"),
+    # Pages added to and dropped from the page cache, every process's files, counted in
+    # the kernel per (bucket of thresholds.page_cache_bucket_ns, device, inode, change)
+    # (probes/pagecache.bpf.c): ts_ns = the bucket's start, dur_ns = its length, name =
+    # the whole disk "MAJ:MIN" of the file's file system, addr = inode, state = change
+    # "added" (every page added, refaults included) / "dropped" (evicted, truncated,
+    # invalidated) / "refaulted" (of the added, those whose (device, inode, index) was
+    # dropped earlier in the recording), count = pages.  A bucket may come in several rows
+    # (one per flush): add them up.
+    "page_cache": ("ts_ns", "dur_ns", "name", "addr", "state", "count"),
     # GPU utilisation sample: ts_ns = the END of the period it describes; op = GPU
     # index, name = uuid, value = utilisation percent, size = memory utilisation percent,
     # count = memory used MiB (null in process rows).  pid null: the whole device
@@ -277,6 +297,8 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "cuda_call": {"op": "nested", "size": "bytes", "count": "ret"},
     "collective": {"op": "seq", "addr": "comm", "size": "elements", "count": "ret"},
     "write_path": {"name": "device", "addr": "inode", "state": "path", "size": "bytes", "count": "calls"},
+    "memory_cgroup": {"name": "cgroup", "state": "key", "count": "value"},
+    "page_cache": {"name": "device", "addr": "inode", "state": "change", "count": "pages"},
     "gpu": {"op": "index", "name": "uuid", "value": "util_pct", "size": "mem_util_pct", "count": "mem_used_mib"},
     "vmstat": {"name": "key", "count": "delta"},
     "psi": {"name": "resource", "count": "stalled_us"},

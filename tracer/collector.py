@@ -35,6 +35,7 @@ PROBE_IDS = {
     "cuda": 8,
     "nccl": 9,
     "writepath": 10,
+    "pagecache": 11,
 }
 
 
@@ -82,6 +83,8 @@ class Collector(Source):
     optional_raw_tracepoints: ClassVar[tuple[str, ...]] = ()
     ringbufs: ClassVar[tuple[str, ...]] = ()
     uprobes: ClassVar[bool] = False  # attaches uprobes (to libraries found while recording), no tracepoints
+    # Recorded only when `--probes` names it: it costs too much for every recording.
+    opt_in: ClassVar[bool] = False
     notice: Callable[[str], None] | None = None  # one-line news for the user (record sets it)
 
     def __init__(self, settings: Settings):

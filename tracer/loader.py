@@ -32,6 +32,7 @@ from trainbpf.tracer.collectors.futex import FutexCollector
 from trainbpf.tracer.collectors.mm import MmCollector
 from trainbpf.tracer.collectors.nccl import NcclCollector
 from trainbpf.tracer.collectors.oncpu import OnCpuCollector
+from trainbpf.tracer.collectors.pagecache import PageCacheCollector
 from trainbpf.tracer.collectors.sched import SchedCollector
 from trainbpf.tracer.collectors.writeback import WritebackCollector
 from trainbpf.tracer.collectors.writepath import WritePathCollector
@@ -41,7 +42,7 @@ from trainbpf.tracer.symbols import pystacks
 
 ALL_COLLECTORS: tuple[type[Collector], ...] = (
     SchedCollector, FutexCollector, FaultsCollector, OnCpuCollector, MmCollector,
-    WritebackCollector, BlockCollector, CudaCollector, NcclCollector, WritePathCollector,
+    WritebackCollector, BlockCollector, CudaCollector, NcclCollector, WritePathCollector, PageCacheCollector,
 )
 PROBE_NAMES = tuple(c.name for c in ALL_COLLECTORS)
 TRACEFS = Path(os.environ.get("TRAINBPF_TRACEFS", "/sys/kernel/tracing"))  # where tracefs lives or is mounted
@@ -105,13 +106,17 @@ def have_raw_define(name: str) -> str:
 
 
 def select(names: list[str] | None, settings: Settings) -> list[Collector]:
+    """The collectors of the probes `names`; none given: the default set, every probe
+    but the opt-in ones (Collector.opt_in), for which "default" also stands."""
     if not names:
-        return [c(settings) for c in ALL_COLLECTORS]
-    unknown = sorted(set(names) - set(PROBE_NAMES))
+        return [c(settings) for c in ALL_COLLECTORS if not c.opt_in]
+    unknown = sorted(set(names) - set(PROBE_NAMES) - {"default"})
     if unknown:
         from trainbpf.trace.errors import UsageError
 
-        raise UsageError(f"unknown probe(s) {', '.join(unknown)}; choose from {', '.join(PROBE_NAMES)}")
+        raise UsageError(f"unknown probe(s) {', '.join(unknown)}; choose from default, {', '.join(PROBE_NAMES)}")
+    if "default" in names:
+        names = [*names, *(c.name for c in ALL_COLLECTORS if not c.opt_in)]
     chosen = [c(settings) for c in ALL_COLLECTORS if c.name in names]
     if not any(c.name == "sched" for c in chosen):  # the thread table and off-CPU states
         chosen.insert(0, SchedCollector(settings))

@@ -8,6 +8,7 @@ import pyarrow as pa
 
 from trainbpf.tracer import loader
 from trainbpf.tracer.samplers import jobenv, procfs, taskstats
+from trainbpf.tracer.samplers.memcg import CgroupSampler
 from trainbpf.tracer.samplers.gpu import GpuSampler
 from trainbpf.tracer.source import Source
 from trainbpf.tracer.symbols.addrs import AddressDescriber, futex_pairs
@@ -168,6 +169,39 @@ class ProcSamples(Source):
             self.sampler.close()
 
 
+class MemoryCgroups(Source):
+    """The traced processes' memory cgroups: limits, usage and what fills them, at the
+    start, every settings.cgroup_sample_ns and at the stop (tracer/samplers/memcg.py)."""
+
+    name = "memory_cgroup"
+    sampler: CgroupSampler | None = None
+
+    def open(self, session) -> None:
+        super().open(session)
+        self.taken: list[pa.RecordBatch] = []  # read since the last flush
+
+    def seed(self, walked: list) -> list[pa.RecordBatch]:
+        self.sampler = CgroupSampler()
+        self.next_ns = self.session.start_ns
+        self.sample(self.session.start_ns)
+        return []
+
+    def sample_interval_ns(self) -> int | None:
+        return self.session.settings.cgroup_sample_ns
+
+    def sample(self, now_ns: int, *, final: bool = False) -> None:
+        if self.sampler is None or (now_ns < self.next_ns and not final):
+            return
+        self.next_ns = now_ns + self.session.settings.cgroup_sample_ns
+        self.taken += _present(self.sampler.take(now_ns, self.session.threads.tgids(), final=final))
+
+    def flush(self, now_ns: int, *, final: bool) -> list[pa.RecordBatch]:
+        if final:  # the cgroups as the recording ends
+            self.sample(now_ns, final=True)
+        taken, self.taken = self.taken, []
+        return taken
+
+
 class NumaPages(Source):
     """Each traced process's pages per NUMA node, at the start and at the stop."""
 
@@ -224,5 +258,6 @@ class TaskDelays(Source):
 # After the probes, in this order: symbolisers name the flush's rows in turn, and each
 # source's end() sees what the ones before it ended.
 SOURCES: list[type[Source]] = [
-    StackNames, FutexAddresses, PythonFrames, JobEnvironments, GpuSamples, ProcSamples, NumaPages, TaskDelays,
+    StackNames, FutexAddresses, PythonFrames, JobEnvironments, GpuSamples, ProcSamples, MemoryCgroups, NumaPages,
+    TaskDelays,
 ]

@@ -155,7 +155,7 @@ def check_probes_load() -> list[Check]:
     from trainbpf.tracer.settings import Settings
 
     try:
-        bpf = loader.load(loader.select(None, Settings()), Settings())
+        bpf = loader.load(loader.select(list(loader.PROBE_NAMES), Settings()), Settings())  # the opt-in ones too
     except TrainbpfError as exc:
         return [Check("probes load", FAIL, str(exc).replace("; run `trainbpf doctor`", ""),
                       "see the checks above")]

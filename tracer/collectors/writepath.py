@@ -4,12 +4,11 @@ read out as `write_path` rows at each flush."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pyarrow as pa
 
 from trainbpf.tracer.collector import Collector, bucket_batches, delete_keys, drain_hash
+from trainbpf.tracer.disks import KernelDisks
 
 # The path codes of write_key.path (0 unused), passed to the probe as -D WP_<NAME>.
 PATHS = ("buffered", "direct", "io_uring")
@@ -19,21 +18,6 @@ IOMAP_WRITE = 1 << 0  # flags of iomap_iter (its print fmt: "WRITE")
 # WRITE, WRITEV_FIXED (6.15).
 IO_URING_WRITE_OPS = (2, 5, 23, 61)
 WRITE_ENTRIES = 16384  # (bucket, thread, file, path) counts between two flushes
-KERNEL_MINOR_BITS = 20  # the kernel's dev_t: major << 20 | minor
-SYS_DEV_BLOCK = Path("/sys/dev/block")
-
-
-def whole_disk(major: int, minor: int, sys_dev_block: Path = SYS_DEV_BLOCK) -> str:
-    """The disk a block device is on, as "MAJ:MIN": a partition's parent disk (its
-    /sys/dev/block entry has a `partition` file and sits in the disk's folder), else the
-    device itself (a whole disk, or a file system without a block device, e.g. "0:45")."""
-    entry = sys_dev_block / f"{major}:{minor}"
-    try:
-        if (entry / "partition").exists():
-            return (entry.resolve().parent / "dev").read_text().strip()
-    except OSError:
-        pass
-    return f"{major}:{minor}"
 
 
 class WritePathCollector(Collector):
@@ -47,7 +31,7 @@ class WritePathCollector(Collector):
 
     def __init__(self, settings):
         super().__init__(settings)
-        self.disks: dict[int, str] = {}  # kernel dev_t -> its whole disk
+        self.disks = KernelDisks()
 
     def defines(self) -> dict[str, int]:
         return {
@@ -60,11 +44,7 @@ class WritePathCollector(Collector):
 
     def device(self, dev: int) -> str:
         """A kernel dev_t as its whole disk "MAJ:MIN"; "" for none (io_uring rows)."""
-        if dev == 0:
-            return ""
-        if dev not in self.disks:
-            self.disks[dev] = whole_disk(dev >> KERNEL_MINOR_BITS, dev & ((1 << KERNEL_MINOR_BITS) - 1))
-        return self.disks[dev]
+        return "" if dev == 0 else self.disks.name(dev)
 
     def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
         # A bucket still counting when drained goes on in a new entry: its rows add up.
