@@ -169,15 +169,6 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     "file": ("ts_ns", "pid", "state", "addr", "name"),
     # A block device the trace names: state = "MAJ:MIN", name = its name ("vda").
     "block_device": ("ts_ns", "state", "name"),
-    # A traced process's memory cgroup, sampled: name = its path below the hierarchy's
-    # mount, state = key ("max", "high", "usage", "file", "anon", "file_dirty",
-    # "file_writeback", "workingset_refault_file", "version"), count = its value (bytes,
-    # else a count), pid = a traced process in it.
-    "memory_cgroup": ("ts_ns", "pid", "name", "state", "count"),
-    # Pages added to, dropped from and added back to the page cache per (bucket, device,
-    # inode, change), every process's files: name = the whole disk "MAJ:MIN", addr = the
-    # inode number, state = "added" / "dropped" / "refaulted", count = pages.
-    "page_cache": ("ts_ns", "dur_ns", "name", "addr", "state", "count"),
     # CUDA launches (cudaLaunchKernel*, cudaLaunchCooperativeKernel, cudaGraphLaunch,
     # cuLaunchKernel*, cuGraphLaunch and their _ptsz/_ptds/_v2 aliases) counted in the
     # kernel per (tid, bucket of thresholds.cuda_bucket_ns, layer, nesting):
@@ -291,8 +282,6 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "dirtied": {"name": "device", "addr": "inode", "count": "folios"},
     "file": {"state": "device", "addr": "inode", "name": "path"},
     "block_device": {"state": "device"},
-    "memory_cgroup": {"name": "cgroup", "state": "key", "count": "value"},
-    "page_cache": {"name": "device", "addr": "inode", "state": "change", "count": "pages"},
     "cuda_launch": {"name": "layer", "op": "nested", "count": "launches"},
     "cuda_call": {"op": "nested", "size": "bytes", "count": "ret"},
     "collective": {"op": "seq", "addr": "comm", "size": "elements", "count": "ret"},
