@@ -71,6 +71,7 @@ class Scenario:
     # cache dropped it for a file that thread wrote.
     refault: tuple[str, str] | None = None
     record_seconds: float = RECORD_SECONDS  # a scenario tested on its own may record less
+    probes: str | None = None  # the recorder's --probes (None: its default set)
 
     @property
     def healthy(self) -> bool:
@@ -118,7 +119,7 @@ SCENARIOS = (
     Scenario("reclaim_cgroup", ("memory_reclaim",), memory_limit=256 * MiB, gpu_sources=("nvidia-smi",),
              culprit=("shard", "shard_writer")),
     # The dataset's pages dropped for the checkpoints' and read again.
-    Scenario("dataset_evicted", ("block_io", "memory_reclaim"), memory_limit=256 * MiB,
+    Scenario("dataset_evicted", ("block_io", "memory_reclaim"), memory_limit=256 * MiB, probes="default,pagecache",
              refault=("dataset.bin", "ckpt_writer"), gpu_sources=("nvml",)),
     Scenario("numa_wrong_node", ("numa_remote",), declares_topology=True),
     Scenario("demo_trainer", ("input_pipeline",), gpu_sources=("nvml",)),
@@ -276,7 +277,7 @@ def run_scenario_recorders(scenario: Scenario, workdir: Path, gpu_source: str,
         return workdir / (f"{stem}-{name.replace(' ', '_')}{suffix}" if together else f"{stem}{suffix}")
 
     traces = {name: own(scenario.name, name, ".parquet") for name in recorders}
-    record_args = ["--gpu", gpu_source]
+    record_args = ["--gpu", gpu_source] + (["--probes", scenario.probes] if scenario.probes else [])
     # The spool appears once the probes are compiled and attaching: start the load then.
     go = workdir / "go" if together else spool_path_for(next(iter(traces.values())))
     workload_args: tuple[str, ...] = ("--hold-until", str(go), *scenario.variant)

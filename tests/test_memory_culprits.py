@@ -11,7 +11,7 @@ from trainbpf.analyzers.pipeline import analyze
 from trainbpf.reports.document import build_report
 
 WRITER = 150
-SHARD, DATASET, CKPT = 71, 72, 73
+SHARD, DATASET, CKPT, SPILL = 71, 72, 73, 74
 CGROUP = "/train.slice/job-1"
 MiB = 1 << 20
 
@@ -27,6 +27,7 @@ def _reclaiming(file_bytes: int, anon_bytes: int, dirty_bytes: int = 0) -> Synth
     s.thread(WRITER, "shard_writer")
     s.file(SHARD, "/data/shards/shard0.bin")
     s.file(DATASET, "/data/other.bin", pid=4242)  # another process's file: not this cgroup's
+    s.file(SPILL, "/data/spill.bin")
     for x in periodic(0.0, s.duration_s, 0.2):
         s.offcpu(TRAINER, x + 0.1, 0.1, state="D", kstack=RECLAIM_STACK)
         s.reclaim(TRAINER, x + 0.1, 0.1, state="memcg")
@@ -38,6 +39,7 @@ def _reclaiming(file_bytes: int, anon_bytes: int, dirty_bytes: int = 0) -> Synth
         s.page_cache(x, SHARD, "added", 2048)
         s.page_cache(x, DATASET, "added", 4096)  # more, but not the job's
         s.dirtied(WRITER, x, SHARD, 2048, comm="shard_writer")
+        s.dirtied(TRAINER, x, SPILL, 4096)  # the trainer's own spill file: not what pushed it into reclaim
     return s
 
 
@@ -51,6 +53,15 @@ def test_reclaim_names_the_cgroup_its_limit_and_the_file_that_filled_it(tmp_path
     assert [c["kind"] for c in f["culprits"]][1:3] == ["cgroup", "file"], f["culprits"]
     cgroup = next(c for c in f["culprits"] if c["kind"] == "cgroup")
     assert cgroup["name"] == CGROUP and cgroup["limit_bytes"] == 256 * MiB
+
+
+def test_without_the_page_cache_probe_the_dirtied_files_are_named(tmp_path):
+    s = _reclaiming(file_bytes=200 * MiB, anon_bytes=40 * MiB)
+    s.rows["page_cache"].clear()  # recorded without the opt-in pagecache probe
+    f = _top(s, tmp_path)
+    assert f["evidence"]["case"] == "page_cache"
+    assert f"most of it /data/shards/shard0.bin, dirtied by shard_writer ({WRITER})" in f["summary"], f["summary"]
+    assert [c.get("dirtied_bytes") for c in f["culprits"] if c["kind"] == "file"] == [100 * 2048 * 4096]
 
 
 def test_reclaim_of_the_processes_own_memory_says_so(tmp_path):
@@ -99,4 +110,4 @@ def test_the_text_report_lists_the_cgroup_and_the_files(tmp_path):
     a = analyze(s.read(tmp_path))
     text = render_text(Report(analysis=a, doc=build_report(a)))
     assert f"    cgroup: {CGROUP} (limit 268 MB, usage 267 MB, page cache 210 MB, anonymous 41.9 MB)" in text, text
-    assert "    file: /data/shards/shard0.bin (839 MB added to the page cache)" in text, text
+    assert "    file: /data/shards/shard0.bin (839 MB dirtied, 839 MB added to the page cache)" in text, text

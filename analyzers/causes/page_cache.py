@@ -30,19 +30,21 @@ DIRTY_MIN_SHARE = 0.1
 # re-read what the cache dropped.
 REFAULT_MIN_SHARE = 0.25
 MAX_FILES = 5
-# The keys of a memory cgroup's rows, as bytes (the rest are counts).
-_BYTE_KEYS = ("max", "high", "usage", "file", "anon", "file_dirty", "file_writeback")
 
 
 def victim_cgroup(ctx: Any, roots: list[int]) -> dict[str, Any] | None:
-    """The memory cgroup of the threads `roots`' process (the first root's), with each
-    key's largest value over the window (the limits: their last), or None without rows."""
+    """The memory cgroup of the threads `roots`' process (the first root's; the only
+    cgroup when the rows name another process for it: a row names one traced process of
+    its cgroup), with each key's largest value over the window (the limits: their last)
+    and `dirty`, the most of it dirty or under writeback at once; None without rows."""
     rows = kind_rows(ctx.frames, "memory_cgroup")
     if not len(rows) or not roots:
         return None
-    pid = int(ctx.threads.loc[ctx.threads["tid"] == roots[0], "pid"].iloc[0]) \
-        if (ctx.threads["tid"] == roots[0]).any() else roots[0]
+    threads = ctx.threads
+    pid = int(threads.loc[threads["tid"] == roots[0], "pid"].iloc[0]) if (threads["tid"] == roots[0]).any() else roots[0]
     mine = rows[as_int64(rows["pid"]) == pid]
+    if not len(mine) and rows["cgroup"].nunique() == 1:
+        mine = rows
     if not len(mine):
         return None
     path = str(mine.sort_values("ts_ns")["cgroup"].iloc[-1])
@@ -50,38 +52,61 @@ def victim_cgroup(ctx: Any, roots: list[int]) -> dict[str, Any] | None:
     ts = as_int64(of["ts_ns"], 0)
     inside = (ts >= ctx.window.start_ns) & (ts <= ctx.window.end_ns)
     of = of[inside] if inside.any() else of
+    values = of.assign(value=pd.to_numeric(of["value"], errors="coerce")).pivot_table(
+        index="ts_ns", columns="key", values="value", aggfunc="last", observed=True).sort_index()
     out: dict[str, Any] = {"path": path, "pids": sorted({int(p) for p in as_int64(of["pid"]) if p >= 0})}
-    for key, values in of.sort_values("ts_ns").groupby(of["key"].astype(str))["value"]:
-        v = pd.to_numeric(values, errors="coerce").dropna()
+    for key in values.columns:
+        v = values[key].dropna()
         if len(v):
-            out[key] = float(v.iloc[-1] if key in ("max", "high", "version") else v.max())
+            out[str(key)] = float(v.iloc[-1] if key in ("max", "high", "version") else v.max())
+    dirty = values.reindex(columns=["file_dirty", "file_writeback"]).fillna(0).sum(axis=1)
+    out["dirty"] = float(dirty.max()) if len(dirty) else 0.0
     return out
 
 
-def cache_fillers(ctx: Any, pids: list[int]) -> list[dict[str, Any]]:
-    """The files whose pages were added to the page cache most over the window, among
-    those the processes `pids` had open or dirtied (the page cache is the machine's:
-    other processes' files are not this cgroup's), each with its path and dirtier."""
-    pc = kind_rows(ctx.frames, "page_cache")
-    if not len(pc):
-        return []
-    pc = pc[pc["change"].astype(str) == "added"]
-    ts = as_int64(pc["ts_ns"], 0)
-    pc = pc[(ts >= ctx.window.start_ns) & (ts < ctx.window.end_ns)]
-    paths = file_paths(ctx.frames)
+def _in_window(ctx: Any, rows: pd.DataFrame) -> pd.DataFrame:
+    ts = as_int64(rows["ts_ns"], 0)
+    return rows[(ts >= ctx.window.start_ns) & (ts < ctx.window.end_ns)]
+
+
+def cache_fillers(ctx: Any, pids: list[int], roots: list[int]) -> list[dict[str, Any]]:
+    """The files that filled the page cache over the window, most first: by the pages
+    added to it (`page_cache` rows, an opt-in probe) or the folios dirtied in it,
+    whichever is more; among those the processes `pids` had open, mapped or dirtied (the
+    page cache is the machine's: other processes' files are not this cgroup's), leaving
+    out the files only the waiting threads `roots` dirtied (their own writes are not
+    what pushed them into reclaim).  Each with its path and dirtiers."""
+    frames = ctx.frames
     theirs: set[tuple[str, int]] = set()
     for kind in ("file", "dirtied"):  # the files they opened, mapped or dirtied
-        rows = kind_rows(ctx.frames, kind)
+        rows = kind_rows(frames, kind)
         if len(rows):
             rows = rows[np.isin(as_int64(rows["pid"]), pids)]
             theirs |= set(zip(rows["device"].astype(str), as_int64(rows["inode"], 0).tolist()))
-    per = pd.Series(as_int64(pc["pages"], 0), index=pc.index).groupby(
-        [pc["device"].astype(str), as_int64(pc["inode"], 0)]).sum()
-    per = per[[k in theirs for k in per.index]] if len(per) else per
+    dirtied = kind_rows(frames, "dirtied")
+    folios = pd.Series(dtype=np.float64)
+    if len(dirtied):
+        dirtied = _in_window(ctx, dirtied)
+        others = dirtied[~np.isin(as_int64(dirtied["tid"]), roots)]
+        folios = pd.Series(as_int64(others["folios"], 0), index=others.index).groupby(
+            [others["device"].astype(str), as_int64(others["inode"], 0)]).sum()
+        own = set(zip(dirtied["device"].astype(str), as_int64(dirtied["inode"], 0).tolist())) - set(folios.index)
+        theirs -= own
+    pc = kind_rows(frames, "page_cache")
+    added = pd.Series(dtype=np.float64)
+    if len(pc):
+        pc = _in_window(ctx, pc[pc["change"].astype(str) == "added"])
+        added = pd.Series(as_int64(pc["pages"], 0), index=pc.index).groupby(
+            [pc["device"].astype(str), as_int64(pc["inode"], 0)]).sum()
+    score = pd.concat([added, folios], axis=1).fillna(0).max(axis=1) if len(added) or len(folios) else added
+    score = score[[k in theirs for k in score.index]] if len(score) else score
+    paths = file_paths(frames)
     out = []
-    for (device, inode), pages in per.sort_values(ascending=False).head(MAX_FILES).items():
-        out.append({"device": device, "inode": int(inode), "path": paths.get((device, int(inode))),
-                    "added_bytes": int(pages) * PAGE_BYTES, "dirtiers": dirtiers(ctx, device, int(inode))})
+    for (device, inode), _ in score.sort_values(ascending=False).head(MAX_FILES).items():
+        key = (device, int(inode))
+        out.append({"device": device, "inode": int(inode), "path": paths.get(key),
+                    "added_bytes": int(added.get(key, 0)) * PAGE_BYTES, "dirtied_bytes": int(folios.get(key, 0)) * PAGE_BYTES,
+                    "dirtiers": dirtiers(ctx, device, int(inode))})
     return out
 
 
@@ -92,10 +117,10 @@ def reclaim_culprits(ctx: Any, roots: list[int]) -> dict[str, Any]:
     cgroup = victim_cgroup(ctx, roots)
     if cgroup is None:
         return {}
-    fillers = cache_fillers(ctx, cgroup["pids"])
+    fillers = cache_fillers(ctx, cgroup["pids"], roots)
     usage = cgroup.get("usage") or cgroup.get("max") or 0.0
     file_share = min(1.0, cgroup.get("file", 0.0) / usage) if usage else 0.0
-    dirty = cgroup.get("file_dirty", 0.0) + cgroup.get("file_writeback", 0.0)
+    dirty = cgroup["dirty"]
     out = {"cgroup": cgroup, "page_cache": fillers}
     names: dict[str, Any] = {"cgroup": cgroup["path"], "file_share": file_share,
                              "limit": "no limit" if "max" not in cgroup else None}

@@ -193,7 +193,8 @@ def _memory_culprits(evidence: dict[str, Any]) -> list[dict[str, Any]]:
         for key in ("max", "usage", "file", "anon") if key in cgroup}}]
     named: set[int] = set()
     for f in evidence.get("page_cache", []):
-        out += [_file_culprit(f, added_bytes=f["added_bytes"])] + _dirtier_culprit(f, named)
+        amounts = {k: f[k] for k in ("added_bytes", "dirtied_bytes") if f[k]}
+        out += [_file_culprit(f, **amounts)] + _dirtier_culprit(f, named)
     return out
 
 
