@@ -150,6 +150,37 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # A block request issued for a traced thread: dur_ns = issue -> completion,
     # size = bytes, name = rwbs, op = device number, addr = sector.
     "block_rq": ("ts_ns", "dur_ns", "tid", "pid", "size", "name", "op", "addr"),
+    # Block requests of every issuer on every device (traced or not, a kernel flusher
+    # included), counted in the kernel per (bucket of thresholds.disk_bucket_ns, device,
+    # issuing task, direction): ts_ns = the bucket's start, dur_ns = its length,
+    # tid/pid/comm = the task that submitted them (block_io_start, in the submitter's
+    # context: for buffered writeback the flusher kworker, for fsync the fsync-ing
+    # thread), name = the whole disk "MAJ:MIN", state = "read"/"write"/"other" (cache
+    # flushes, discards), size = bytes (merged bios included), count = requests (bios
+    # on kernels before 6.5).  Under sudo with /proc mounted hidepid, another user's
+    # task is unnamed: tid 0, pid null, comm "".  Recorders before 2026-12-07 wrote none.
+    "disk_io": ("ts_ns", "dur_ns", "tid", "pid", "comm", "name", "state", "size", "count"),
+    # Bytes written back per inode (writeback:writeback_single_inode: pages written *
+    # page size), every inode on the machine, counted in the kernel per (bucket, device,
+    # inode, task): tid/pid/comm = the task that wrote it back (a flusher, or a thread in
+    # sync; fsync writes its range without this tracepoint: its requests show in
+    # disk_io), name = the backing device "MAJ:MIN" (the bdi), addr = the inode number.
+    # Buckets, ts_ns, dur_ns and unnamed tasks as in disk_io.
+    "writeback_inode": ("ts_ns", "dur_ns", "tid", "pid", "comm", "name", "addr", "size"),
+    # Folios dirtied per (bucket, dirtying task, device, inode), every task on the
+    # machine (writeback:writeback_dirty_folio, in the dirtier's context): count =
+    # folios (a folio is one page or more; the kernel does not say how large).  Columns
+    # as in writeback_inode.
+    "dirtied": ("ts_ns", "dur_ns", "tid", "pid", "comm", "name", "addr", "count"),
+    # A file a traced process had open or mapped, named by (device, inode) while the
+    # recording ran: one row per (state, addr) that a writeback_inode, dirtied or
+    # write_path row needed named, found among the traced processes' open descriptors
+    # and mappings: pid = that process, state = the whole disk "MAJ:MIN" (a partition's
+    # filesystem names its disk), addr = the inode, name = the path.  An inode no
+    # traced process had open or mapped at a scan has no row.
+    "file": ("ts_ns", "pid", "state", "addr", "name"),
+    # A block device the trace names, once: state = "MAJ:MIN", name = "vda".
+    "block_device": ("ts_ns", "state", "name"),
     # CUDA launches (cudaLaunchKernel*, cudaLaunchCooperativeKernel, cudaGraphLaunch,
     # cuLaunchKernel*, cuGraphLaunch and their _ptsz/_ptds/_v2 aliases) counted in the
     # kernel per (tid, bucket of thresholds.cuda_bucket_ns, layer, nesting):
@@ -228,6 +259,11 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "numa_migrate": {"count": "pages_migrated", "size": "pages_failed", "op": "reason"},
     "dirty_pause": {"count": "dirty_pages", "size": "limit_pages", "name": "device"},
     "block_rq": {"size": "bytes", "name": "rwbs", "op": "dev", "addr": "sector"},
+    "disk_io": {"name": "device", "state": "direction", "size": "bytes", "count": "requests"},
+    "writeback_inode": {"name": "device", "addr": "inode", "size": "bytes"},
+    "dirtied": {"name": "device", "addr": "inode", "count": "folios"},
+    "file": {"state": "device", "addr": "inode", "name": "path"},
+    "block_device": {"state": "device"},
     "cuda_launch": {"name": "layer", "op": "nested", "count": "launches"},
     "cuda_call": {"op": "nested", "size": "bytes", "count": "ret"},
     "collective": {"op": "seq", "addr": "comm", "size": "elements", "count": "ret"},

@@ -34,6 +34,7 @@ PROBE_IDS = {
     "block": 7,
     "cuda": 8,
     "nccl": 9,
+    "disk": 10,
 }
 
 

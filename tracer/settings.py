@@ -71,6 +71,7 @@ LIMITS = {
     "ringbuf_pages": Limit(1, 16384, "--ringbuf-pages", unit="pages", power_of_two=True),
     "fault_bucket_ns": Limit(1, MAX_THRESHOLD_NS),
     "cuda_bucket_ns": Limit(1, MAX_THRESHOLD_NS),
+    "disk_bucket_ns": Limit(1_000_000, MAX_THRESHOLD_NS),  # a millisecond at least: buckets fill the kernel's hashes
     "cuda_thread_records": Limit(1, 1 << 20, power_of_two=True),
     "stack_frames": Limit(1, 127),  # PERF_MAX_STACK_DEPTH
     "stack_entries": Limit(1, 1 << 20),
@@ -102,6 +103,8 @@ class Settings:
     cuda_bucket_ns: int = _number(10_000_000, "CUDA_BUCKET_NS")  # CUDA launches counted per thread and bucket this wide
     # launching threads' current buckets, at tid % this (a power of two)
     cuda_thread_records: int = _number(16384, "CUDA_THREAD_RECORDS")
+    # block requests, writeback and dirtied folios counted per bucket this wide (disk.bpf.c, writeback.bpf.c)
+    disk_bucket_ns: int = _number(100_000_000, "DISK_BUCKET_NS")
     ringbuf_pages: int = _number(512, "RINGBUF_PAGES")  # per probe's ring buffer
     # frames kept per stack: the kernel walks no deeper (probes/common.h)
     stack_frames: int = _number(32, "STACK_FRAMES")
