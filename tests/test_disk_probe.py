@@ -109,3 +109,63 @@ def test_disk_buckets_shorter_than_a_millisecond_are_refused():
 
     with pytest.raises(UsageError, match="disk_bucket_ns"):
         Settings(disk_bucket_ns=1000)
+
+
+def test_a_partition_is_named_by_its_whole_disk(tmp_path):
+    """A file's st_dev on a partition (254:1) maps to the disk the block tracepoints name
+    (254:0), through /sys/dev/block's links; a whole disk and a device that is no block
+    device (an anonymous filesystem's 0:45) stay as they are."""
+    from trainbpf.tracer.samplers.files import device_name, whole_disk
+
+    disk = tmp_path / "devices" / "virtio0" / "block" / "vda"
+    (disk / "vda1").mkdir(parents=True)
+    (disk / "dev").write_text("254:0\n")
+    (disk / "vda1" / "dev").write_text("254:1\n")
+    (disk / "vda1" / "partition").write_text("1\n")
+    links = tmp_path / "dev" / "block"
+    links.mkdir(parents=True)
+    (links / "254:0").symlink_to(disk)
+    (links / "254:1").symlink_to(disk / "vda1")
+    assert [whole_disk(d, str(links)) for d in ("254:1", "254:0", "0:45")] == ["254:0", "254:0", "0:45"]
+    assert [device_name(d, str(links)) for d in ("254:0", "254:1", "0:45")] == ["vda", "vda1", None]
+
+
+def test_a_bucket_drained_while_counting_is_one_row_with_the_rest():
+    """The kernel's hash is drained whole at each flush: the bucket still counting is
+    kept and summed with what the next drain finds for it, so it is one row, complete."""
+    import ctypes
+
+    from trainbpf.tracer.bucketed import BucketCounts
+
+    class Key(ctypes.Structure):
+        _fields_ = [("bucket", ctypes.c_uint64), ("dev", ctypes.c_uint32), ("tid", ctypes.c_uint32),
+                    ("direction", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
+
+    class Leaf(ctypes.Structure):
+        _fields_ = [("bytes", ctypes.c_uint64), ("requests", ctypes.c_uint64), ("pid", ctypes.c_uint32),
+                    ("pad", ctypes.c_uint32), ("comm", ctypes.c_char * 16)]
+
+    class Table:  # what drain_hash reads of a bcc hash without batch calls
+        def __init__(self):
+            self.entries = []
+
+        def __setitem__(self, key, leaf):
+            self.entries.append((key, leaf))
+
+        def __delitem__(self, key):
+            self.entries = [(k, v) for k, v in self.entries if k is not key]
+
+        def items(self):
+            return list(self.entries)
+
+    table = Table()
+    table.Key, table.Leaf = Key, Leaf
+    counts = BucketCounts("disk_counts", 100, ("bucket", "dev", "tid", "direction"), ("bytes", "requests"))
+    table[Key(9, 7, 5, 1)] = Leaf(4096, 1, 5, 0, b"kworker/u8:1")
+    table[Key(10, 7, 5, 1)] = Leaf(8192, 2, 5, 0, b"kworker/u8:1")
+    assert counts.drain({"disk_counts": table}, 1050, final=False) == [(9, 7, 5, 1, 4096, 1, 5, "kworker/u8:1")]
+    assert not table.entries
+    table[Key(10, 7, 5, 1)] = Leaf(4096, 1, 5, 0, b"kworker/u8:1")
+    assert counts.drain({"disk_counts": table}, 1150, final=False) == [(10, 7, 5, 1, 12288, 3, 5, "kworker/u8:1")]
+    table[Key(11, 7, 5, 1)] = Leaf(512, 1, 5, 0, b"kworker/u8:1")
+    assert counts.drain({"disk_counts": table}, 1150, final=True) == [(11, 7, 5, 1, 512, 1, 5, "kworker/u8:1")]

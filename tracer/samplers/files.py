@@ -50,8 +50,8 @@ def whole_disk(device: str, sys_dev_block: str = SYS_DEV_BLOCK) -> str:
 
 def device_name(device: str, sys_dev_block: str = SYS_DEV_BLOCK) -> str | None:
     """A block device's kernel name ("vda"), None when "MAJ:MIN" is no block device."""
-    path = os.path.realpath(os.path.join(sys_dev_block, device))
-    return os.path.basename(path) if path.startswith("/sys/devices/") else None
+    entry = os.path.join(sys_dev_block, device)
+    return os.path.basename(os.path.realpath(entry)) if os.path.islink(entry) else None
 
 
 class FileNames(Source):
