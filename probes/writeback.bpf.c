@@ -51,8 +51,11 @@ TRACEPOINT_PROBE(writeback, balance_dirty_pages)
 #ifndef DISK_BUCKET_NS
 #error "DISK_BUCKET_NS must be defined by the loader"
 #endif
-#ifndef INODE_ENTRIES
-#error "INODE_ENTRIES must be defined by the loader"
+#ifndef WRITTEN_ENTRIES
+#error "WRITTEN_ENTRIES must be defined by the loader"
+#endif
+#ifndef DIRTIED_ENTRIES
+#error "DIRTIED_ENTRIES must be defined by the loader"
 #endif
 #ifndef INODE_WRITTEN
 #error "INODE_WRITTEN must be defined by the loader"
@@ -66,7 +69,7 @@ struct inode_key {
     u64 ino;
     char bdi[16];
     u32 tid;
-    u32 what; /* INODE_WRITTEN (pages written back) or INODE_DIRTIED (folios dirtied) */
+    u32 pad;
 };
 
 struct inode_count {
@@ -76,23 +79,30 @@ struct inode_count {
     char comm[16];
 };
 
-/* Drained whole at every flush (tracer/collectors/writeback.py); past it, counted as lost. */
-BPF_HASH(inode_counts, struct inode_key, struct inode_count, INODE_ENTRIES);
+/* Drained whole at every flush (tracer/collectors/writeback.py); past it, counted as lost.
+ * Apart, so that a flood of files dirtied leaves room for the counts of writeback. */
+BPF_HASH(written_inodes, struct inode_key, struct inode_count, WRITTEN_ENTRIES);
+BPF_HASH(dirtied_inodes, struct inode_key, struct inode_count, DIRTIED_ENTRIES);
 
-/* Add n to the current task's count of `what` for a bdi name and inode; the task's name
- * is read once per key, not per event. */
+/* Add n to the current task's count for a bdi name and inode in the map of `what`
+ * (INODE_WRITTEN: pages written back, INODE_DIRTIED: folios dirtied); the task's name is
+ * read once per key, not per event. */
 static __always_inline int count_inode(u32 what, const char *bdi, u64 ino, u64 n)
 {
     u64 id = bpf_get_current_pid_tgid();
-    struct inode_key k = {.bucket = bpf_ktime_get_ns() / DISK_BUCKET_NS, .ino = ino, .tid = (u32)id,
-                          .what = what};
+    struct inode_key k = {.bucket = bpf_ktime_get_ns() / DISK_BUCKET_NS, .ino = ino, .tid = (u32)id};
     __builtin_memcpy(k.bdi, bdi, sizeof(k.bdi));
-    struct inode_count *c = inode_counts.lookup(&k);
+    struct inode_count *c = what == INODE_WRITTEN ? written_inodes.lookup(&k) : dirtied_inodes.lookup(&k);
     if (!c) {
         struct inode_count fresh = {.pid = id >> 32};
         bpf_get_current_comm(fresh.comm, sizeof(fresh.comm));
-        inode_counts.insert(&k, &fresh);
-        c = inode_counts.lookup(&k);
+        if (what == INODE_WRITTEN) {
+            written_inodes.insert(&k, &fresh);
+            c = written_inodes.lookup(&k);
+        } else {
+            dirtied_inodes.insert(&k, &fresh);
+            c = dirtied_inodes.lookup(&k);
+        }
         if (!c) {
             count_lost(PROBE_WRITEBACK);
             return 0;

@@ -15,11 +15,14 @@ from trainbpf.tracer.bucketed import BucketCounts, bucket_span, issuers
 from trainbpf.tracer.collector import Collector, cstrings
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-# (bucket, device, inode, task, what) keys one flush can hold, pages written back and
-# folios dirtied together: ten 100 ms buckets of the inodes being written and dirtied;
-# past it, counted as lost.
-INODE_ENTRIES = 16384
-INODE_COUNTED = ("writeback_inode", "dirtied")  # the probe's INODE_WRITTEN, INODE_DIRTIED: the kinds they make
+# (bucket, device, inode, task) keys one flush can hold, of pages written back and of
+# folios dirtied, each in its own map: ten 100 ms buckets of the inodes being written
+# back or dirtied (a sync of thousands of small files fills one); past it, counted as lost.
+WRITTEN_ENTRIES = 16384
+DIRTIED_ENTRIES = 16384
+INODE_KEY = ("bucket", "bdi", "ino", "tid")
+# the probe's INODE_WRITTEN and INODE_DIRTIED codes (their maps), in order: the kinds they make
+INODE_COUNTED = (("written_inodes", "writeback_inode"), ("dirtied_inodes", "dirtied"))
 
 
 class WritebackCollector(Collector):
@@ -31,12 +34,13 @@ class WritebackCollector(Collector):
 
     def __init__(self, settings):
         super().__init__(settings)
-        self.counts = BucketCounts("inode_counts", settings.disk_bucket_ns, ("bucket", "bdi", "ino", "tid", "what"),
-                                   ("count",))
+        self.counts = {kind: BucketCounts(table, settings.disk_bucket_ns, INODE_KEY, ("count",))
+                       for table, kind in INODE_COUNTED}
         self.visible: Callable[[int], bool] | None = None  # under sudo: whose tasks may be named
 
     def defines(self) -> dict[str, int]:
-        return {"INODE_ENTRIES": INODE_ENTRIES, "INODE_WRITTEN": 0, "INODE_DIRTIED": 1}
+        return {"WRITTEN_ENTRIES": WRITTEN_ENTRIES, "DIRTIED_ENTRIES": DIRTIED_ENTRIES, "INODE_WRITTEN": 0,
+                "INODE_DIRTIED": 1}
 
     def open(self, session) -> None:
         super().open(session)
@@ -60,18 +64,17 @@ class WritebackCollector(Collector):
         ]
 
     def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
-        rows = self.counts.drain(bpf, now_ns, final=final)
-        return [batch for what, kind in enumerate(INODE_COUNTED)
-                for batch in inode_batches(kind, [r for r in rows if r[4] == what], self.counts.width, self.visible)]
+        return [batch for kind, counts in self.counts.items()
+                for batch in inode_batches(kind, counts.drain(bpf, now_ns, final=final), counts.width, self.visible)]
 
 
 def inode_batches(kind: str, rows: list[tuple], width: int,
                   visible: Callable[[int], bool] | None = None) -> list[pa.RecordBatch]:
     """`writeback_inode` (pages written back, as bytes) or `dirtied` (folios) rows of
-    BucketCounts rows (bucket, bdi, ino, tid, what, count, pid, comm)."""
+    BucketCounts rows (bucket, bdi, ino, tid, count, pid, comm)."""
     if not rows:
         return []
-    bucket, bdi, ino, tid, _, count, pid, comm = (list(col) for col in zip(*rows))
+    bucket, bdi, ino, tid, count, pid, comm = (list(col) for col in zip(*rows))
     counted = {"bytes": np.array(count, dtype=np.int64) * PAGE_SIZE} if kind == "writeback_inode" else \
         {"folios": np.array(count, dtype=np.int64)}
     return [make_batch(kind, {

@@ -77,6 +77,9 @@ class FileNames(Source):
             return ended
         return ended + self.search(set(self.unnamed), ProcMaps())
 
+    def meta(self) -> dict:
+        return {"files": {"named": len(self.named), "unnamed": len(self.unnamed)}} if self.wanted else {}
+
     def search(self, wanted: set[Key], maps: ProcMaps) -> list[pa.RecordBatch]:
         """`file` rows of the wanted keys found in the traced processes' descriptors and
         mappings; the rest are remembered as unnamed."""
