@@ -61,6 +61,8 @@ static __always_inline u32 disk_direction(const char *rwbs, u64 bytes)
 static __always_inline int disk_count(u32 dev, const char *rwbs, u64 bytes, u64 requests)
 {
     u64 id = bpf_get_current_pid_tgid();
+    if (id >> 32 == SELF_TGID) /* the recorder never counts itself (its flusher's work counts) */
+        return 0;
     struct disk_key k = {.bucket = bpf_ktime_get_ns() / DISK_BUCKET_NS, .dev = dev, .tid = (u32)id,
                          .direction = disk_direction(rwbs, bytes)};
     struct disk_count *c = disk_counts.lookup(&k);

@@ -90,6 +90,8 @@ BPF_HASH(dirtied_inodes, struct inode_key, struct inode_count, DIRTIED_ENTRIES);
 static __always_inline int count_inode(u32 what, const char *bdi, u64 ino, u64 n)
 {
     u64 id = bpf_get_current_pid_tgid();
+    if (id >> 32 == SELF_TGID) /* the recorder never counts itself */
+        return 0;
     struct inode_key k = {.bucket = bpf_ktime_get_ns() / DISK_BUCKET_NS, .ino = ino, .tid = (u32)id};
     __builtin_memcpy(k.bdi, bdi, sizeof(k.bdi));
     struct inode_count *c = what == INODE_WRITTEN ? written_inodes.lookup(&k) : dirtied_inodes.lookup(&k);

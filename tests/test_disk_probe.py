@@ -176,3 +176,9 @@ def test_a_bucket_drained_while_counting_is_one_row_with_the_rest():
     assert counts.drain({"disk_counts": table}, 1150, final=False) == [(10, 7, 5, 1, 12288, 3, 5, "kworker/u8:1")]
     table[Key(11, 7, 5, 1)] = Leaf(512, 1, 5, 0, b"kworker/u8:1")
     assert counts.drain({"disk_counts": table}, 1150, final=True) == [(11, 7, 5, 1, 512, 1, 5, "kworker/u8:1")]
+
+
+def test_the_recorder_counts_none_of_its_own_io(disk):
+    rec, *_ = disk
+    for kind in ("disk_io", "writeback_inode", "dirtied"):
+        assert not (rec.trace.view(kind).pid == os.getpid()).any(), kind
