@@ -26,10 +26,14 @@ from trainbpf.tracer.symbols.maps import ProcMaps
 # that name a device (in `name`).
 INODE_KINDS = ("writeback_inode", "dirtied", "write_path")
 DEVICE_KINDS = ("disk_io",) + INODE_KINDS
-# A search's bounds: descriptors read per process, and its time (~10 us a descriptor);
-# what is left waits for the next search.
+# A search's bounds: descriptors read per process, and its time (~5 us a descriptor);
+# what is left waits for the next search.  Inodes of any task show up at every flush of a
+# busy machine, so a search may run at every flush: at most 2% of a CPU.
 SCAN_FDS = 4096
-SCAN_BUDGET_S = 0.05
+SCAN_BUDGET_S = 0.02
+# Inodes searched for and not found, remembered so as not to search for them again; past
+# this many the oldest are forgotten (a long recording on a busy machine sees millions).
+UNNAMED_KEPT = 65536
 SYS_DEV_BLOCK = "/sys/dev/block"
 
 Key = tuple[str, int]  # (whole disk "MAJ:MIN", inode)
@@ -55,21 +59,24 @@ def device_name(device: str, sys_dev_block: str = SYS_DEV_BLOCK) -> str | None:
 
 
 class FileNames(Source):
+    """`file` rows for the inodes the flushes' rows count, `block_device` rows for their
+    devices (the module's docstring says when and how)."""
+
     name = "files"
 
     def open(self, session) -> None:
         super().open(session)
         self.wanted = any(p.name in ("disk", "writeback") for p in session.probes)
         self.named: set[Key] = set()  # keys with a file row
-        self.unnamed: set[Key] = set()  # keys searched for and not found
+        self.unnamed: dict[Key, None] = {}  # keys searched for and not found, oldest first
         self.devices: set[str] = set()  # devices with a block_device row, or without a name to give
         self.disks: dict[int, str] = {}  # st_dev -> its whole disk
 
     def describe(self, rows: pa.RecordBatch, maps: ProcMaps) -> tuple[pa.RecordBatch, list[pa.RecordBatch]]:
         if not self.wanted:
             return rows, []
-        new = inode_keys(rows) - self.named - self.unnamed
-        batches = self.search(new | self.unnamed, maps) if new else []
+        new = inode_keys(rows) - self.named - self.unnamed.keys()
+        batches = self.search(new | self.unnamed.keys(), maps) if new else []
         return rows, batches + self.device_rows(row_devices(rows) | {device for device, _ in new})
 
     def end(self, now_ns: int, ended: list[pa.RecordBatch], *, final: bool) -> list[pa.RecordBatch]:
@@ -85,7 +92,10 @@ class FileNames(Source):
         mappings; the rest are remembered as unnamed."""
         found = self.scan(self.session.threads.tgids(), wanted, maps)
         self.named |= found.keys()
-        self.unnamed = wanted - found.keys()
+        for key in wanted - found.keys():
+            self.unnamed[key] = None
+        for key in list(found) + list(self.unnamed)[:max(0, len(self.unnamed) - UNNAMED_KEPT)]:
+            self.unnamed.pop(key, None)
         if not found:
             return []
         keys = list(found)
