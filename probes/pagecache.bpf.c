@@ -1,5 +1,5 @@
 /* Pages added to and dropped from the page cache, every process's files: counted in the
- * kernel per (bucket of PAGE_CACHE_BUCKET_NS, file system device, inode, change), from
+ * kernel per (bucket of DISK_BUCKET_NS, file system device, inode, change), from
  * filemap:mm_filemap_add_to_page_cache and mm_filemap_delete_from_page_cache (a folio
  * of 1 << order pages).
  *
@@ -15,8 +15,8 @@
 #ifndef PROBE_PAGECACHE
 #error "PROBE_PAGECACHE must be defined by the loader"
 #endif
-#ifndef PAGE_CACHE_BUCKET_NS
-#error "PAGE_CACHE_BUCKET_NS must be defined by the loader"
+#ifndef DISK_BUCKET_NS
+#error "DISK_BUCKET_NS must be defined by the loader"
 #endif
 #ifndef PAGE_CACHE_ENTRIES
 #error "PAGE_CACHE_ENTRIES must be defined by the loader"
@@ -86,7 +86,7 @@ static __always_inline u32 granules(u32 order)
 
 TRACEPOINT_PROBE(filemap, mm_filemap_add_to_page_cache)
 {
-    u64 bucket = bpf_ktime_get_ns() / PAGE_CACHE_BUCKET_NS;
+    u64 bucket = bpf_ktime_get_ns() / DISK_BUCKET_NS;
     u32 order = args->order, per = granule_pages(order), span = granules(order);
     struct dropped_key key = {.ino = args->i_ino, .granule = args->index >> REFAULT_SHIFT, .dev = args->s_dev};
     count_pages(bucket, key.dev, key.ino, PC_ADDED, 1ULL << order);
@@ -113,7 +113,7 @@ TRACEPOINT_PROBE(filemap, mm_filemap_delete_from_page_cache)
 {
     u32 order = args->order, per = granule_pages(order), span = granules(order);
     struct dropped_key key = {.ino = args->i_ino, .granule = args->index >> REFAULT_SHIFT, .dev = args->s_dev};
-    count_pages(bpf_ktime_get_ns() / PAGE_CACHE_BUCKET_NS, key.dev, key.ino, PC_DROPPED, 1ULL << order);
+    count_pages(bpf_ktime_get_ns() / DISK_BUCKET_NS, key.dev, key.ino, PC_DROPPED, 1ULL << order);
     for (u32 i = 0; i < REFAULT_SPAN && i < span; i++, key.granule++) {
         u32 *dropped = dropped_pages.lookup(&key);
         if (dropped) {

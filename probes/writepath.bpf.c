@@ -1,5 +1,5 @@
 /* The write path of each file a traced thread writes: bytes and calls counted in the
- * kernel per (bucket of WRITE_BUCKET_NS, thread, file system device, inode, path).
+ * kernel per (bucket of DISK_BUCKET_NS, thread, file system device, inode, path).
  *
  * - direct: iomap:iomap_dio_rw_begin (O_DIRECT on an iomap file system: ext4, xfs, ...)
  *   inside a write syscall, or elsewhere (aio, io_uring issuing inline) with IOCB_WRITE
@@ -15,8 +15,8 @@
 #ifndef PROBE_WRITEPATH
 #error "PROBE_WRITEPATH must be defined by the loader"
 #endif
-#ifndef WRITE_BUCKET_NS
-#error "WRITE_BUCKET_NS must be defined by the loader"
+#ifndef DISK_BUCKET_NS
+#error "DISK_BUCKET_NS must be defined by the loader"
 #endif
 #ifndef WRITE_ENTRIES
 #error "WRITE_ENTRIES must be defined by the loader"
@@ -69,7 +69,7 @@ BPF_HASH(write_calls, u32, struct write_call, MAX_THREADS);
 
 static __always_inline void count_write(u32 tid, u32 pid, u32 dev, u64 ino, u32 path, u64 bytes)
 {
-    struct write_key key = {.bucket = bpf_ktime_get_ns() / WRITE_BUCKET_NS, .ino = ino, .tid = tid, .pid = pid,
+    struct write_key key = {.bucket = bpf_ktime_get_ns() / DISK_BUCKET_NS, .ino = ino, .tid = tid, .pid = pid,
                             .dev = dev, .path = path};
     struct write_count zero = {};
     struct write_count *n = write_counts.lookup_or_try_init(&key, &zero);

@@ -65,7 +65,7 @@ def test_a_written_file_is_counted_and_rows_span_their_bucket(recorded):
     rows = rec.trace.view("page_cache")
     got = _pages(rows, write_file)
     assert got.get("added", 0) >= WRITE_MB * MiB // PAGE and not got.get("refaulted"), got
-    width = rec.trace.meta["thresholds"]["page_cache_bucket_ns"]
+    width = rec.trace.meta["thresholds"]["disk_bucket_ns"]
     assert width == 100_000_000
     assert (rows.dur_ns == width).all() and (rows.ts_ns % width == 0).all()
 

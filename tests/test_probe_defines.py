@@ -66,16 +66,15 @@ def test_settings_reach_the_probes_as_defines(tmp_path):
     sources = [c.source for c in loader.select(list(loader.PROBE_NAMES), Settings()) if c.source]
     required = set().union(*(_required(s) for s in sources + ["common.h", "pyframes.h"]))
     given = Declared(min_block_ns=123, min_cuda_ns=456, cuda_bucket_ns=7_000_000, cuda_thread_records=64,
-                     write_bucket_ns=50_000_000, page_cache_bucket_ns=30_000_000, refault_keys=4096, ringbuf_pages=8,
+                     disk_bucket_ns=50_000_000, refault_keys=4096, ringbuf_pages=8,
                      stack_frames=20, stack_entries=1000, trace_all=True, exec_leaves=True)
     assert set(given.defines()) <= required, "a setting no probe requires"
     flags = loader.cflags(loader.select(list(loader.PROBE_NAMES), given), given, tmp_path)
     defined = dict(f[2:].partition("=")[::2] for f in flags if f.startswith("-D"))
     assert {name: int(defined[name]) for name in given.defines()} == {
         "MIN_BLOCK_NS": 123, "MIN_FUTEX_NS": 20_000, "MIN_LOCK_NS": 10_000, "MIN_CUDA_NS": 456,
-        "CUDA_BUCKET_NS": 7_000_000, "CUDA_THREAD_RECORDS": 64, "WRITE_BUCKET_NS": 50_000_000,
-        "PAGE_CACHE_BUCKET_NS": 30_000_000, "REFAULT_KEYS": 4096, "RINGBUF_PAGES": 8,
-        "STACK_FRAMES": 20, "STACK_ENTRIES": 1000, "TRACE_ALL": 1, "PYTHON_FRAMES": 1, "EXEC_LEAVES": 1}
+        "CUDA_BUCKET_NS": 7_000_000, "CUDA_THREAD_RECORDS": 64, "REFAULT_KEYS": 4096, "DISK_BUCKET_NS": 50_000_000,
+        "RINGBUF_PAGES": 8, "STACK_FRAMES": 20, "STACK_ENTRIES": 1000, "TRACE_ALL": 1, "PYTHON_FRAMES": 1, "EXEC_LEAVES": 1}
     assert len(flags) == len(set(flags)), "a define passed twice"
 
 
@@ -89,8 +88,8 @@ def test_thresholds_are_every_declared_number():
     numbers = [f.name for f in fields(Declared) if f.metadata.get("threshold")]
     assert list(Declared().thresholds()) == numbers == [
         "min_block_ns", "min_futex_ns", "min_lock_ns", "oncpu_hz", "fault_bucket_ns", "min_cuda_ns",
-        "cuda_bucket_ns", "cuda_thread_records", "write_bucket_ns", "page_cache_bucket_ns", "refault_keys",
-        "cgroup_sample_ns", "ringbuf_pages", "stack_frames", "stack_entries", "hz"]
+        "cuda_bucket_ns", "cuda_thread_records", "refault_keys", "cgroup_sample_ns", "disk_bucket_ns",
+        "ringbuf_pages", "stack_frames", "stack_entries", "hz"]
     assert Declared(min_lock_ns=5).thresholds()["min_lock_ns"] == 5
 
 

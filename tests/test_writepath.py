@@ -11,7 +11,7 @@ import pytest
 from kernel_env import require_root
 from kernel_workloads import WRITE_CHUNK, WRITES
 from recording import record_workload
-from trainbpf.tracer.disks import whole_disk
+from trainbpf.tracer.disks import device_name, whole_disk
 
 pytestmark = pytest.mark.kernel
 WRITTEN = WRITE_CHUNK * WRITES
@@ -51,7 +51,7 @@ def test_io_uring_writes_are_counted_per_thread_without_a_file(written):
 
 def test_rows_span_their_bucket(written):
     rec, _, rows = written
-    width = rec.trace.meta["thresholds"]["write_bucket_ns"]
+    width = rec.trace.meta["thresholds"]["disk_bucket_ns"]
     assert width == 100_000_000
     assert (rows.dur_ns == width).all() and (rows.ts_ns % width == 0).all()
     assert rec.trace.meta["lost"]["writepath"] == 0
@@ -72,3 +72,4 @@ def test_a_partition_is_named_by_its_disk(tmp_path):
     assert whole_disk(254, 1, links) == "254:0"
     assert whole_disk(254, 0, links) == "254:0"
     assert whole_disk(0, 45, links) == "0:45"  # tmpfs, overlayfs: no block device
+    assert [device_name(d, links) for d in ("254:0", "254:1", "0:45")] == ["vda", "vda1", None]

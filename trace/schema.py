@@ -150,24 +150,36 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # A block request issued for a traced thread: dur_ns = issue -> completion,
     # size = bytes, name = rwbs, op = device number, addr = sector.
     "block_rq": ("ts_ns", "dur_ns", "tid", "pid", "size", "name", "op", "addr"),
-    # Block requests on every device by every issuer (traced or not, kernel flushers
+    # Block requests of every issuer on every device (traced or not, a kernel flusher
     # included), counted in the kernel per (bucket of thresholds.disk_bucket_ns, device,
     # issuing task, direction): ts_ns = the bucket's start, dur_ns = its length,
-    # tid/pid/comm = the issuing task (in the submitter's context: for buffered
-    # writeback, the flusher), name = the whole disk "MAJ:MIN", state = "read" / "write" /
-    # "other" (flush, discard), size = bytes, count = requests.
+    # tid/pid/comm = the task that submitted them (block_io_start, in the submitter's
+    # context: for buffered writeback the flusher kworker, for fsync the fsync-ing
+    # thread), name = the whole disk "MAJ:MIN", state = "read"/"write"/"other" (cache
+    # flushes, discards), size = bytes (merged bios included), count = requests (bios
+    # on kernels before 6.5).  Under sudo with /proc mounted hidepid, another user's
+    # task is unnamed: tid 0, pid null, comm "".  Recorders before 2026-12-07 wrote none.
     "disk_io": ("ts_ns", "dur_ns", "tid", "pid", "comm", "name", "state", "size", "count"),
-    # Bytes written back per inode per bucket (every process's files): name = the whole
-    # disk "MAJ:MIN", addr = the inode number, size = bytes, tid/pid/comm = the task that
-    # wrote them back (a flusher, or a thread in fsync/sync).
+    # Bytes written back per inode (writeback:writeback_single_inode: pages written *
+    # page size), every inode on the machine, counted in the kernel per (bucket, device,
+    # inode, task): tid/pid/comm = the task that wrote it back (a flusher, or a thread in
+    # sync; fsync writes its range without this tracepoint: its requests show in
+    # disk_io), name = the backing device "MAJ:MIN" (the bdi), addr = the inode number.
+    # Buckets, ts_ns, dur_ns and unnamed tasks as in disk_io.
     "writeback_inode": ("ts_ns", "dur_ns", "tid", "pid", "comm", "name", "addr", "size"),
-    # Folios dirtied per (bucket, dirtying task, device, inode), every process: name = the
-    # whole disk "MAJ:MIN", addr = the inode number, count = folios.
+    # Folios dirtied per (bucket, dirtying task, device, inode), every task on the
+    # machine (writeback:writeback_dirty_folio, in the dirtier's context): count =
+    # folios (a folio is one page or more; the kernel does not say how large).  Columns
+    # as in writeback_inode.
     "dirtied": ("ts_ns", "dur_ns", "tid", "pid", "comm", "name", "addr", "count"),
-    # A file a traced process had open or mapped: state = the whole disk "MAJ:MIN" of its
-    # file system, addr = its inode number, name = its path, pid = the process.
+    # A file a traced process had open or mapped, named by (device, inode) while the
+    # recording ran: one row per (state, addr) that a writeback_inode, dirtied,
+    # write_path or page_cache row needed named, found among the traced processes' open descriptors
+    # and mappings: pid = that process, state = the whole disk "MAJ:MIN" (a partition's
+    # filesystem names its disk), addr = the inode, name = the path.  An inode no
+    # traced process had open or mapped at a scan has no row.
     "file": ("ts_ns", "pid", "state", "addr", "name"),
-    # A block device the trace names: state = "MAJ:MIN", name = its name ("vda").
+    # A block device the trace names, once: state = "MAJ:MIN", name = "vda".
     "block_device": ("ts_ns", "state", "name"),
     # CUDA launches (cudaLaunchKernel*, cudaLaunchCooperativeKernel, cudaGraphLaunch,
     # cuLaunchKernel*, cuGraphLaunch and their _ptsz/_ptds/_v2 aliases) counted in the
@@ -192,7 +204,7 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # ncclGroupEnd), size = the count argument in elements (0 where none), count = the
     # return value (ncclResult_t, 0 = success).
     "collective": ("ts_ns", "dur_ns", "tid", "pid", "name", "op", "addr", "size", "count"),
-    # Writes of a traced thread per (bucket of thresholds.write_bucket_ns, thread, device,
+    # Writes of a traced thread per (bucket of thresholds.disk_bucket_ns, thread, device,
     # inode, path), counted in the kernel (probes/writepath.bpf.c): ts_ns = the bucket's
     # start, dur_ns = its length, name = the whole disk "MAJ:MIN" of the file's file
     # system ("" for io_uring), addr = inode (0 for io_uring), state = path "buffered" /
@@ -212,7 +224,7 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # total_workingset_refault_file stand for them.
     "memory_cgroup": ("ts_ns", "pid", "name", "state", "count"),
     # Pages added to and dropped from the page cache, every process's files, counted in
-    # the kernel per (bucket of thresholds.page_cache_bucket_ns, device, inode, change)
+    # the kernel per (bucket of thresholds.disk_bucket_ns, device, inode, change)
     # (probes/pagecache.bpf.c): ts_ns = the bucket's start, dur_ns = its length, name =
     # the whole disk "MAJ:MIN" of the file's file system, addr = inode, state = change
     # "added" (every page added, refaults included) / "dropped" (evicted, truncated,
@@ -297,6 +309,12 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "lost": {"name": "probe", "count": "lost"},
     "stack": {"kstack_id": "stack_id", "state": "space", "name": "frames"},
 }
+
+
+def kernel_device(dev: int) -> str:
+    """A kernel dev_t (major << 20 | minor: block_rq's dev, what block tracepoints give)
+    as "MAJ:MIN", the way the disk kinds name a device."""
+    return f"{int(dev) >> 20}:{int(dev) & ((1 << 20) - 1)}"
 
 
 def view_columns(kind: str) -> tuple[str, ...]:

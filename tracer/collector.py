@@ -36,6 +36,7 @@ PROBE_IDS = {
     "nccl": 9,
     "writepath": 10,
     "pagecache": 11,
+    "disk": 12,
 }
 
 

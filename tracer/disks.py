@@ -4,9 +4,11 @@ the collectors whose rows name a device."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-KERNEL_MINOR_BITS = 20  # the kernel's dev_t: major << 20 | minor (user space: os.major/os.minor)
+from trainbpf.trace.schema import kernel_device
+
 SYS_DEV_BLOCK = Path("/sys/dev/block")
 
 
@@ -33,6 +35,17 @@ class KernelDisks:
 
     def name(self, dev: int) -> str:
         if dev not in self.disks:
-            self.disks[dev] = whole_disk(dev >> KERNEL_MINOR_BITS, dev & ((1 << KERNEL_MINOR_BITS) - 1),
-                                         self.sys_dev_block)
+            major, minor = (int(x) for x in kernel_device(dev).split(":"))
+            self.disks[dev] = whole_disk(major, minor, self.sys_dev_block)
         return self.disks[dev]
+
+
+def file_disk(st_dev: int, sys_dev_block: Path = SYS_DEV_BLOCK) -> str:
+    """The whole disk of a stat() st_dev (a file's file system), as "MAJ:MIN"."""
+    return whole_disk(os.major(st_dev), os.minor(st_dev), sys_dev_block)
+
+
+def device_name(device: str, sys_dev_block: Path = SYS_DEV_BLOCK) -> str | None:
+    """A block device's kernel name ("vda"), None when "MAJ:MIN" is no block device."""
+    entry = sys_dev_block / device
+    return entry.resolve().name if entry.is_symlink() else None

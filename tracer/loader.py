@@ -27,6 +27,7 @@ from trainbpf.tracer.collector import (
 )
 from trainbpf.tracer.collectors.block import BlockCollector
 from trainbpf.tracer.collectors.cuda import CudaCollector
+from trainbpf.tracer.collectors.disk import DiskCollector
 from trainbpf.tracer.collectors.faults import FaultsCollector
 from trainbpf.tracer.collectors.futex import FutexCollector
 from trainbpf.tracer.collectors.mm import MmCollector
@@ -42,7 +43,8 @@ from trainbpf.tracer.symbols import pystacks
 
 ALL_COLLECTORS: tuple[type[Collector], ...] = (
     SchedCollector, FutexCollector, FaultsCollector, OnCpuCollector, MmCollector,
-    WritebackCollector, BlockCollector, CudaCollector, NcclCollector, WritePathCollector, PageCacheCollector,
+    WritebackCollector, BlockCollector, DiskCollector, CudaCollector, NcclCollector, WritePathCollector,
+    PageCacheCollector,
 )
 PROBE_NAMES = tuple(c.name for c in ALL_COLLECTORS)
 TRACEFS = Path(os.environ.get("TRAINBPF_TRACEFS", "/sys/kernel/tracing"))  # where tracefs lives or is mounted

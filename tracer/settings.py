@@ -71,10 +71,9 @@ LIMITS = {
     "ringbuf_pages": Limit(1, 16384, "--ringbuf-pages", unit="pages", power_of_two=True),
     "fault_bucket_ns": Limit(1, MAX_THRESHOLD_NS),
     "cuda_bucket_ns": Limit(1, MAX_THRESHOLD_NS),
-    "write_bucket_ns": Limit(1, MAX_THRESHOLD_NS),
-    "page_cache_bucket_ns": Limit(1, MAX_THRESHOLD_NS),
     "refault_keys": Limit(1, 1 << 22),
     "cgroup_sample_ns": Limit(1_000_000, MAX_THRESHOLD_NS),
+    "disk_bucket_ns": Limit(1_000_000, MAX_THRESHOLD_NS),  # a millisecond at least: buckets fill the kernel's hashes
     "cuda_thread_records": Limit(1, 1 << 20, power_of_two=True),
     "stack_frames": Limit(1, 127),  # PERF_MAX_STACK_DEPTH
     "stack_entries": Limit(1, 1 << 20),
@@ -106,15 +105,13 @@ class Settings:
     cuda_bucket_ns: int = _number(10_000_000, "CUDA_BUCKET_NS")  # CUDA launches counted per thread and bucket this wide
     # launching threads' current buckets, at tid % this (a power of two)
     cuda_thread_records: int = _number(16384, "CUDA_THREAD_RECORDS")
-    # traced threads' writes counted per file, path and bucket this wide (probes/writepath.bpf.c)
-    write_bucket_ns: int = _number(100_000_000, "WRITE_BUCKET_NS")
-    # every file's pages added to and dropped from the page cache, per bucket this wide
-    # (probes/pagecache.bpf.c)
-    page_cache_bucket_ns: int = _number(100_000_000, "PAGE_CACHE_BUCKET_NS")
     # dropped pages whose return counts as a refault, the least recently dropped forgotten first
     refault_keys: int = _number(131_072, "REFAULT_KEYS")
     # how often the traced processes' memory cgroups are read (tracer/samplers/memcg.py)
     cgroup_sample_ns: int = _number(500_000_000)
+    # block requests, writeback, dirtied folios, traced threads' writes and page cache
+    # changes counted per bucket this wide (disk, writeback, writepath, pagecache probes)
+    disk_bucket_ns: int = _number(100_000_000, "DISK_BUCKET_NS")
     ringbuf_pages: int = _number(512, "RINGBUF_PAGES")  # per probe's ring buffer
     # frames kept per stack: the kernel walks no deeper (probes/common.h)
     stack_frames: int = _number(32, "STACK_FRAMES")

@@ -9,6 +9,7 @@ import pyarrow as pa
 from trainbpf.tracer import loader
 from trainbpf.tracer.samplers import jobenv, procfs, taskstats
 from trainbpf.tracer.samplers.memcg import CgroupSampler
+from trainbpf.tracer.samplers.files import FileNames
 from trainbpf.tracer.samplers.gpu import GpuSampler
 from trainbpf.tracer.source import Source
 from trainbpf.tracer.symbols.addrs import AddressDescriber, futex_pairs
@@ -258,6 +259,7 @@ class TaskDelays(Source):
 # After the probes, in this order: symbolisers name the flush's rows in turn, and each
 # source's end() sees what the ones before it ended.
 SOURCES: list[type[Source]] = [
-    StackNames, FutexAddresses, PythonFrames, JobEnvironments, GpuSamples, ProcSamples, MemoryCgroups, NumaPages,
+    StackNames, FutexAddresses, PythonFrames, FileNames, JobEnvironments, GpuSamples, ProcSamples, MemoryCgroups,
+    NumaPages,
     TaskDelays,
 ]

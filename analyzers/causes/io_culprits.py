@@ -22,6 +22,7 @@ import pandas as pd
 from trainbpf.analyzers.causes.files import dirtiers, file_name, file_paths, kind_rows, of_inode
 from trainbpf.analyzers.causes.page_cache import refault_names, refaulted
 from trainbpf.analyzers.intervals import as_int64, intersect, merge_intervals
+from trainbpf.trace.schema import kernel_device
 
 # The kinds it (and page_cache.py) reads beside the victims' block_rq and dirty_pause rows.
 IO_KINDS = ("disk_io", "writeback_inode", "dirtied", "file", "block_device", "write_path", "page_cache",
@@ -32,11 +33,6 @@ IO_KINDS = ("disk_io", "writeback_inode", "dirtied", "file", "block_device", "wr
 OTHERS_MIN_SHARE = 0.25
 # Files and threads named at most.
 MAX_NAMED = 5
-
-
-def device_id(dev: int) -> str:
-    """A kernel dev_t (major << 20 | minor, as block tracepoints give it) as "MAJ:MIN"."""
-    return f"{int(dev) >> 20}:{int(dev) & 0xFFFFF}"
 
 
 def _inside(frame: pd.DataFrame, ws: np.ndarray, we: np.ndarray) -> np.ndarray:
@@ -60,7 +56,7 @@ def _waited_devices(frames: Mapping[str, pd.DataFrame], roots: list[int], ws: np
         rq = rq[np.isin(as_int64(rq["tid"]), roots)]
         w = _inside(rq.assign(dur_ns=np.maximum(as_int64(rq["dur_ns"], 0), 1)), ws, we) * as_int64(rq["bytes"], 0)
         for dev, b in pd.Series(w).groupby(as_int64(rq["dev"], 0)).sum().items():
-            per[device_id(dev)] = per.get(device_id(dev), 0.0) + float(b) + 1.0
+            per[kernel_device(dev)] = per.get(kernel_device(dev), 0.0) + float(b) + 1.0
     pauses = kind_rows(frames, "dirty_pause")
     if len(pauses):
         pauses = pauses[np.isin(as_int64(pauses["tid"]), roots)]

@@ -1,6 +1,6 @@
 """Collector for probes/pagecache.bpf.c: pages every file gains and loses in the page
 cache, and those read back after being dropped, counted in the kernel per bucket of
-page_cache_bucket_ns and read out as `page_cache` rows at each flush."""
+disk_bucket_ns and read out as `page_cache` rows at each flush."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class PageCacheCollector(Collector):
         keys, pages = drain_hash(bpf["page_cache_counts"])
         if not len(keys):
             return []
-        width = self.settings.page_cache_bucket_ns
+        width = self.settings.disk_bucket_ns
         return [make_batch("page_cache", {
             "ts_ns": keys["bucket"].astype(np.int64) * width,
             "dur_ns": np.full(len(keys), width, dtype=np.int64),

@@ -1,5 +1,5 @@
 """Collector for probes/writepath.bpf.c: how each file a traced thread writes is written
-(buffered, O_DIRECT, io_uring), counted in the kernel per bucket of write_bucket_ns and
+(buffered, O_DIRECT, io_uring), counted in the kernel per bucket of disk_bucket_ns and
 read out as `write_path` rows at each flush."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class WritePathCollector(Collector):
         keys, counts = drain_hash(bpf["write_counts"])
         rows = list(zip(*(a.tolist() for a in (keys["bucket"], keys["tid"], keys["pid"], counts["calls"],
                                                 counts["bytes"], keys["dev"], keys["ino"], keys["path"]))))
-        return bucket_batches("write_path", rows, self.settings.write_bucket_ns, counted="calls", extra={
+        return bucket_batches("write_path", rows, self.settings.disk_bucket_ns, counted="calls", extra={
             "bytes": lambda b: b,
             "device": lambda devs: np.array([self.device(d) for d in devs.tolist()], dtype=object),
             "inode": lambda ino: ino.astype(np.uint64),
