@@ -4,7 +4,7 @@
  * - direct: iomap:iomap_dio_rw_begin (O_DIRECT on an iomap file system: ext4, xfs, ...)
  *   inside a write syscall, or elsewhere (aio, io_uring issuing inline) with IOCB_WRITE
  *   in ki_flags (a write syscall's kiocb does not carry it).
- * - buffered: a write-family syscall (write, pwrite64, writev, pwritev) during
+ * - buffered: a write-family syscall (write, pwrite64, writev, pwritev, pwritev2) during
  *   which the file system named the inode it writes (ext4's write_begin events, iomap's
  *   iomap_iter with IOMAP_WRITE) and no direct I/O began; bytes = its return value.  A
  *   write to a pipe, a socket or a file system that names no inode is not counted.
@@ -112,6 +112,16 @@ TRACEPOINT_PROBE(syscalls, sys_exit_write) { return write_exit(args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_exit_pwrite64) { return write_exit(args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return write_exit(args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_exit_pwritev) { return write_exit(args->ret); }
+/* pwritev2 (what Python's os.pwritev calls): its format's rwf_t is a type bcc's headers
+ * lack, so TRACEPOINT_PROBE cannot declare its arguments; named for bcc's attach by
+ * tracepoint name, with the exit's layout (common fields, __syscall_nr, ret) declared here. */
+struct syscall_exit_args {
+    u64 common;
+    s64 syscall_nr;
+    s64 ret;
+};
+int tracepoint__syscalls__sys_enter_pwritev2(void *ctx) { return write_enter(); }
+int tracepoint__syscalls__sys_exit_pwritev2(struct syscall_exit_args *args) { return write_exit(args->ret); }
 
 /* The file a write syscall in progress writes, from the first event that names it. */
 static __always_inline int name_file(u32 dev, u64 ino)

@@ -172,7 +172,8 @@ WRITES = 4
 
 def write_paths(folder: str) -> dict:
     """WRITES writes of WRITE_CHUNK bytes to each of three files, each by a thread of its
-    own: buffered (write), O_DIRECT (write from a page-aligned buffer), io_uring."""
+    own: buffered (write), O_DIRECT (write and pwritev2 from a page-aligned buffer),
+    io_uring."""
     from io_uring_raw import io_uring_write
 
     def buffered(out: dict) -> None:
@@ -188,8 +189,10 @@ def write_paths(folder: str) -> dict:
         buf = mmap.mmap(-1, WRITE_CHUNK)  # page-aligned, as O_DIRECT wants
         buf.write(b"\xcd" * WRITE_CHUNK)
         fd = os.open(os.path.join(folder, "direct.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
-        for _ in range(WRITES):
-            assert os.write(fd, buf) == WRITE_CHUNK
+        for i in range(WRITES):  # write() and Python's pwritev (the pwritev2 syscall) in turn
+            written = os.pwritev(fd, [buf], i * WRITE_CHUNK) if i % 2 else os.write(fd, buf)
+            assert written == WRITE_CHUNK
+            os.lseek(fd, (i + 1) * WRITE_CHUNK, os.SEEK_SET)
         os.close(fd)
 
     def uring(out: dict) -> None:

@@ -160,3 +160,10 @@ def test_the_html_report_lists_the_disk_culprits(tmp_path):
     a = _trace(tmp_path, _writeback)
     html = render_html(Report(analysis=a, doc=build_report(a)))
     assert f"<p><b>Culprits:</b><br>disk: vda (254:0), 1.07 GB of requests during the waits<br>file: {CKPT} " in html
+
+
+def test_discards_are_not_data_moved(tmp_path):
+    """A discard covers whole extents freed: its size is no measure of the load."""
+    f = _report_top(_trace(tmp_path, lambda s, x: s.disk_io(4242, x, bytes=100 * MiB, direction="other",
+                                                             comm="fstrim", pid=4242)))
+    assert "case" not in f["evidence"] and "faster storage" in f["recommendation"], f["summary"]

@@ -111,3 +111,39 @@ def test_the_text_report_lists_the_cgroup_and_the_files(tmp_path):
     text = render_text(Report(analysis=a, doc=build_report(a)))
     assert f"    cgroup: {CGROUP} (limit 268 MB, usage 267 MB, page cache 210 MB, anonymous 41.9 MB)" in text, text
     assert "    file: /data/shards/shard0.bin (839 MB dirtied, 839 MB added to the page cache)" in text, text
+
+
+def _refaulting(tmp_path, *, rewritten: bool = False, busy_writer: bool = False) -> dict:
+    s = Synth()
+    s.thread(TRAINER, "python")
+    s.thread(WRITER, "ckpt_writer")
+    s.file(DATASET, "/data/dataset.bin")
+    s.file(CKPT, "/data/ckpt.pt")
+    for x in periodic(0.0, s.duration_s, 0.2):
+        s.offcpu(TRAINER, x + 0.1, 0.1, state="D")
+        s.block_rq(TRAINER, x + 0.101, 0.098, size=MiB, dev=254 << 20)
+    for x in periodic(0.0, s.duration_s, 0.1):
+        s.disk_io(TRAINER, x, bytes=4 * MiB)
+        s.page_cache(x, DATASET, "refaulted", 768)
+        s.page_cache(x, CKPT, "added", 8192)
+        s.dirtied(WRITER, x, CKPT, 8192, comm="ckpt_writer")
+        if rewritten:  # the "dataset" is rewritten: its pages come back after truncation
+            s.dirtied(WRITER, x, DATASET, 768, comm="ckpt_writer")
+        if busy_writer:
+            s.disk_io(WRITER, x, bytes=40 * MiB, direction="write", comm="ckpt_writer")
+    return _top(s, tmp_path)
+
+
+def test_pages_back_after_a_rewrite_are_not_refaults(tmp_path):
+    f = _refaulting(tmp_path, rewritten=True)
+    assert "refaulted" not in f["evidence"]["io"] and "case" not in f["evidence"], f["summary"]
+
+
+def test_a_refault_is_said_beside_another_culprit(tmp_path):
+    f = _refaulting(tmp_path, busy_writer=True)
+    assert f["evidence"]["case"] == "other_io", f["summary"]
+    assert f["summary"].endswith("behind 2.1 GB of I/O by ckpt_writer (150); it re-read 157 MB of /data/dataset.bin "
+                                 "after the page cache dropped it for /data/ckpt.pt written by ckpt_writer (150) "
+                                 "(95% of starved time)"), f["summary"]
+    again = [c for c in f["culprits"] if c.get("refaulted_bytes")]
+    assert [c["name"] for c in again] == ["/data/dataset.bin"]

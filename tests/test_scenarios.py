@@ -132,11 +132,12 @@ def test_injected_bottleneck_is_the_top_finding(scenario: Scenario, gpu_source: 
         assert [c for c in top["culprits"] if c["kind"] == "lock"], top["culprits"]
     if scenario.culprit:
         _names_the_culprit(top, scenario, result)
-    if scenario.refault:
+    if scenario.refault:  # a disk finding says what was read again, and what pushed it out
         file, comm = scenario.refault
-        again = [f for f in result.findings if f["evidence"].get("case") == "refault"]
+        again = [f for f in result.findings if (f["evidence"].get("io") or {}).get("refaulted")]
         assert again, result.describe()
-        assert f"of {file} after the page cache dropped it for" in again[0]["summary"], again[0]["summary"]
+        assert [c for c in again[0]["culprits"] if c.get("refaulted_bytes") and c["name"].endswith("/" + file)]
+        assert f"/{file} after the page cache dropped it for" in again[0]["summary"], again[0]["summary"]
         assert comm in again[0]["summary"] and comm in again[0]["recommendation"], again[0]
     role, function = _named(top, scenario).split(" ", 1)
     if scenario.producer is not None:
@@ -206,7 +207,7 @@ def _names_the_culprit(top: dict, scenario: Scenario, result) -> None:
     assert writers, (top["culprits"], result.describe())
     assert comm in top["recommendation"], (top["recommendation"], result.describe())
     if direct:
-        assert not files, "O_DIRECT: no writeback culprit"
+        assert not [c for c in files if c["name"].endswith("/" + file)], "O_DIRECT: no writeback of the checkpoint"
         assert top["evidence"]["case"] == "direct_writes", (top["summary"], result.describe())
         assert file in top["summary"] and "already writes" in top["recommendation"], top
     else:

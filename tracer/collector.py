@@ -76,7 +76,7 @@ class Collector(Source):
     Source (tracer/source.py) its rows are the traced threads' events: at each flush,
     what its ring buffers hold and its in-kernel aggregates."""
 
-    thread_rows = True
+    described = True
     source: ClassVar[str | None]  # file under probes/; None: the collector reads no BPF
     tracepoints: ClassVar[tuple[str, ...]] = ()  # "category:event" the probe needs
     optional_tracepoints: ClassVar[tuple[str, ...]] = ()  # compiled in when present

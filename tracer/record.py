@@ -299,10 +299,10 @@ class Recorder(DrainLoop):
         """One flush: the traced threads' rows with what names them, then the sources'
         own samples; then the lost counts."""
         now_ns = time.monotonic_ns()
-        rows = [b for s in self.sources if s.thread_rows for b in s.flush(now_ns, final=final)]
+        rows = [b for s in self.sources if s.described for b in s.flush(now_ns, final=final)]
         ended = self._after_execs()
         batches = self._described(rows) + ended  # then the sources' own: after the execs, a process let back in is read anew
-        batches += [b for s in self.sources if not s.thread_rows for b in s.flush(now_ns, final=final)]
+        batches += [b for s in self.sources if not s.described for b in s.flush(now_ns, final=final)]
         if not final:  # what a killed recording's last segment says was still blocked
             segment_ns = time.monotonic_ns()
             batches += self._ended(segment_ns, final=False)

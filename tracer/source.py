@@ -21,9 +21,10 @@ class Source:
     """Every hook is optional: the base does nothing and adds no rows."""
 
     name: ClassVar[str]
-    # True: flush() returns events of the traced threads, which the gate drops for a
-    # process that left and whose stacks the symbolisers name.  False: its own samples.
-    thread_rows: ClassVar[bool] = False
+    # True: flush() returns rows the symbolisers name (stacks, futex addresses, files)
+    # and the gate drops for a process that left: the probes' events.  False: the
+    # source's own samples.
+    described: ClassVar[bool] = False
 
     def open(self, session) -> None:
         """Before the probes compile: check what the source needs (a refusal raises the

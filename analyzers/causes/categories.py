@@ -153,9 +153,10 @@ REGISTRY: tuple[Category, ...] = (
         cases={
             "writeback": (
                 "{who} waited {s:.2f} s for I/O on {device} behind {written} of writeback of {file}, "
-                "dirtied by {writer}", _WRITEBACK_ADVICE),
+                "dirtied by {writer}{again}", _WRITEBACK_ADVICE),
             "direct_writes": (
-                "{who} waited {s:.2f} s for I/O on {device} behind {issued} of O_DIRECT writes to {file} by {issuer}",
+                "{who} waited {s:.2f} s for I/O on {device} behind {issued} of O_DIRECT writes to {file} by {issuer}"
+                "{again}",
                 "{issuer_name} already writes {file} with O_DIRECT, so the device's bandwidth is the limit: rate-limit "
                 "that writer (io.max or io.weight on its cgroup, ionice), write while the loader is idle, or move it to "
                 "another device or to object storage."),
@@ -166,7 +167,7 @@ REGISTRY: tuple[Category, ...] = (
                 "of the cache (O_DIRECT, or posix_fadvise POSIX_FADV_DONTNEED after writing), give {evictor_name} a "
                 "cgroup of its own, or keep the dataset resident (a larger memory limit, a local copy, mlock)."),
             "other_io": (
-                "{who} waited {s:.2f} s for I/O on {device} behind {issued} of I/O by {issuer}",
+                "{who} waited {s:.2f} s for I/O on {device} behind {issued} of I/O by {issuer}{again}",
                 "{issuer_name} keeps {device} busy while the training data waits on it: limit it (io.max or io.weight "
                 "on its cgroup, ionice -c3), run it elsewhere, or give the dataset its own device."),
         }),

@@ -98,13 +98,17 @@ def io_culprits(ctx: Any, pieces: pd.DataFrame, roots: list[int], *, dirtying: b
         "files_by": "dirtied" if dirtying else "written_back",  # what each file's bytes are
     }
     device = names.get(devices[0], devices[0])
-    case = _case({**out, "paths": file_paths(frames)}, device, kind_rows(frames, "write_path"))
-    if not case and not dirtying:  # their own reads: of pages the page cache had dropped?
+    # Shares of the data moved: a discard or a cache flush says nothing of bytes by its size.
+    rw = issuers[issuers["direction"] != "other"]
+    moved = {"bytes": float(rw["bytes"].sum()), "others": float(rw.loc[~rw["victim"], "bytes"].sum()),
+             "flushed": float(rw.loc[~rw["victim"] & rw["flusher"], "bytes"].sum())}
+    case = _case({**out, "paths": file_paths(frames), "moved": moved}, device, kind_rows(frames, "write_path"))
+    if not dirtying:  # their reads: of pages the page cache had dropped?
         reads = float(issuers.loc[issuers["victim"] & (issuers["direction"] == "read"), "bytes"].sum())
         again = refaulted(ctx, devices[0], ws, we, reads, _inside)
         if again:
             out["refaulted"] = again
-            case = {"case": "refault", "names": {"device": device, **refault_names(again)}}
+            case = case or {"case": "refault", "names": {"device": device, **refault_names(again, device)}}
     return {"io": out, **case}
 
 
@@ -161,12 +165,12 @@ def _who(tid: int, comm: str, function: str | None = None) -> str:
 def _case(io: dict[str, Any], device: str, write_path: pd.DataFrame) -> dict[str, Any]:
     """The evidence's `case` and `names` (analyzers/causes/categories.py cases of block_io
     and dirty_throttling): who besides the victims filled `device`."""
-    total, files = io["bytes"], io["files"]
-    others = [i for i in io["issuers"] if not i["victim"]]
-    other_bytes = total - io["victim_bytes"]
+    files, moved = io["files"], io["moved"]
+    others = [i for i in io["issuers"] if not i["victim"] and i["direction"] != "other"]
+    total, other_bytes = moved["bytes"], moved["others"]
     if total <= 0 or other_bytes < OTHERS_MIN_SHARE * total:
         return {}  # the victims' own I/O is the load: the storage is the limit
-    flushed = sum(i["bytes"] for i in others if i["flusher"])
+    flushed = moved["flushed"]
     if files and (flushed >= 0.5 * other_bytes or files[0]["bytes"] >= 0.5 * other_bytes):
         top = files[0]
         writer = top["dirtiers"][0] if top["dirtiers"] else None

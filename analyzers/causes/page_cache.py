@@ -142,6 +142,17 @@ def reclaim_culprits(ctx: Any, roots: list[int]) -> dict[str, Any]:
     return {**out, "case": "page_cache", "names": names}
 
 
+def _rewritten(ctx: Any, device: str) -> set[int]:
+    """Inodes dirtied on `device` over the window: their pages come back after a
+    truncation as they do after eviction, and the kernel's events do not tell the two
+    apart, so their returns are not counted as refaults."""
+    d = kind_rows(ctx.frames, "dirtied")
+    if not len(d):
+        return set()
+    d = _in_window(ctx, d[d["device"].astype(str) == device])
+    return set(as_int64(d["inode"], 0).tolist())
+
+
 def refaulted(ctx: Any, device: str, ws: np.ndarray, we: np.ndarray, read_bytes: float,
               weigh) -> dict[str, Any] | None:
     """The file whose dropped pages were read again during the waits (ws, we) on
@@ -152,7 +163,7 @@ def refaulted(ctx: Any, device: str, ws: np.ndarray, we: np.ndarray, read_bytes:
     if not len(pc) or read_bytes <= 0:
         return None
     pc = pc[pc["device"].astype(str) == device]
-    back = pc[pc["change"].astype(str) == "refaulted"]
+    back = pc[(pc["change"].astype(str) == "refaulted") & ~np.isin(as_int64(pc["inode"], 0), list(_rewritten(ctx, device)))]
     if not len(back):
         return None
     per = pd.Series(weigh(back, ws, we) * as_int64(back["pages"], 0) * PAGE_BYTES, index=back.index).groupby(
@@ -172,11 +183,11 @@ def refaulted(ctx: Any, device: str, ws: np.ndarray, we: np.ndarray, read_bytes:
     return out
 
 
-def refault_names(refault: dict[str, Any]) -> dict[str, Any]:
-    """The `names` of a block_io finding's "refault" case."""
+def refault_names(refault: dict[str, Any], device_name: str | None = None) -> dict[str, Any]:
+    """The `names` of a block_io finding's "refault" case (files on `device_name`)."""
     evictor = refault["evictor"]
-    writer = (evictor or {}).get("dirtiers", [None])[0] if evictor and evictor["dirtiers"] else None
-    return {"file": file_name(refault), "refaulted_bytes": refault["refaulted_bytes"],
-            "evictor": f"{file_name(evictor)}{' written by ' + writer['comm'] + ' (' + str(writer['tid']) + ')' if writer else ''}"
-            if evictor else "other files",
+    writer = evictor["dirtiers"][0] if evictor and evictor["dirtiers"] else None
+    by = f" written by {writer['comm']} ({writer['tid']})" if writer else ""
+    return {"file": file_name(refault, device_name), "refaulted_bytes": refault["refaulted_bytes"],
+            "evictor": file_name(evictor, device_name) + by if evictor else "other files",
             "evictor_name": writer["comm"] if writer else "the other files' writers"}

@@ -19,9 +19,9 @@ import common
 
 CHECKPOINT_BYTES = 256 << 20
 CHECKPOINT_WRITE_BYTES = 256 << 10
-# O_DIRECT writes go to the disk as they are: 4 MiB ones fill its queue as the page
+# O_DIRECT writes go to the disk as they are: 8 MiB ones fill its queue as the page
 # cache's writeback does (256 KiB ones, one at a time, hardly slow the reads).
-DIRECT_WRITE_BYTES = 4 << 20
+DIRECT_WRITE_BYTES = 8 << 20
 DATASET_BYTES = 64 << 20
 # One batch: 48 MiB read with O_DIRECT (never from the page cache) 1 MiB at a time, a
 # little decoding.  Alone on this machine's disk a batch takes about a quarter of a

@@ -24,8 +24,8 @@ class PageCacheCollector(Collector):
     name = "pagecache"
     source = "pagecache.bpf.c"
     tracepoints = ("filemap:mm_filemap_add_to_page_cache", "filemap:mm_filemap_delete_from_page_cache")
-    # Its rows are every process's files, none a traced thread's event.
-    thread_rows = False
+    # Every process's files, none a traced thread's event, yet named like the disk
+    # counts' (tracer/samplers/files.py): described as the probes' rows are.
     # Every page cache change on the machine runs it: ~1.7-1.9 us each (docs/performance.md).
     opt_in = True
 

@@ -24,7 +24,7 @@ class WritePathCollector(Collector):
     name = "writepath"
     source = "writepath.bpf.c"
     tracepoints = tuple(f"syscalls:sys_{edge}_{call}" for edge in ("enter", "exit")
-                        for call in ("write", "pwrite64", "writev", "pwritev"))
+                        for call in ("write", "pwrite64", "writev", "pwritev", "pwritev2"))
     # Each names files on the file systems that have it; a kernel lacking one counts less.
     optional_tracepoints = ("iomap:iomap_dio_rw_begin", "iomap:iomap_iter", "ext4:ext4_da_write_begin",
                             "ext4:ext4_write_begin", "io_uring:io_uring_submit_req")

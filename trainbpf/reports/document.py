@@ -15,6 +15,7 @@ import numpy as np
 
 from trainbpf.analyzers.causes.categories import BY_NAME
 from trainbpf.analyzers.causes.files import file_name
+from trainbpf.analyzers.causes.page_cache import refault_names
 from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.pipeline import Analysis
 from trainbpf.analyzers.threads.states import state_seconds
@@ -24,7 +25,8 @@ from trainbpf.reports.present import size
 from trainbpf.reports.python_frames import frame_label
 
 REPORT_SCHEMA = "trainbpf.report/3"
-# Other tasks' I/O named as a disk finding's culprit from this share of the device's bytes.
+# Other tasks' I/O, and files written back, named as a disk finding's culprits from this
+# share of the device's bytes during its waits.
 MIN_ISSUER_SHARE = 0.05
 _ROLE_ORDER = {role: i for i, role in enumerate(ROLES)}
 
@@ -210,6 +212,8 @@ def _io_culprits(evidence: dict[str, Any]) -> list[dict[str, Any]]:
                                   "bytes": int(io["bytes"])} for d in io["devices"][:1]]
     named: set[int] = set()
     for f in io["files"]:
+        if f["bytes"] < MIN_ISSUER_SHARE * io["bytes"]:
+            continue  # not what filled the disk
         out += [_file_culprit(f, **{f"{io['files_by']}_bytes": int(f["bytes"])}, write_paths=sorted(f["write_paths"]))]
         out += _dirtier_culprit(f, named)
     again = io.get("refaulted")
@@ -311,9 +315,15 @@ def recommendation(category: str, evidence: dict[str, Any]) -> str:
 
 def _case_names(evidence: dict[str, Any]) -> dict[str, Any]:
     """The evidence's `names` for a case's sentences; a `<name>_bytes` number also as
-    `<name>`, in units ("1.05 GB")."""
+    `<name>`, in units ("1.05 GB"); `again`: what a disk finding's threads read again
+    after the page cache dropped it, when that is not the case itself ("" otherwise)."""
     names = dict(evidence.get("names", {}))
-    return {**names, **{k[:-len("_bytes")]: size(v) for k, v in names.items() if k.endswith("_bytes")}}
+    again = (evidence.get("io") or {}).get("refaulted")
+    if again and evidence.get("case") != "refault":
+        told = refault_names(again, evidence["io"]["devices"][0]["name"])
+        names["again"] = (f"; it re-read {size(told['refaulted_bytes'])} of {told['file']} after the page cache "
+                          f"dropped it for {told['evictor']}")
+    return {"again": "", **names, **{k[:-len("_bytes")]: size(v) for k, v in names.items() if k.endswith("_bytes")}}
 
 
 def _where(functions: list[dict[str, Any]] | None) -> str:
