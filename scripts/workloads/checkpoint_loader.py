@@ -78,8 +78,11 @@ def main() -> None:
             with common.background_thread("ckpt_writer", write_direct_forever, checkpoint, cpus=common.BACKGROUND_CPUS):
                 common.train(args.seconds, batches.get)
             return
+        # Rewritten in place: its pages are dirtied again and written back all along (a
+        # truncation would free them and, on a file system mounted with discard, send the
+        # disk discards instead of writes while it runs).
         with common.file_rewriters("ckpt_writer", [checkpoint], CHECKPOINT_BYTES, CHECKPOINT_WRITE_BYTES,
-                                   cpus=common.BACKGROUND_CPUS):
+                                   cpus=common.BACKGROUND_CPUS, in_place=True):
             common.train(args.seconds, batches.get)
 
 
