@@ -167,3 +167,18 @@ def test_discards_are_not_data_moved(tmp_path):
     f = _report_top(_trace(tmp_path, lambda s, x: s.disk_io(4242, x, bytes=100 * MiB, direction="other",
                                                              comm="fstrim", pid=4242)))
     assert "case" not in f["evidence"] and "faster storage" in f["recommendation"], f["summary"]
+
+
+def test_a_writer_throttled_by_its_own_dirty_pages_blames_no_one_else(tmp_path):
+    s = Synth()
+    s.thread(TRAINER, "python")
+    s.block_device("254:0", "vda")
+    for x in periodic(0.0, s.duration_s, 0.2):
+        s.offcpu(TRAINER, x + 0.1, 0.1, state="D")
+        s.dirty_pause(TRAINER, x + 0.1, 0.1, dev="254:0")
+    for x in periodic(0.0, s.duration_s, 0.1):
+        s.dirtied(TRAINER, x, INODE, 2560)  # its own file, written back by the flusher
+        s.disk_io(FLUSHER, x, bytes=10 * MiB, direction="write", comm="kworker/u8:1+flush-254:0", pid=FLUSHER)
+    s.gpu_from_running(TRAINER)
+    f = _report_top(analyze(s.read(tmp_path)))
+    assert f["category"] == "dirty_throttling" and "case" not in f["evidence"], f["summary"]

@@ -173,8 +173,8 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # as in writeback_inode.
     "dirtied": ("ts_ns", "dur_ns", "tid", "pid", "comm", "name", "addr", "count"),
     # A file a traced process had open or mapped, named by (device, inode) while the
-    # recording ran: one row per (state, addr) that a writeback_inode, dirtied,
-    # write_path or page_cache row needed named, found among the traced processes' open descriptors
+    # recording ran: one row per (state, addr) that a traced process's dirtied or
+    # write_path rows, or the page_cache rows, needed named, found among the traced processes' open descriptors
     # and mappings: pid = that process, state = the whole disk "MAJ:MIN" (a partition's
     # filesystem names its disk), addr = the inode, name = the path.  An inode no
     # traced process had open or mapped at a scan has no row.

@@ -179,6 +179,7 @@ def _case(io: dict[str, Any], device: str, write_path: pd.DataFrame) -> dict[str
             "written_bytes": top["bytes"],
             "writer": _who(writer["tid"], writer["comm"], writer["function"]) if writer else "a writer before the recording",
             "writer_name": writer["comm"] if writer else "the file's writer"}}
+    others = [i for i in others if not i["flusher"]]  # a flusher writes back someone's files: named above
     if not others:
         return {}
     top = others[0]

@@ -203,18 +203,19 @@ class Recording:
 def revision_package(rev: str, dest: Path) -> Path:
     """Git revision `rev` of the project laid out as the installed package (pyproject's
     package-dir), under `dest`: a PYTHONPATH that runs that revision's recorder."""
+    import tomllib
+
     src, pkg = dest / "src", dest / "pkg"
     src.mkdir(parents=True)
-    got = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "trainbpf", "tracer", "probes", "analyzers"],
-                         capture_output=True)
+    got = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True)
     if got.returncode != 0:  # a revision that does not exist, or a tree that is no git checkout
         why = got.stderr.decode(errors="replace").strip().splitlines()
         raise SystemExit(f"--baseline {rev}: git archive failed: {why[-1] if why else got.returncode}")
-    archive = got.stdout
-    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
-    shutil.copytree(src / "trainbpf", pkg / "trainbpf")
-    for sub in ("tracer", "probes", "analyzers"):
-        shutil.copytree(src / sub, pkg / "trainbpf" / sub)
+    subprocess.run(["tar", "-x", "-C", str(src)], input=got.stdout, check=True)
+    # That revision's own layout: its pyproject's package-dir (the folders it installs).
+    layout = tomllib.loads((src / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for package, folder in sorted(layout.items()):  # a package before its subpackages
+        shutil.copytree(src / folder, pkg / package.replace(".", "/"), dirs_exist_ok=True)
     return pkg
 
 

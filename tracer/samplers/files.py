@@ -23,9 +23,11 @@ from trainbpf.tracer.source import Source
 from trainbpf.tracer.symbols.maps import ProcMaps
 
 # Kinds whose rows name an inode (storage columns: name = device, addr = inode) and those
-# that name a device (in `name`).
-INODE_KINDS = ("writeback_inode", "dirtied", "write_path", "page_cache")
-DEVICE_KINDS = ("disk_io",) + INODE_KINDS
+# that name a device (in `name`).  Of the inodes, those searched for: the ones a traced
+# process may hold open (it wrote or dirtied them; the page cache's rows, opt-in, carry
+# no process), not every inode the machine's flushers write back or its tasks dirty.
+DEVICE_KINDS = ("disk_io", "writeback_inode", "dirtied", "write_path", "page_cache")
+SEARCHED_KINDS = ("dirtied", "write_path", "page_cache")
 # A search's bounds: descriptors read per process, and its time (~5 us a descriptor);
 # what is left waits for the next search.  Inodes of any task show up at every flush of a
 # busy machine, so a search may run at every flush: at most 2% of a CPU.
@@ -55,7 +57,7 @@ class FileNames(Source):
     def describe(self, rows: pa.RecordBatch, maps: ProcMaps) -> tuple[pa.RecordBatch, list[pa.RecordBatch]]:
         if not self.wanted:
             return rows, []
-        new = inode_keys(rows) - self.named - self.unnamed.keys()
+        new = inode_keys(rows, self.session.threads.tgids()) - self.named - self.unnamed.keys()
         batches = self.search(new | self.unnamed.keys(), maps) if new else []
         return rows, batches + self.device_rows(row_devices(rows) | {device for device, _ in new})
 
@@ -152,9 +154,12 @@ def _of_kinds(rows: pa.RecordBatch, kinds: tuple[str, ...]) -> pa.RecordBatch:
     return rows.filter(pc.is_in(rows.column("kind"), value_set=pa.array(kinds)))
 
 
-def inode_keys(rows: pa.RecordBatch) -> set[Key]:
-    """The (device, inode) keys of a flush's rows."""
-    named = _of_kinds(rows, INODE_KINDS)
+def inode_keys(rows: pa.RecordBatch, traced: list[int]) -> set[Key]:
+    """The (device, inode) keys of a flush's rows worth a search: those the processes
+    `traced` wrote or dirtied, and the page cache's."""
+    named = _of_kinds(rows, SEARCHED_KINDS)
+    theirs = pc.or_(pc.is_null(named.column("pid")), pc.is_in(named.column("pid"), value_set=pa.array(traced, pa.int32())))
+    named = named.filter(pc.fill_null(theirs, True))
     return set(zip(named.column("name").to_pylist(), named.column("addr").to_pylist()))
 
 
