@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from synth import TRAINER, Synth, periodic
 from trainbpf.analyzers.pipeline import analyze
-from trainbpf.reports.document import build_report
+from trainbpf.reports.document import Report, build_report
+from trainbpf.reports.html import render_html
+from trainbpf.reports.text import render_text
 
 WRITER = 150  # a checkpoint thread of the trainer's process
 FLUSHER = 300
@@ -100,16 +102,9 @@ def test_another_process_reading_is_named(tmp_path):
         next(c for c in f["culprits"] if c.get("tid") == 4242).items()
 
 
-def test_an_unnamed_inode_is_said_by_number_and_device(tmp_path):
-    def unnamed(s, x):
-        _writeback(s, x)
-
-    s_file = Synth.file
-    try:
-        Synth.file = lambda self, *a, **k: None  # the recorder never saw the file open
-        f = _report_top(_trace(tmp_path, unnamed))
-    finally:
-        Synth.file = s_file
+def test_an_unnamed_inode_is_said_by_number_and_device(tmp_path, monkeypatch):
+    monkeypatch.setattr(Synth, "file", lambda self, *a, **k: None)  # the recorder never saw the file open
+    f = _report_top(_trace(tmp_path, _writeback))
     assert f"writeback of inode {INODE} on vda" in f["summary"], f["summary"]
 
 
@@ -143,9 +138,6 @@ def test_a_throttled_writer_names_the_thread_that_dirtied_most(tmp_path):
 
 
 def test_the_text_report_lists_the_disk_culprits(tmp_path):
-    from trainbpf.reports.document import Report
-    from trainbpf.reports.text import render_text
-
     a = _trace(tmp_path, _writeback)
     text = render_text(Report(analysis=a, doc=build_report(a)))
     assert "    disk: vda (254:0), 1.07 GB of requests during the waits" in text, text
@@ -154,9 +146,6 @@ def test_the_text_report_lists_the_disk_culprits(tmp_path):
 
 
 def test_the_html_report_lists_the_disk_culprits(tmp_path):
-    from trainbpf.reports.document import Report
-    from trainbpf.reports.html import render_html
-
     a = _trace(tmp_path, _writeback)
     html = render_html(Report(analysis=a, doc=build_report(a)))
     assert f"<p><b>Culprits:</b><br>disk: vda (254:0), 1.07 GB of requests during the waits<br>file: {CKPT} " in html

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from synth import RECLAIM_STACK, TRAINER, Synth, periodic
 from trainbpf.analyzers.pipeline import analyze
-from trainbpf.reports.document import build_report
+from trainbpf.reports.document import Report, build_report
+from trainbpf.reports.text import render_text
 
 WRITER = 150
 SHARD, DATASET, CKPT, SPILL = 71, 72, 73, 74
@@ -80,7 +81,7 @@ def test_reclaim_without_cgroup_rows_reads_as_before(tmp_path):
     assert f["category"] == "memory_reclaim" and "case" not in f["evidence"] and "cgroup" not in f["evidence"]
 
 
-def test_a_dataset_read_again_after_a_checkpoint_evicted_it_is_named(tmp_path):
+def _refaulting(tmp_path, *, rewritten: bool = False, busy_writer: bool = False) -> dict:
     s = Synth()
     s.thread(TRAINER, "python")
     s.thread(WRITER, "ckpt_writer")
@@ -94,7 +95,15 @@ def test_a_dataset_read_again_after_a_checkpoint_evicted_it_is_named(tmp_path):
         s.page_cache(x, DATASET, "refaulted", 768)  # 3 MiB of the 4 read
         s.page_cache(x, CKPT, "added", 8192)
         s.dirtied(WRITER, x, CKPT, 8192, comm="ckpt_writer")
-    f = _top(s, tmp_path)
+        if rewritten:  # the "dataset" is rewritten: its pages come back after truncation
+            s.dirtied(WRITER, x, DATASET, 768, comm="ckpt_writer")
+        if busy_writer:
+            s.disk_io(WRITER, x, bytes=40 * MiB, direction="write", comm="ckpt_writer")
+    return _top(s, tmp_path)
+
+
+def test_a_dataset_read_again_after_a_checkpoint_evicted_it_is_named(tmp_path):
+    f = _refaulting(tmp_path)
     assert f["category"] == "block_io" and f["evidence"]["case"] == "refault", f["summary"]
     assert "re-read 157 MB of /data/dataset.bin after the page cache dropped it for /data/ckpt.pt written by " \
            f"ckpt_writer ({WRITER})" in f["summary"], f["summary"]
@@ -102,36 +111,12 @@ def test_a_dataset_read_again_after_a_checkpoint_evicted_it_is_named(tmp_path):
 
 
 def test_the_text_report_lists_the_cgroup_and_the_files(tmp_path):
-    from trainbpf.reports.document import Report
-    from trainbpf.reports.text import render_text
-
     s = _reclaiming(file_bytes=200 * MiB, anon_bytes=40 * MiB)
     s.gpu_from_running(TRAINER)
     a = analyze(s.read(tmp_path))
     text = render_text(Report(analysis=a, doc=build_report(a)))
     assert f"    cgroup: {CGROUP} (limit 268 MB, usage 267 MB, page cache 210 MB, anonymous 41.9 MB)" in text, text
     assert "    file: /data/shards/shard0.bin (839 MB dirtied, 839 MB added to the page cache)" in text, text
-
-
-def _refaulting(tmp_path, *, rewritten: bool = False, busy_writer: bool = False) -> dict:
-    s = Synth()
-    s.thread(TRAINER, "python")
-    s.thread(WRITER, "ckpt_writer")
-    s.file(DATASET, "/data/dataset.bin")
-    s.file(CKPT, "/data/ckpt.pt")
-    for x in periodic(0.0, s.duration_s, 0.2):
-        s.offcpu(TRAINER, x + 0.1, 0.1, state="D")
-        s.block_rq(TRAINER, x + 0.101, 0.098, size=MiB, dev=254 << 20)
-    for x in periodic(0.0, s.duration_s, 0.1):
-        s.disk_io(TRAINER, x, bytes=4 * MiB)
-        s.page_cache(x, DATASET, "refaulted", 768)
-        s.page_cache(x, CKPT, "added", 8192)
-        s.dirtied(WRITER, x, CKPT, 8192, comm="ckpt_writer")
-        if rewritten:  # the "dataset" is rewritten: its pages come back after truncation
-            s.dirtied(WRITER, x, DATASET, 768, comm="ckpt_writer")
-        if busy_writer:
-            s.disk_io(WRITER, x, bytes=40 * MiB, direction="write", comm="ckpt_writer")
-    return _top(s, tmp_path)
 
 
 def test_pages_back_after_a_rewrite_are_not_refaults(tmp_path):

@@ -3,10 +3,10 @@
 `block_device` rows ("254:0" -> "vda").
 
 The kernel counts by (device, inode), and a path is known only while a traced process
-holds the file: whenever a flush's rows bring (device, inode) keys not yet named, and at
-the stop, the traced processes' open descriptors (/proc/PID/fd) and mappings
-(/proc/PID/maps) are searched for them.  A file closed before any search stays unnamed
-(the analysis then says "inode N on vda")."""
+holds the file: whenever a flush's rows bring (device, inode) keys not yet named, the
+traced processes' open descriptors (/proc/PID/fd) are searched for them, and at the stop
+their descriptors and mappings (/proc/PID/maps) for those still unnamed.  A file closed
+before any search stays unnamed (the analysis then says "inode N on vda")."""
 
 from __future__ import annotations
 
@@ -58,7 +58,9 @@ class FileNames(Source):
         if not self.wanted:
             return rows, []
         new = inode_keys(rows, self.session.threads.tgids()) - self.named - self.unnamed.keys()
-        batches = self.search(new | self.unnamed.keys(), maps) if new else []
+        # Descriptors only while recording: a file is written through one; the mappings,
+        # most of a search's cost, are read for what is still unnamed at the stop.
+        batches = self.search(new | self.unnamed.keys(), None) if new else []
         return rows, batches + self.device_rows(row_devices(rows) | {device for device, _ in new})
 
     def end(self, now_ns: int, ended: list[pa.RecordBatch], *, final: bool) -> list[pa.RecordBatch]:
@@ -69,9 +71,9 @@ class FileNames(Source):
     def meta(self) -> dict:
         return {"files": {"named": len(self.named), "unnamed": len(self.unnamed)}} if self.wanted else {}
 
-    def search(self, wanted: set[Key], maps: ProcMaps) -> list[pa.RecordBatch]:
+    def search(self, wanted: set[Key], maps: ProcMaps | None) -> list[pa.RecordBatch]:
         """`file` rows of the wanted keys found in the traced processes' descriptors and
-        mappings; the rest are remembered as unnamed."""
+        (with `maps`) mappings; the rest are remembered as unnamed."""
         found = self.scan(self.session.threads.tgids(), wanted, maps)
         self.named |= found.keys()
         for key in wanted - found.keys():
@@ -89,15 +91,16 @@ class FileNames(Source):
             "path": [found[k][1] for k in keys],
         })]
 
-    def scan(self, tgids: list[int], wanted: set[Key], maps: ProcMaps) -> dict[Key, tuple[int, str]]:
-        """(pid, path) of each wanted key among the processes' open files and mappings,
-        within SCAN_FDS descriptors a process and SCAN_BUDGET_S in all."""
+    def scan(self, tgids: list[int], wanted: set[Key], maps: ProcMaps | None) -> dict[Key, tuple[int, str]]:
+        """(pid, path) of each wanted key among the processes' open files and (with
+        `maps`) mappings, within SCAN_FDS descriptors a process and SCAN_BUDGET_S in all."""
         deadline = time.monotonic() + SCAN_BUDGET_S
         found: dict[Key, tuple[int, str]] = {}
         for pid in tgids:
             if len(found) == len(wanted) or time.monotonic() > deadline:
                 break
-            for key, path in self._open_files(pid, deadline) + self._mapped_files(pid, maps):
+            mapped = self._mapped_files(pid, maps) if maps is not None else []
+            for key, path in self._open_files(pid, deadline) + mapped:
                 if key in wanted and key not in found:
                     found[key] = (pid, path)
         return found
