@@ -325,9 +325,12 @@ def run_scenario_recorders(scenario: Scenario, workdir: Path, gpu_source: str,
 
 
 def _start_recorder(cli: Path, pythonpath: Path | None, env: dict, args: list[str]) -> subprocess.Popen:
-    """`trainbpf ARGS` by this revision's CLI, or by the package at `pythonpath`."""
+    """`trainbpf ARGS` by this revision's CLI, or by the package at `pythonpath` (run from
+    there: `-m` puts the working directory first on the path, and from the repository's
+    root that is this revision's package)."""
     cmd = [str(cli)] if pythonpath is None else [sys.executable, "-m", "trainbpf.cli"]
     return subprocess.Popen([*cmd, *args], env=env if pythonpath is None else {**env, "PYTHONPATH": str(pythonpath)},
+                            cwd=None if pythonpath is None else str(pythonpath),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
