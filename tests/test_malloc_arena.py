@@ -11,11 +11,9 @@ from pathlib import Path
 import pytest
 
 from kernel_env import require_root
-from scenario_harness import REPORT_SCHEMA, Scenario, run_scenario
+from scenario_harness import MALLOC_ARENA, REPORT_SCHEMA, run_scenario
 from trainbpf.trace.reader import read_trace
 
-# Recorded for less than the suite's scenarios: the lock is taken thousands of times a second.
-SCENARIO = Scenario("malloc_arena", ("lock_contention",), gpu_sources=("nvidia-smi",), record_seconds=4)
 # On this shared 2-CPU machine the trainer also waits for a CPU and runs its own mallocs:
 # the lock's share varies from run to run; it must be there, and named.
 MIN_LOCK_SHARE = 0.05
@@ -24,7 +22,7 @@ MIN_LOCK_SHARE = 0.05
 @pytest.mark.scenario
 def test_contended_malloc_arena_is_named_with_its_holders(tmp_path: Path):
     require_root("records a workload with BPF")
-    result = run_scenario(SCENARIO, tmp_path, "nvidia-smi")
+    result = run_scenario(MALLOC_ARENA, tmp_path, "nvidia-smi")
     print(result.describe())
     assert result.report["schema"] == REPORT_SCHEMA
     found = [f for f in result.findings if f["category"] == "lock_contention"]

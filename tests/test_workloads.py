@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from job_harness import JOB_WORKLOADS
-from scenario_harness import SCENARIOS, WORKLOADS
+from scenario_harness import OWN_TEST_SCENARIOS, SCENARIOS, WORKLOADS
 
 RUN_SECONDS = 2.0
 
@@ -42,7 +42,7 @@ def _runnable(name: str) -> bool:
 
 
 def test_every_workload_is_a_scenario():
-    assert sorted({s.name for s in SCENARIOS} | set(JOB_WORKLOADS)) == _workload_names()
+    assert sorted({s.name for s in SCENARIOS + OWN_TEST_SCENARIOS} | set(JOB_WORKLOADS)) == _workload_names()
 
 
 def test_workloads_run_announce_and_drive_the_simulated_gpu(tmp_path: Path):

@@ -23,10 +23,11 @@ CHECKPOINT_WRITE_BYTES = 256 << 10
 # cache's writeback does (256 KiB ones, one at a time, hardly slow the reads).
 DIRECT_WRITE_BYTES = 8 << 20
 DATASET_BYTES = 64 << 20
-# One batch: 48 MiB read with O_DIRECT (never from the page cache) 1 MiB at a time, a
-# little decoding.  Alone on this machine's disk a batch takes about a quarter of a
-# step; behind the checkpoint's writeback, one to three steps.
-BATCH_BYTES = 48 << 20
+# One batch: 96 MiB read with O_DIRECT (never from the page cache) 1 MiB at a time, a
+# little decoding.  Alone on this machine's disk a batch takes most of a step; behind
+# the checkpoint's writeback, two to six steps (with half as much, some runs' writeback
+# slowed the loader by less than the step's slack and barely starved the GPU).
+BATCH_BYTES = 96 << 20
 READ_BYTES = 1 << 20
 DECODE_STEPS = 0.05
 
