@@ -62,8 +62,9 @@ class Scenario:
     # Who the top finding names first: "trainer" (its own host work) or "dataloader".
     producer: str | None = None
     function: str | None = None  # the function its evidence names first (host work)
-    # The GPU sampling it runs under (the host-bound ones: one, to keep the suite short).
-    gpu_sources: tuple[str, ...] = ("nvidia-smi", "nvml")
+    # The GPU sampling it runs under: one each, to keep the suite short (the same
+    # simulated GPU is behind both; the scenarios share the sources between them).
+    gpu_sources: tuple[str, ...] = ("nvidia-smi",)
     variant: tuple[str, ...] = ()  # the workload's own arguments: another case of it
     # (file name, thread comm) the top finding's culprits name: what made the disk busy.
     culprit: tuple[str, str] | None = None
@@ -89,11 +90,11 @@ class Scenario:
 # step (shorter than one GPU sample), the GPU partly busy in every sample.
 SCENARIOS = (
     # Issue 10's case: half of every 30-60 ms step waiting for the dataloader.
-    Scenario("interleaved_steps", ("input_pipeline",), min_starved_fraction=0.4),
-    Scenario("decode_threads", ("input_pipeline",)),
+    Scenario("interleaved_steps", ("input_pipeline",), min_starved_fraction=0.4, gpu_sources=("nvidia-smi",)),
+    Scenario("decode_threads", ("input_pipeline",), gpu_sources=("nvml",)),
     # The slow variant: 150 ms steps, stalls longer than a sample.
-    Scenario("decode_threads", ("input_pipeline",), step_ms=150),
-    Scenario("decode_processes", ("input_pipeline",)),
+    Scenario("decode_threads", ("input_pipeline",), step_ms=150, gpu_sources=("nvidia-smi",)),
+    Scenario("decode_processes", ("input_pipeline",), gpu_sources=("nvidia-smi",)),
     Scenario("decode_torch", ("input_pipeline",), requires="torch", producer="dataloader", gpu_sources=("nvidia-smi",)),
     # Issue 35: the trainer's own work on the CPU, the GPU idle meanwhile.
     Scenario("inproc_torch", ("input_pipeline",), requires="torch", producer="trainer", function="__getitem__",
@@ -106,9 +107,9 @@ SCENARIOS = (
     # A real pthread mutex, not the GIL: gil_contention would be the wrong answer.
     Scenario("allocator_lock", ("lock_contention",), gpu_sources=("nvml",)),
     # The GIL, named by its address in _PyRuntime: lock_contention would be the wrong answer.
-    Scenario("gil_threads", ("gil_contention",)),
-    Scenario("mmap_churn", ("allocator_churn", "page_faults")),
-    Scenario("checkpoint_dirty", ("dirty_throttling",), dirty_limits=(2 * MiB, 1 * MiB)),
+    Scenario("gil_threads", ("gil_contention",), gpu_sources=("nvml",)),
+    Scenario("mmap_churn", ("allocator_churn", "page_faults"), gpu_sources=("nvidia-smi",)),
+    Scenario("checkpoint_dirty", ("dirty_throttling",), dirty_limits=(2 * MiB, 1 * MiB), gpu_sources=("nvml",)),
     # Issue 29: the loader's O_DIRECT reads queue behind a checkpoint's writeback; the
     # culprit is the checkpoint and its writer, not the storage.  Then the checkpoint
     # written with O_DIRECT itself: no writeback, the writer's own requests.
@@ -124,9 +125,9 @@ SCENARIOS = (
     Scenario("dataset_evicted", ("block_io", "memory_reclaim", "input_pipeline"), min_share=0.25,
              memory_limit=256 * MiB, probes="default,pagecache",
              refault=("dataset.bin", "ckpt_writer"), gpu_sources=("nvml",)),
-    Scenario("numa_wrong_node", ("numa_remote",), declares_topology=True),
+    Scenario("numa_wrong_node", ("numa_remote",), declares_topology=True, gpu_sources=("nvidia-smi",)),
     Scenario("demo_trainer", ("input_pipeline",), gpu_sources=("nvml",)),
-    Scenario("healthy"),
+    Scenario("healthy", gpu_sources=("nvml",)),
 )
 # Scenarios with a test of their own (their answer is not the top finding).  The lock is
 # taken thousands of times a second: recorded for less than the suite's scenarios.
