@@ -149,7 +149,7 @@ def test_injected_bottleneck_is_the_top_finding(scenario: Scenario, gpu_source: 
 def test_every_gpu_source_runs_several_scenarios():
     """Each scenario runs under one GPU source: both sources must still carry several."""
     runs = [g for s in SCENARIOS for g in s.gpu_sources]
-    assert {g: runs.count(g) for g in GPU_SOURCES} == {g: max(runs.count(g), 5) for g in GPU_SOURCES}, runs
+    assert min(runs.count(g) for g in GPU_SOURCES) >= 5, runs
 
 
 @pytest.mark.scenario
