@@ -170,3 +170,29 @@ def test_the_veths_packets_name_the_sender(net):
     received = veth[veth.direction == "recv"]
     assert received.bytes.sum() >= rec.tids["ipv4"]["received"] and (received.tid == 0).all()
     assert received.pid.isna().all() and (received.comm == "").all()
+
+
+def test_the_fetchers_waits_read_as_network_io(net):
+    """Its waits for the store's answers are network_io stacks (a TCP or UNIX receive),
+    and poll_wait where it waited in select first."""
+    from trainbpf.analyzers.causes.stack_reading import STACK_CLASSES, classify_stacks, stack_class_codes
+
+    rec, *_ = net
+    off = rec.trace.view("offcpu")
+    waits = off[(off.tid == rec.tids["tid"]) & (off.dur_ns >= ANSWER_NS * 0.9)]
+    classes = [STACK_CLASSES[c] for c in stack_class_codes(classify_stacks(rec.trace.view("stack")), waits.kstack_id)]
+    assert classes.count("network_io") >= 4 + 2 + 3 and classes.count("poll_wait") == 2, classes
+    assert set(classes) <= {"network_io", "poll_wait", ""}, classes
+
+
+def test_a_socket_closed_while_waited_on_keeps_its_rows(net):
+    """The store closed the connection while the fetcher waited for its answer: the
+    socket keeps its row and its request's bytes, and no answer is counted."""
+    rec, *_ = net
+    closed = rec.tids["closed"]
+    assert closed["received"] == 0
+    assert closed["socket"] in _sockets(rec)
+    io = rec.trace.view("net_io")
+    assert io[(io.socket == closed["socket"]) & (io.direction == "send")].bytes.sum() == closed["sent"]
+    req = rec.trace.view("net_request")
+    assert req[req.socket == closed["socket"]].empty
