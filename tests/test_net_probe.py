@@ -6,6 +6,7 @@ while the fetcher waits on it."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -196,3 +197,58 @@ def test_a_socket_closed_while_waited_on_keeps_its_rows(net):
     assert io[(io.socket == closed["socket"]) & (io.direction == "send")].bytes.sum() == closed["sent"]
     req = rec.trace.view("net_request")
     assert req[req.socket == closed["socket"]].empty
+
+
+def test_peer_names_of_each_family():
+    from trainbpf.tracer.collectors.net import peer_name
+
+    assert peer_name(socket.AF_INET, bytes([10, 0, 0, 2]) + bytes(104), 4, 8080) == "10.0.0.2:8080"
+    v6 = bytes.fromhex("fd000000000000000000000000000002")
+    assert peer_name(socket.AF_INET6, v6 + bytes(92), 16, 443) == "[fd00::2]:443"
+    assert peer_name(socket.AF_UNIX, b"/run/x.sock\0".ljust(108, b"\0"), 12, 0) == "/run/x.sock"
+    assert peer_name(socket.AF_UNIX, b"\0store\0x".ljust(108, b"\0"), 6, 0) == "@store"  # its length ends it
+    assert peer_name(socket.AF_UNIX, bytes(108), 0, 0) == ""
+    assert peer_name(socket.AF_PACKET, bytes(108), 0, 0) == ""
+
+
+def test_an_unseen_users_packets_are_counted_unnamed():
+    """Under sudo with hidepid: another user's sending task keeps its counts, not its name."""
+    from trainbpf.tracer.collectors.net import device_batches
+
+    rows = [(10, "eth0", 1, 4242, 3000, 2, 4240, "upload"), (10, "eth0", 0, 0, 1500, 1, 0, "")]
+    frame = device_batches(rows, 100_000_000, visible=lambda pid: False)[0].to_pandas()
+    assert list(frame.tid) == [0, 0] and frame.pid.isna().all() and list(frame.comm) == ["", ""]
+    assert list(frame["size"]) == [3000, 1500] and list(frame.state) == ["xmit", "recv"]
+    seen = device_batches(rows, 100_000_000)[0].to_pandas()
+    assert list(seen.tid) == [4242, 0] and seen.pid.iloc[0] == 4240 and seen.pid.isna().iloc[1]
+
+
+def test_struct_offsets_come_from_the_kernels_btf(tmp_path):
+    """struct sock's fields where this kernel has them, not where the headers bcc compiles
+    against put them; a kernel without BTF gives none, and the probe counts no socket."""
+    from trainbpf.tracer.collectors.net import KERNEL_FIELDS, NetCollector
+    from trainbpf.tracer.kernel_btf import BTF_VMLINUX, field_offsets
+    from trainbpf.tracer.settings import Settings
+
+    if not BTF_VMLINUX.exists():
+        pytest.skip("this kernel has no BTF")
+    offsets = field_offsets(KERNEL_FIELDS)
+    assert offsets is not None and offsets["OFF_SKC_DADDR"] == 0 and offsets["OFF_SKC_DPORT"] == 12
+    assert offsets["OFF_UNIX_ADDRESS_PATH"] == offsets["OFF_UNIX_ADDRESS_LEN"] + 4 + 2  # name[].sun_path
+    assert NetCollector(Settings()).defines()["NET_OFFSETS"] == 1
+    (tmp_path / "vmlinux").write_bytes(b"not btf")
+    assert field_offsets(KERNEL_FIELDS, tmp_path / "vmlinux") is None
+    assert field_offsets({"X": ("sock", "no_such_field")}) is None
+
+
+def test_net_bucket_is_a_millisecond_at_least(monkeypatch):
+    from trainbpf.trace.errors import UsageError
+    from trainbpf.tracer.settings import Settings
+
+    with pytest.raises(UsageError, match="net_bucket_ns"):
+        Settings(net_bucket_ns=1000)
+    monkeypatch.setenv("TRAINBPF_NET_BUCKET_NS", "20000000")
+    assert Settings().net_bucket_ns == 20_000_000
+    monkeypatch.setenv("TRAINBPF_NET_BUCKET_NS", "soon")
+    with pytest.raises(UsageError, match="TRAINBPF_NET_BUCKET_NS"):
+        Settings()
