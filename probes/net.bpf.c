@@ -90,7 +90,7 @@
 
 struct net_socket_event {
     u64 ts_ns;
-    u64 ino;
+    u64 socket; /* its inode */
     u32 tid;
     u32 pid;
     u16 family;
@@ -98,7 +98,7 @@ struct net_socket_event {
     u16 port;     /* the peer's, host order */
     u16 addr_len; /* bytes of addr: 4, 16, a UNIX address's length (0: unnamed) */
     s32 ifindex;  /* sk_bound_dev_if, when the route names no device */
-    char ifname[16];
+    char interface[16];
     u8 addr[NET_PATH_MAX]; /* IPv4/IPv6 address, or the peer's sun_path */
 };
 
@@ -206,7 +206,7 @@ static __always_inline void describe_socket(const void *sk, u64 ino, u16 family,
     }
     __builtin_memset(e, 0, sizeof(*e));
     e->ts_ns = bpf_ktime_get_ns();
-    e->ino = ino;
+    e->socket = ino;
     e->tid = current_tid();
     e->pid = current_tgid();
     e->family = family;
@@ -234,7 +234,7 @@ static __always_inline void describe_socket(const void *sk, u64 ino, u16 family,
         const void *dst = (const void *)read_u64(sk, OFF_SK_DST_CACHE);
         const void *dev = (const void *)read_u64(dst, OFF_DST_DEV);
         if (dev)
-            bpf_probe_read_kernel(e->ifname, sizeof(e->ifname), (const char *)dev + OFF_NETDEV_NAME);
+            bpf_probe_read_kernel(e->interface, sizeof(e->interface), (const char *)dev + OFF_NETDEV_NAME);
         bpf_probe_read_kernel(&e->ifindex, sizeof(e->ifindex), (const char *)sk + OFF_SKC_BOUND_DEV_IF);
     }
     net_events.ringbuf_submit(e, submit_flags(PROBE_NET));

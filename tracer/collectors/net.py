@@ -72,17 +72,17 @@ class NetCollector(Collector):
             self.visible = session.gate.sees
 
     def decode(self, ringbuf: str, r: np.ndarray) -> list[pa.RecordBatch]:
-        ifnames = cstrings(r["ifname"])
+        interfaces = cstrings(r["interface"])
         return [make_batch("socket", {
             "ts_ns": r["ts_ns"].astype(np.int64),
             "tid": r["tid"].astype(np.int32),
             "pid": r["pid"].astype(np.int32),
-            "socket": r["ino"].astype(np.uint64),
+            "socket": r["socket"].astype(np.uint64),
             "family": [FAMILIES.get(int(f), "other") for f in r["family"]],
             "peer": [peer_name(int(f), bytes(a), int(n), int(p)) for f, a, n, p in
                      zip(r["family"], r["addr"], r["addr_len"], r["port"])],
             "protocol": r["protocol"].astype(np.int32),
-            "interface": [name or interface_name(int(i)) for name, i in zip(ifnames, r["ifindex"])],
+            "interface": [name or interface_name(int(i)) for name, i in zip(interfaces, r["ifindex"])],
         })]
 
     def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
