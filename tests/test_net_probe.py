@@ -209,6 +209,7 @@ def test_peer_names_of_each_family():
     assert peer_name(socket.AF_UNIX, b"\0store\0x".ljust(108, b"\0"), 6, 0) == "@store"  # its length ends it
     assert peer_name(socket.AF_UNIX, bytes(108), 0, 0) == ""
     assert peer_name(socket.AF_PACKET, bytes(108), 0, 0) == ""
+    assert peer_name(socket.AF_INET, bytes(108), 4, 0) == ""  # not connected: no peer
 
 
 def test_an_unseen_users_packets_are_counted_unnamed():

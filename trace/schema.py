@@ -218,9 +218,10 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # thread, addr = the socket's inode (what /proc/PID/fd shows as socket:[N]), state =
     # family "ipv4"/"ipv6"/"unix"/"other", name = the peer: "10.0.0.2:8080",
     # "[fd00::2]:8080", the peer's UNIX path ("@name" in the abstract namespace, "" when
-    # unnamed), "" for other families; op = protocol (IPPROTO_*: 6 TCP, 17 UDP, 0 for
-    # unix), comm = the interface its route goes out of ("veth0", "lo"; "" when not
-    # known).  Recorders before 2026-12-08 wrote none of the network kinds.
+    # unnamed), "" when not connected or for other families; op = protocol (IPPROTO_*:
+    # 6 TCP, 17 UDP, 0 for unix), comm = the interface its route goes out of ("veth0",
+    # "lo"), else the one it is bound to ("" when not known).  Recorders before
+    # 2026-12-08 wrote none of the network kinds.
     "socket": ("ts_ns", "tid", "pid", "addr", "state", "name", "op", "comm"),
     # Bytes and calls of a traced thread per (bucket of thresholds.net_bucket_ns, thread,
     # socket, direction), counted in the kernel from sock:sock_recv_length /

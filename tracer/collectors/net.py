@@ -6,6 +6,7 @@ kernel per bucket of net_bucket_ns."""
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket as socketlib
 from typing import Callable
 
@@ -82,7 +83,8 @@ class NetCollector(Collector):
             "peer": [peer_name(int(f), bytes(a), int(n), int(p)) for f, a, n, p in
                      zip(r["family"], r["addr"], r["addr_len"], r["port"])],
             "protocol": r["protocol"].astype(np.int32),
-            "interface": [name or interface_name(int(i)) for name, i in zip(interfaces, r["ifindex"])],
+            "interface": [name or interface_name(int(i), int(pid)) for name, i, pid in
+                          zip(interfaces, r["ifindex"], r["pid"])],
         })]
 
     def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
@@ -93,7 +95,10 @@ class NetCollector(Collector):
 
 def peer_name(family: int, addr: bytes, length: int, port: int) -> str:
     """"10.0.0.2:8080", "[fd00::2]:8080", a UNIX path ("@name" in the abstract
-    namespace), or "" for an unnamed UNIX peer or another family."""
+    namespace), or "" for an unnamed UNIX peer, a socket not connected (a UDP socket
+    sending to many) or another family."""
+    if family in (socketlib.AF_INET, socketlib.AF_INET6) and not port and not any(addr[:length]):
+        return ""
     if family == socketlib.AF_INET:
         return f"{ipaddress.IPv4Address(addr[:4])}:{port}"
     if family == socketlib.AF_INET6:
@@ -106,11 +111,15 @@ def peer_name(family: int, addr: bytes, length: int, port: int) -> str:
     return path.split(b"\0", 1)[0].decode(errors="replace")
 
 
-def interface_name(ifindex: int) -> str:
-    """The name of a bound interface (in the recorder's network namespace); "" unknown."""
+def interface_name(ifindex: int, pid: int) -> str:
+    """The name of the interface a socket of process `pid` is bound to; "" when unknown,
+    or when the process is in another network namespace than the recorder, where the
+    index names another interface."""
     if ifindex <= 0:
         return ""
     try:
+        if os.stat(f"/proc/{pid}/ns/net").st_ino != os.stat("/proc/self/ns/net").st_ino:
+            return ""
         return socketlib.if_indextoname(ifindex)
     except OSError:
         return ""
