@@ -1,6 +1,7 @@
 """The traced side of tests/test_net_probe.py (speaks tests/recording.py's protocol:
 says "ready", waits for "go", prints what it did as JSON, exits).  One thread, the
-fetcher, asks tests/net_server.py for batches over each socket in turn: IPv4, IPv6
+fetcher, sends two datagrams on a UDP socket, connecting it between them, then asks
+tests/net_server.py for batches over each socket in turn: IPv4, IPv6
 (waiting in select first), a UNIX socket, an IPv4 port to which it uploads batches
 whose packets the test drops in part (retransmits), and a request the server answers by closing."""
 
@@ -17,6 +18,7 @@ import threading
 from net_server import CLOSE, UPLOAD
 
 BATCH = 256 << 10
+DISCARD_PORT = 9  # nobody listens: the datagrams go nowhere
 
 
 def fetch(s: socket.socket, size: int, *, wait_in_select: bool = False) -> int:
@@ -36,8 +38,18 @@ def fetch(s: socket.socket, size: int, *, wait_in_select: bool = False) -> int:
     return got
 
 
+def datagrams(address: tuple[str, int], report: dict) -> None:
+    """A UDP socket that sends before and after it is connected: its peer changes."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.sendto(b"x", address)
+        s.connect(address)
+        s.send(b"y")
+        report["udp"] = {"socket": os.fstat(s.fileno()).st_ino, "sent": 2, "received": 0}
+
+
 def fetcher(plan: list[tuple[str, object, int, int]], report: dict) -> None:
     report["tid"] = threading.get_native_id()
+    datagrams((plan[0][1][0], DISCARD_PORT), report)
     for name, address, requests, size in plan:
         family = socket.AF_UNIX if isinstance(address, str) else socket.AF_INET6 if ":" in address[0] \
             else socket.AF_INET
@@ -46,7 +58,7 @@ def fetcher(plan: list[tuple[str, object, int, int]], report: dict) -> None:
             got = [fetch(s, size, wait_in_select=name == "ipv6") for _ in range(requests)]
             uploaded = size & ~UPLOAD if size != CLOSE and size & UPLOAD else 0
             report[name] = {"socket": os.fstat(s.fileno()).st_ino, "sent": (4 + uploaded) * requests,
-                            "received": sum(got), "requests": requests}
+                            "received": sum(got)}
 
 
 def main(ipv4: str, ipv6: str, port: int, drop_port: int, unix_path: str) -> None:

@@ -121,6 +121,16 @@ def test_each_socket_is_named_by_its_peer_and_interface(net):
         assert row.tid == done["tid"] and row.pid == rec.pid
 
 
+def test_a_socket_connected_later_is_described_again(net):
+    """A UDP socket sent on unconnected, then connected: a row without a peer, then one
+    naming it; the last row names the socket now."""
+    rec, _, store, *_ = net
+    rows = rec.trace.view("socket")
+    udp = rows[rows.socket == rec.tids["udp"]["socket"]].sort_values("ts_ns")
+    assert list(udp.peer) == ["", f"{store.address}:9"], rows.to_string()
+    assert (udp.family == "ipv4").all() and (udp.protocol == 17).all()
+
+
 def test_bytes_and_calls_are_the_fetchers_own(net):
     """net_io's bytes are exactly what the fetcher sent and received on each socket."""
     rec, *_ = net
@@ -129,7 +139,7 @@ def test_bytes_and_calls_are_the_fetchers_own(net):
     assert (io.dur_ns == width).all() and (io.ts_ns % width == 0).all()
     assert not io.duplicated(["ts_ns", "tid", "socket", "direction"]).any()  # a bucket cut by a flush is one row
     mine = io[io.tid == rec.tids["tid"]]
-    for name in ("ipv4", "ipv6", "unix", "dropped", "closed"):
+    for name in ("ipv4", "ipv6", "unix", "dropped", "closed", "udp"):
         done = rec.tids[name]
         on = mine[mine.socket == done["socket"]]
         assert on[on.direction == "send"].bytes.sum() == done["sent"], (name, on.to_string())
