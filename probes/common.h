@@ -1,8 +1,9 @@
 /* Shared by every probe: the traced-thread set, lost-event counters and the stack map.
  *
- * Probes read only tracepoint fields and stable helpers, never kernel struct layouts:
- * bcc compiles against whatever headers are at hand (often older than the running
- * kernel), and a struct read through mismatched headers returns garbage.
+ * Probes read only tracepoint fields and stable helpers, never kernel struct layouts
+ * from headers: bcc compiles against whatever headers are at hand (often older than the
+ * running kernel), and a struct read through mismatched headers returns garbage (the
+ * net probe takes its few offsets from the running kernel's BTF instead).
  * Settings and sizes arrive as -D defines from the loader (tracer/settings.py Settings,
  * tracer/loader.py cflags); there are no defaults here, a missing one stops the build. */
 #ifndef TRAINBPF_COMMON_H

@@ -12,6 +12,9 @@ from typing import Iterator
 
 NODE_ADDRESSES = ("10.200.0.1", "10.200.0.2")
 PREFIX = 30
+NODE_ADDRESSES_V6 = ("fd00:200::1", "fd00:200::2")  # with ipv6=True
+PREFIX_V6 = 64
+IFA_F_NODAD = 0x02  # usable at once: no duplicate address detection to wait for
 NETNS_RUN = "/var/run/netns"
 
 
@@ -20,6 +23,7 @@ class Node:
     netns: str  # the namespace's name (ip netns)
     ifname: str  # its end of the veth pair
     address: str
+    address_v6: str = ""
 
     def enter(self) -> list[str]:
         """The command prefix that runs a program inside this node's network namespace."""
@@ -27,13 +31,14 @@ class Node:
 
 
 @contextlib.contextmanager
-def two_nodes() -> Iterator[tuple[Node, Node]]:
+def two_nodes(*, ipv6: bool = False) -> Iterator[tuple[Node, Node]]:
     """Two namespaces private to this process, each with its end of one veth pair up and
-    addressed, and its loopback up."""
+    addressed (with `ipv6`, an IPv6 address too), and its loopback up."""
     from pyroute2 import NetNS, netns
 
     tag = f"{os.getpid() % 100000}"
-    nodes = tuple(Node(f"trainbpf-test-n{i}-{tag}", f"tbv{i}-{tag}", NODE_ADDRESSES[i]) for i in range(2))
+    nodes = tuple(Node(f"trainbpf-test-n{i}-{tag}", f"tbv{i}-{tag}", NODE_ADDRESSES[i],
+                       NODE_ADDRESSES_V6[i] if ipv6 else "") for i in range(2))
     made: list[str] = []
     try:
         for node in nodes:
@@ -46,6 +51,8 @@ def two_nodes() -> Iterator[tuple[Node, Node]]:
             with NetNS(node.netns) as ns:
                 index = ns.link_lookup(ifname=node.ifname)[0]
                 ns.addr("add", index=index, address=node.address, prefixlen=PREFIX)
+                if node.address_v6:
+                    ns.addr("add", index=index, address=node.address_v6, prefixlen=PREFIX_V6, flags=IFA_F_NODAD)
                 ns.link("set", index=index, state="up")
                 ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
         yield nodes

@@ -24,10 +24,13 @@ RECORD_KINDS = {
     "oncpu_events": ("oncpu",), "mm_events": MM_KINDS, "writeback_events": ("dirty_pause",),
     "block_events": ("block_rq",), "cuda_events": ("cuda_call",), "nccl_events": ("collective",),
     "short_waits": ("offcpu_short",), "preemptions": ("preempted_by",), "cuda_launches": ("cuda_launch",),
+    "net_events": ("socket",),
 }
 # Fields that are not a column of their rows: padding, a layer the call's name already
-# says, and the bucket a launch row's ts_ns and dur_ns are computed from.
-NOT_STORED = {"pad", "layer@cuda_events", "bucket@cuda_launches", "first_ns@cuda_launches"}
+# says, the bucket a launch row's ts_ns and dur_ns are computed from, and the parts a
+# socket's peer and interface are made of.
+NOT_STORED = {"pad", "layer@cuda_events", "bucket@cuda_launches", "first_ns@cuda_launches",
+              "port@net_events", "addr@net_events", "addr_len@net_events", "ifindex@net_events"}
 # mm_events is one struct for six kinds of row: `what` says which, and its generic slots
 # hold a different column of each (tracer/collectors/mm.py names them).
 GENERIC = {"mm_events"}

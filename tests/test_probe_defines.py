@@ -66,7 +66,7 @@ def test_settings_reach_the_probes_as_defines(tmp_path):
     sources = [c.source for c in loader.select(list(loader.PROBE_NAMES), Settings()) if c.source]
     required = set().union(*(_required(s) for s in sources + ["common.h", "pyframes.h"]))
     given = Declared(min_block_ns=123, min_cuda_ns=456, cuda_bucket_ns=7_000_000, cuda_thread_records=64,
-                     disk_bucket_ns=50_000_000, refault_keys=4096, ringbuf_pages=8,
+                     disk_bucket_ns=50_000_000, net_bucket_ns=20_000_000, refault_keys=4096, ringbuf_pages=8,
                      stack_frames=20, stack_entries=1000, trace_all=True, exec_leaves=True)
     assert set(given.defines()) <= required, "a setting no probe requires"
     flags = loader.cflags(loader.select(list(loader.PROBE_NAMES), given), given, tmp_path)
@@ -74,6 +74,7 @@ def test_settings_reach_the_probes_as_defines(tmp_path):
     assert {name: int(defined[name]) for name in given.defines()} == {
         "MIN_BLOCK_NS": 123, "MIN_FUTEX_NS": 20_000, "MIN_LOCK_NS": 10_000, "MIN_CUDA_NS": 456,
         "CUDA_BUCKET_NS": 7_000_000, "CUDA_THREAD_RECORDS": 64, "REFAULT_KEYS": 4096, "DISK_BUCKET_NS": 50_000_000,
+        "NET_BUCKET_NS": 20_000_000,
         "RINGBUF_PAGES": 8, "STACK_FRAMES": 20, "STACK_ENTRIES": 1000, "TRACE_ALL": 1, "PYTHON_FRAMES": 1, "EXEC_LEAVES": 1}
     assert len(flags) == len(set(flags)), "a define passed twice"
 
@@ -89,7 +90,7 @@ def test_thresholds_are_every_declared_number():
     assert list(Declared().thresholds()) == numbers == [
         "min_block_ns", "min_futex_ns", "min_lock_ns", "oncpu_hz", "fault_bucket_ns", "min_cuda_ns",
         "cuda_bucket_ns", "cuda_thread_records", "refault_keys", "cgroup_sample_ns", "disk_bucket_ns",
-        "ringbuf_pages", "stack_frames", "stack_entries", "hz"]
+        "net_bucket_ns", "ringbuf_pages", "stack_frames", "stack_entries", "hz"]
     assert Declared(min_lock_ns=5).thresholds()["min_lock_ns"] == 5
 
 

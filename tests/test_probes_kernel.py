@@ -14,6 +14,7 @@ import pytest
 
 from kernel_env import dirty_limits, memory_cgroup, require_root
 from recording import record_workload
+from trainbpf.trace.schema import MACHINE_WIDE_KINDS
 from trainbpf.tracer.settings import Settings
 
 pytestmark = pytest.mark.kernel
@@ -133,8 +134,8 @@ def test_child_forked_after_start_is_followed_and_named(basic):
 
 def test_busy_process_outside_the_tree_adds_no_rows(basic):
     t = basic.trace.table.to_pandas()
-    # the disk counts name every task's I/O (docs/trace-format.md), by design
-    t = t[~t["kind"].isin(["disk_io", "writeback_inode", "dirtied"])]
+    # the disk and interface counts name every task's I/O (docs/trace-format.md), by design
+    t = t[~t["kind"].isin(MACHINE_WIDE_KINDS)]
     # named as a task that preempted a traced thread (peer_tid, peer_pid), by design
     preempting = t["kind"] == "preempted_by"
     for col in ("tid", "pid", "peer_tid", "peer_pid"):
@@ -293,6 +294,12 @@ def test_decoded_event_sizes_match_the_c_structs():
             os.fsync(fh.fileno())
         m = mmap.mmap(-1, 1 << 20)  # mm
         m.close()
+        import socket
+
+        left, right = socket.socketpair()  # net: a socket this thread sends and receives on
+        with left, right:
+            left.send(b"x")
+            right.recv(1)
         end = time.time() + 0.3
         while time.time() < end:  # on-CPU samples
             pass

@@ -17,33 +17,37 @@ from trainbpf.tracer.collector import cstrings, drain_hash
 
 class BucketCounts:
     """One hash's counts across drains: `key_fields` name the hash key's fields, bucket
-    first; `count_fields` the value's sums.  The value also holds the task's `pid` and
-    `comm`, which every row carries."""
+    first; `count_fields` the value's sums, then `max_fields` its maxima.  With `task`
+    the value also holds the task's `pid` and `comm`, which every row carries."""
 
-    def __init__(self, table_name: str, width: int, key_fields: tuple[str, ...], count_fields: tuple[str, ...]):
+    def __init__(self, table_name: str, width: int, key_fields: tuple[str, ...], count_fields: tuple[str, ...],
+                 *, max_fields: tuple[str, ...] = (), task: bool = True):
         self.table_name = table_name
         self.width = width
         self.key_fields = key_fields
         self.count_fields = count_fields
+        self.max_fields = max_fields
+        self.task_fields = ("pid", "comm") if task else ()
         self.open: dict[tuple, list] = {}  # (bucket, ...) -> [counts..., pid, comm] of buckets still counting
 
     def drain(self, bpf, now_ns: int, *, final: bool) -> list[tuple]:
-        """Rows (bucket, *other key fields, *counts, pid, comm) of the buckets that ended
-        by `now_ns` (every bucket when `final`), each key once."""
+        """Rows (bucket, *other key fields, *counts, *maxima[, pid, comm]) of the buckets
+        that ended by `now_ns` (every bucket when `final`), each key once."""
         keys, values = drain_hash(bpf[self.table_name])
         merged, self.open = self.open, {}
         if len(keys):
             key_rows = zip(*(_values(keys[f]) for f in self.key_fields))
-            value_rows = zip(*(values[f].tolist() for f in self.count_fields), values["pid"].tolist(),
-                             cstrings(values["comm"]))
-            counted = len(self.count_fields)
+            value_rows = zip(*(_values(values[f]) for f in self.count_fields + self.max_fields + self.task_fields))
+            counted, maxed = len(self.count_fields), len(self.count_fields) + len(self.max_fields)
             for key, value in zip(key_rows, value_rows):
                 held = merged.get(key)
                 if held is None:
                     merged[key] = list(value)
-                else:
-                    for i in range(counted):
-                        held[i] += value[i]
+                    continue
+                for i in range(counted):
+                    held[i] += value[i]
+                for i in range(counted, maxed):
+                    held[i] = max(held[i], value[i])
         current = now_ns // self.width
         rows = []
         for key, value in merged.items():
@@ -55,7 +59,7 @@ class BucketCounts:
 
 
 def _values(column: np.ndarray) -> list:
-    """A key field's values: numbers, or a char array as str (a bdi name)."""
+    """A field's values: numbers, or a char array as str (a bdi name, a comm)."""
     return cstrings(column) if column.ndim == 2 or column.dtype.kind == "S" else column.tolist()
 
 

@@ -37,6 +37,7 @@ PROBE_IDS = {
     "writepath": 10,
     "pagecache": 11,
     "disk": 12,
+    "net": 13,
 }
 
 

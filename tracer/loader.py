@@ -32,6 +32,7 @@ from trainbpf.tracer.collectors.faults import FaultsCollector
 from trainbpf.tracer.collectors.futex import FutexCollector
 from trainbpf.tracer.collectors.mm import MmCollector
 from trainbpf.tracer.collectors.nccl import NcclCollector
+from trainbpf.tracer.collectors.net import NetCollector
 from trainbpf.tracer.collectors.oncpu import OnCpuCollector
 from trainbpf.tracer.collectors.pagecache import PageCacheCollector
 from trainbpf.tracer.collectors.sched import SchedCollector
@@ -44,7 +45,7 @@ from trainbpf.tracer.symbols import pystacks
 ALL_COLLECTORS: tuple[type[Collector], ...] = (
     SchedCollector, FutexCollector, FaultsCollector, OnCpuCollector, MmCollector,
     WritebackCollector, BlockCollector, DiskCollector, CudaCollector, NcclCollector, WritePathCollector,
-    PageCacheCollector,
+    PageCacheCollector, NetCollector,
 )
 PROBE_NAMES = tuple(c.name for c in ALL_COLLECTORS)
 TRACEFS = Path(os.environ.get("TRAINBPF_TRACEFS", "/sys/kernel/tracing"))  # where tracefs lives or is mounted
@@ -52,7 +53,7 @@ DOCTOR = "run `trainbpf doctor`"
 BTF_VMLINUX = Path("/sys/kernel/btf/vmlinux")
 KALLSYMS = Path("/proc/kallsyms")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-MAX_RECORD_BYTES = 128  # the largest event struct plus the ring buffer's 8-byte header, rounded up
+MAX_RECORD_BYTES = 176  # the largest event struct plus the ring buffer's 8-byte header, rounded up
 # Threads one recording traces at once: every per-thread map (the traced set, the probes'
 # entries in flight) holds this many, preallocated.
 MAX_THREADS = 65536

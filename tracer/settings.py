@@ -5,6 +5,7 @@ sampling modes.  Light to import: the CLI reads its option defaults from here.""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, NoReturn
 
@@ -74,6 +75,7 @@ LIMITS = {
     "refault_keys": Limit(1, 1 << 22),
     "cgroup_sample_ns": Limit(1_000_000, MAX_THRESHOLD_NS),
     "disk_bucket_ns": Limit(1_000_000, MAX_THRESHOLD_NS),  # a millisecond at least: buckets fill the kernel's hashes
+    "net_bucket_ns": Limit(1_000_000, MAX_THRESHOLD_NS),  # as disk_bucket_ns
     "cuda_thread_records": Limit(1, 1 << 20, power_of_two=True),
     "stack_frames": Limit(1, 127),  # PERF_MAX_STACK_DEPTH
     "stack_entries": Limit(1, 1 << 20),
@@ -85,6 +87,20 @@ def _number(default: int, define: str = "") -> Any:
     """A setting the trace's metadata records under `thresholds`; `define`: the -D name the
     probes take it by ("" where only the collector reads it)."""
     return field(default=default, metadata={"threshold": True, "define": define})
+
+
+def _from_env(variable: str, default: int, define: str) -> Any:
+    """A setting as _number, whose default the environment's `variable` may replace
+    (checked against LIMITS as any value is)."""
+    def read() -> Any:
+        text = os.environ.get(variable, "").strip()
+        if not text:
+            return default
+        try:
+            return int(text)
+        except ValueError:
+            raise UsageError(f"{variable} {text!r}: must be a whole number of nanoseconds") from None
+    return field(default_factory=read, metadata={"threshold": True, "define": define})
 
 
 def _switch(default: bool, define: str) -> Any:
@@ -112,6 +128,9 @@ class Settings:
     # block requests, writeback, dirtied folios, traced threads' writes and page cache
     # changes counted per bucket this wide (disk, writeback, writepath, pagecache probes)
     disk_bucket_ns: int = _number(100_000_000, "DISK_BUCKET_NS")
+    # traced threads' socket bytes and requests, retransmits and every interface's packets
+    # counted per bucket this wide (net probe)
+    net_bucket_ns: int = _from_env("TRAINBPF_NET_BUCKET_NS", 100_000_000, "NET_BUCKET_NS")
     ringbuf_pages: int = _number(512, "RINGBUF_PAGES")  # per probe's ring buffer
     # frames kept per stack: the kernel walks no deeper (probes/common.h)
     stack_frames: int = _number(32, "STACK_FRAMES")

@@ -92,7 +92,7 @@ def record(
     min_lock_us: float = typer.Option(_RECORDING.min_lock_ns / 1000, help="mmap_lock waits at least this long are recorded."),
     min_cuda_us: float = typer.Option(_RECORDING.min_cuda_ns / 1000, help="CUDA waits, copies and allocations at least this long are recorded (launches are all counted)."),
     oncpu_hz: int = typer.Option(_RECORDING.oncpu_hz, help="On-CPU sampling frequency per CPU."),
-    probes: Optional[str] = typer.Option(None, help="Comma-separated probes: sched,futex,faults,oncpu,mm,writeback,block,writepath,cuda,nccl (the default set) and the opt-in pagecache; `default` stands for the default set (default,pagecache)."),
+    probes: Optional[str] = typer.Option(None, help="Comma-separated probes: sched,futex,faults,oncpu,mm,writeback,block,disk,writepath,net,cuda,nccl (the default set) and the opt-in pagecache; `default` stands for the default set (default,pagecache)."),
     gpu: GpuMode = typer.Option(GpuMode.auto.value, help="GPU sampling: auto (NVML, else nvidia-smi), nvml, nvidia-smi, off."),
     topology: Optional[Path] = typer.Option(None, help='Declared topology JSON {"nodes": {"0": [cpus]}, "gpus": [{"index": 0, "node": 0}]} overriding /sys.'),
     trainer_tid: Optional[int] = typer.Option(None, help="The thread that feeds the GPU (default: the target's main thread)."),
