@@ -33,6 +33,13 @@ IO_KINDS = ("disk_io", "writeback_inode", "dirtied", "file", "block_device", "wr
 OTHERS_MIN_SHARE = 0.25
 # Files and threads named at most.
 MAX_NAMED = 5
+# How the writer of a file written back writes it (its `write_path` rows' path with the
+# most bytes; buffered without rows): (the summary's words after the writer, the advice's).
+_THROUGH = {
+    "buffered": ("", "through the page cache"),
+    "mapped": (" through a shared mapping", "through a shared mapping (mmap), whose dirty pages msync and the "
+               "kernel's writeback write out as they do buffered writes"),
+}
 
 
 def _waited_devices(frames: Mapping[str, pd.DataFrame], roots: list[int], ws: np.ndarray, we: np.ndarray) -> list[str]:
@@ -146,6 +153,13 @@ def _write_paths(write_path: pd.DataFrame, device: str, inode: int) -> dict[str,
     return {str(k): float(v) for k, v in rows.groupby(rows["path"].astype(str))["bytes"].sum().items()} if len(rows) else {}
 
 
+def _through(write_paths: Mapping[str, float]) -> dict[str, str]:
+    """The writeback case's `via` (summary) and `through` (advice): how the file is written."""
+    paths = {p: b for p, b in write_paths.items() if p in _THROUGH}
+    via, through = _THROUGH[max(paths, key=paths.__getitem__) if paths else "buffered"]
+    return {"via": via, "through": through}
+
+
 def _who(tid: int, comm: str, function: str | None = None) -> str:
     return f"{comm or '?'} ({tid})" + (f" at {function}" if function else "")
 
@@ -168,7 +182,7 @@ def _case(io: dict[str, Any], device: str, write_path: pd.DataFrame, *, paths: M
             "device": device, "file": file_name(top, device),
             "written_bytes": top["bytes"],
             "writer": _who(writer["tid"], writer["comm"], writer["function"]) if writer else "a writer before the recording",
-            "writer_name": writer["comm"] if writer else "the file's writer"}}
+            "writer_name": writer["comm"] if writer else "the file's writer", **_through(top["write_paths"])}}
     others = [i for i in others if not i["flusher"]]  # a flusher writes back someone's files: named above
     if not others:
         return {}
