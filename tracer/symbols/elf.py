@@ -9,6 +9,8 @@ import re
 
 import numpy as np
 
+from trainbpf.tracer.symbols import debuginfod
+
 _ELF64_SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
                        ("value", "<u8"), ("size", "<u8")])
 _SHT_SYMTAB, _SHT_DYNSYM = 2, 11
@@ -214,7 +216,8 @@ def _cstring(data, start: int) -> bytes:
 
 def debug_file(path: str, elf: ElfSymbols) -> str | None:
     """Where a stripped file's debug symbols are, as bcc looks: by build-id, then by
-    debuglink beside the file, in .debug/ there, and under /usr/lib/debug."""
+    debuglink beside the file, in .debug/ there, and under /usr/lib/debug; else, where
+    the user names debuginfod servers, fetched by build-id (tracer/symbols/debuginfod.py)."""
     candidates = []
     if elf.build_id:
         candidates.append(f"{DEBUG_ROOT}/.build-id/{elf.build_id[:2]}/{elf.build_id[2:]}.debug")
@@ -222,7 +225,26 @@ def debug_file(path: str, elf: ElfSymbols) -> str | None:
         folder = os.path.dirname(path)
         candidates += [f"{folder}/{elf.debuglink}", f"{folder}/.debug/{elf.debuglink}",
                        f"{DEBUG_ROOT}{folder}/{elf.debuglink}"]
-    return next((c for c in candidates if c != path and os.path.isfile(c)), None)
+    local = next((c for c in candidates if c != path and os.path.isfile(c)), None)
+    if local or not elf.build_id:
+        return local
+    return debuginfod.cached(elf.build_id) or _fetched(elf.build_id)
+
+
+def _fetched(build_id: str) -> str | None:
+    """The debug file a debuginfod server sent for `build_id`, kept when its own build-id
+    note says it is that file's."""
+    got = debuginfod.download(build_id)
+    if got is None:
+        return None
+    try:
+        same = ElfSymbols(got, ()).build_id == build_id
+    except (OSError, ValueError):  # not ELF, malformed, empty
+        same = False
+    if not same:
+        debuginfod.discard(got, build_id)
+        return None
+    return debuginfod.keep(got, build_id)
 
 
 def symbol_tables(opened: str, path: str, kinds: tuple[int, ...], *, every_table: bool = False) -> list[ElfSymbols]:
