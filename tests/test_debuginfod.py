@@ -15,7 +15,7 @@ import pytest
 from kernel_env import missing
 from test_addrs import describe
 from trainbpf.tracer.symbols import debuginfod, elf
-from trainbpf.tracer.symbols.elf import OBJECT_KINDS, ElfSymbols, debug_file, symbol_tables
+from trainbpf.tracer.symbols.elf import FUNCTION_KINDS, OBJECT_KINDS, ElfSymbols, debug_file, symbol_tables
 from trainbpf.tracer.symbols.maps import parse_maps
 
 
@@ -111,12 +111,16 @@ def test_a_server_that_fails_leaves_the_address_unnamed(libc, serve, monkeypatch
     assert (state, name) == ("image", f"{os.path.basename(path)}+0x{linked:x}")
     assert server.asked == [f"/buildid/{build_id}/debuginfo"]
     assert os.listdir(debuginfod.CACHE) == [], "nothing kept, no partial download left"
-    assert len(symbol_tables(path, path, OBJECT_KINDS)) == 1 and len(server.asked) == 1, "a failed build-id is asked once"
+    assert len(symbol_tables(path, path, OBJECT_KINDS, fetch=True)) == 1 and len(server.asked) == 1, \
+        "a failed build-id is asked once"
 
 
-def test_nothing_is_fetched_unless_the_user_names_a_server(libc, serve):
+def test_nothing_is_fetched_unless_the_user_names_a_server(libc, serve, monkeypatch):
     path, arena, _, debug, _ = libc
     server = serve(200, debug)
     ((state, name),) = describe(arena)
     assert name.startswith(f"{os.path.basename(path)}+0x") and server.asked == []
     assert not debuginfod.CACHE.exists()
+    # nor for a stack's functions: every library of every stack, at each flush
+    monkeypatch.setenv(debuginfod.URLS_VARIABLE, server.url)
+    assert len(symbol_tables(path, path, FUNCTION_KINDS, every_table=True)) == 1 and server.asked == []

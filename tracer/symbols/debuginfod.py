@@ -1,7 +1,9 @@
 """Separate debug files fetched from debuginfod servers by build-id, where the user asks for
 it: DEBUGINFOD_URLS (space-separated http or https URLs) set in the recorder's environment,
 as every setting of the recorder is (under sudo: `sudo DEBUGINFOD_URLS=... trainbpf
-record`).  Without it nothing is fetched, and no connection is made.
+record`).  Without it nothing is fetched, and no connection is made.  Only the libraries
+holding the futex addresses a recording names (tracer/symbols/addrs.py) are looked up: a
+lock such as glibc's main_arena is named only from a stripped library's debug file.
 
 A file is fetched as GET <url>/buildid/<hex>/debuginfo with a short timeout and a size
 cap, into a folder of root's cache (CACHE, `$TRAINBPF_CACHE/debuginfod`), and kept only
@@ -25,7 +27,7 @@ URLS_VARIABLE = "DEBUGINFOD_URLS"
 CACHE = CACHE_ROOT / "debuginfod"
 MAX_BYTES = 256 << 20  # a debug file larger than this is not fetched (glibc's is ~5 MB)
 TIMEOUT_S = 3.0  # each connect and read
-DEADLINE_S = 10.0  # a whole fetch: it runs while the recorder names a flush's frames
+DEADLINE_S = 10.0  # a whole fetch: it holds up the flush that names a lock address
 CHUNK = 1 << 20
 _BUILD_ID = re.compile(r"[0-9a-f]{2,128}")
 # (URLs, build-id) no server gave in this run: asked once
