@@ -233,12 +233,15 @@ int writepath_dirty_folio(void *ctx)
     if (!is_traced(tid))
         return 0;
     struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
-    long nr = 0;
 #if defined(__x86_64__)
+    long nr = 0;
     bpf_probe_read_kernel(&nr, sizeof(nr), &regs->orig_ax);
 #elif defined(__aarch64__)
+    int nr = 0; /* arm64 keeps it in an s32; NO_SYSCALL is -1 too */
     bpf_probe_read_kernel(&nr, sizeof(nr), &regs->syscallno);
-#endif /* elsewhere nr stays 0: no write is counted as mapped */
+#else
+    long nr = 0; /* elsewhere: no write is counted as mapped */
+#endif
     if (nr != -1)
         return 0;
     char bdi[16] = {};
