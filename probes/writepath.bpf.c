@@ -11,7 +11,10 @@
  * - io_uring: io_uring:io_uring_submit_req of a write opcode, in the submitting thread;
  *   the request carries no file, so these count calls with inode 0 and no bytes.  An
  *   O_DIRECT write the submitter issues inline also counts as direct on its file.
- * Writes through a shared mapping are not told apart (a page fault probe costs too much). */
+ * - mapped: a store into a shared writable mapping of the file.  The thread dirties the
+ *   page in its page fault (writeback:writeback_dirty_folio), not in a syscall: calls =
+ *   folios dirtied, bytes = PAGE_BYTES each (the event does not say a folio's size);
+ *   msync and the kernel's writeback write them out as they do buffered writes. */
 #ifndef PROBE_WRITEPATH
 #error "PROBE_WRITEPATH must be defined by the loader"
 #endif
@@ -30,6 +33,18 @@
 #endif
 #ifndef WP_IO_URING
 #error "WP_IO_URING must be defined by the loader"
+#endif
+#ifndef WP_MAPPED
+#error "WP_MAPPED must be defined by the loader"
+#endif
+#ifndef PAGE_BYTES
+#error "PAGE_BYTES must be defined by the loader"
+#endif
+#ifndef WRITEBACK_DIRTY_FOLIO_NAME_AT
+#error "WRITEBACK_DIRTY_FOLIO_NAME_AT must be defined by the loader"
+#endif
+#ifndef WRITEBACK_DIRTY_FOLIO_INO_AT
+#error "WRITEBACK_DIRTY_FOLIO_INO_AT must be defined by the loader"
 #endif
 #ifndef IOCB_WRITE_FLAG
 #error "IOCB_WRITE_FLAG must be defined by the loader"
@@ -180,3 +195,59 @@ TRACEPOINT_PROBE(io_uring, io_uring_submit_req)
     return 0;
 }
 #endif
+
+/* The kernel dev_t of a backing device's name "MAJ:MIN" (a block device's or an anonymous
+ * one's: nfs, fuse); 0 for any other name (btrfs' "btrfs-N"). */
+static __always_inline u32 bdi_dev(const char name[16])
+{
+    u32 major = 0, minor = 0, colon = 0;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        char ch = name[i];
+        if (ch == 0)
+            return colon && i > colon + 1 ? (major << 20) | minor : 0;
+        if (ch == ':' && !colon && i > 0) {
+            colon = i;
+        } else if (ch >= '0' && ch <= '9') {
+            if (colon)
+                minor = minor * 10 + (ch - '0');
+            else
+                major = major * 10 + (ch - '0');
+        } else {
+            return 0;
+        }
+    }
+    return 0;
+}
+
+/* A folio dirtied outside any syscall: a store's page fault in a shared mapping.  The
+ * registers saved at kernel entry tell: a syscall saves its number in orig_ax (the
+ * ptrace ABI's layout, which uprobes' PT_REGS_* read as well), an exception or an
+ * interrupt -1.  A write, io_uring_enter, copy_file_range or truncate that dirties
+ * folios keeps its number.  Not TRACEPOINT_PROBE: probes/writeback.bpf.c holds that name
+ * (and bcc's struct of the event's fields), so the fields are read at the offsets the
+ * loader took from tracefs, and the collector attaches it. */
+int writepath_dirty_folio(void *ctx)
+{
+    u32 tid = current_tid();
+    if (!is_traced(tid))
+        return 0;
+    struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
+#if defined(__x86_64__)
+    long nr = 0;
+    bpf_probe_read_kernel(&nr, sizeof(nr), &regs->orig_ax);
+#elif defined(__aarch64__)
+    int nr = 0; /* arm64 keeps it in an s32; NO_SYSCALL is -1 too */
+    bpf_probe_read_kernel(&nr, sizeof(nr), &regs->syscallno);
+#else
+    long nr = 0; /* elsewhere: no write is counted as mapped */
+#endif
+    if (nr != -1)
+        return 0;
+    char bdi[16] = {};
+    u64 ino = 0;
+    bpf_probe_read_kernel(bdi, sizeof(bdi), (char *)ctx + WRITEBACK_DIRTY_FOLIO_NAME_AT);
+    bpf_probe_read_kernel(&ino, sizeof(ino), (char *)ctx + WRITEBACK_DIRTY_FOLIO_INO_AT);
+    count_write(tid, current_tgid(), bdi_dev(bdi), ino, WP_MAPPED, PAGE_BYTES);
+    return 0;
+}

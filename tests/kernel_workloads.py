@@ -171,9 +171,10 @@ WRITES = 4
 
 
 def write_paths(folder: str) -> dict:
-    """WRITES writes of WRITE_CHUNK bytes to each of three files, each by a thread of its
+    """WRITES writes of WRITE_CHUNK bytes to each of four files, each by a thread of its
     own: buffered (write), O_DIRECT (write and pwritev2 from a page-aligned buffer),
-    io_uring."""
+    io_uring (buffered: its folios are dirtied inside io_uring_enter or by the ring's
+    workers), and stores into a shared mapping flushed by msync."""
     from io_uring_raw import io_uring_write
 
     def buffered(out: dict) -> None:
@@ -203,8 +204,19 @@ def write_paths(folder: str) -> dict:
             assert io_uring_write(fd, b"\xef" * WRITE_CHUNK, i * WRITE_CHUNK) == WRITE_CHUNK
         os.close(fd)
 
+    def mapped(out: dict) -> None:
+        set_thread_name("tb_mapped")
+        out["mapped"] = threading.get_native_id()
+        fd = os.open(os.path.join(folder, "mapped.bin"), os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        os.ftruncate(fd, WRITES * WRITE_CHUNK)
+        with mmap.mmap(fd, WRITES * WRITE_CHUNK, mmap.MAP_SHARED) as m:
+            for i in range(WRITES):
+                m[i * WRITE_CHUNK:(i + 1) * WRITE_CHUNK] = b"\x5a" * WRITE_CHUNK
+                m.flush()  # msync: the next store into a written page faults (and dirties it) again
+        os.close(fd)
+
     out: dict = {}
-    for target in (buffered, direct, uring):
+    for target in (buffered, direct, uring, mapped):
         _run_thread(target, out)
     return out
 

@@ -134,6 +134,15 @@ def test_absurd_record_options_are_refused_up_front(option, value, words):
     assert (res.returncode, res.stderr) == (2, f"trainbpf: error: {words}\n")
 
 
+def test_an_unknown_probe_is_a_usage_error_before_anything_is_recorded(tmp_path):
+    out = tmp_path / "t.parquet"
+    res = subprocess.run([TRAINBPF, "record", "--pid", str(os.getpid()), "--probes", "default,nosuch", "-o", str(out)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("trainbpf: error: unknown probe(s) nosuch; choose from default, sched,"), res.stderr
+    assert "Traceback" not in res.stderr and list(tmp_path.iterdir()) == []
+
+
 def test_settings_check_their_ranges_where_they_are_declared():
     from trainbpf.trace.errors import UsageError
     from trainbpf.tracer.settings import Settings

@@ -66,6 +66,28 @@ def test_another_writers_writeback_is_the_culprit_and_the_advice_is_about_it(tmp
     assert "faster storage" not in f["recommendation"]
 
 
+def _mapped_writeback(s: Synth, x: float) -> None:
+    s.disk_io(FLUSHER, x, bytes=20 * MiB, direction="write", comm="kworker/u8:1+flush-254:0", pid=FLUSHER)
+    s.writeback_inode(x, INODE, 20 * MiB)
+    s.dirtied(WRITER, x, INODE, 5120, comm="ckpt_writer")
+    s.write_path(WRITER, x, INODE, "mapped", 20 * MiB)
+
+
+def test_a_checkpoint_written_through_a_mapping_is_said_and_still_advised_o_direct(tmp_path):
+    """Stores into a shared mapping are written back like buffered writes: the writer is
+    the culprit, the path is said, and O_DIRECT or io_uring is still the advice."""
+    a = _trace(tmp_path, _mapped_writeback)
+    f = _report_top(a)
+    assert f["evidence"]["case"] == "writeback"
+    assert f"dirtied by ckpt_writer ({WRITER}) through a shared mapping" in f["summary"], f["summary"]
+    assert "ckpt_writer writes through a shared mapping (mmap)" in f["recommendation"], f["recommendation"]
+    assert "O_DIRECT or io_uring" in f["recommendation"] and "through the page cache" not in f["recommendation"]
+    file = next(c for c in f["culprits"] if c["kind"] == "file")
+    assert file["write_paths"] == ["mapped"]
+    text = render_text(Report(analysis=a, doc=build_report(a)))
+    assert f"    file: {CKPT} (1.05 GB written back, written through a shared mapping)" in text, text
+
+
 def test_tasks_seen_only_in_machine_wide_counts_are_not_traced_threads(tmp_path):
     report = build_report(_trace(tmp_path, _writeback))
     assert FLUSHER not in {t["tid"] for t in report["threads"]}

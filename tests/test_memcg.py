@@ -109,3 +109,21 @@ def test_the_last_read_keeps_cgroups_whose_processes_exited(tmp_path):
 def test_mountinfo_escapes_are_undone(tmp_path, escaped, path):
     found = memcg.hierarchies(f"35 31 0:32 / {escaped} rw - cgroup cgroup rw,memory\n")
     assert found[1].mountpoint == Path(path)
+
+
+def test_v2_mount_showing_a_subtree_and_a_process_in_the_root(tmp_path):
+    """A cgroup namespace (or a bind mount) shows a subtree of the v2 hierarchy at the
+    mount: its root field is that cgroup's path.  A cgroup without the controller's
+    files (as the hierarchy's root, which cgroup-v2.rst exempts from resource control)
+    gives the version alone."""
+    mount = tmp_path / "ns"
+    _write(mount, {"cgroup.controllers": "memory pids\n"})
+    _write(mount / "job-1", {"memory.max": "1048576\n", "memory.current": "4096\n", "memory.stat": V2_STAT})
+    mountinfo = f"41 31 0:38 /train.slice {mount} rw - cgroup2 cgroup2 rw,nsdelegate\n"
+    proc = _proc(tmp_path, mountinfo, {40: "0::/train.slice/job-1\n", 41: "0::/elsewhere\n", 42: "0::/train.slice\n"})
+    sampler = memcg.CgroupSampler(proc=proc)
+    assert list(sampler.cgroups([40])) == [memcg.MemoryCgroup(2, "/train.slice/job-1", mount / "job-1")]
+    assert sampler.cgroups([41]) == {}, "outside what the mount shows"
+    rows = _rows(sampler, [40, 42])
+    assert {k for (c, k) in rows if c == "/train.slice/job-1"} >= {"max", "usage", "file", "anon"}
+    assert {k for (c, k) in rows if c == "/train.slice"} == {"version"}

@@ -132,3 +132,20 @@ def test_a_refault_is_said_beside_another_culprit(tmp_path):
                                  "(95% of starved time)"), f["summary"]
     again = [c for c in f["culprits"] if c.get("refaulted_bytes")]
     assert [c["name"] for c in again] == ["/data/dataset.bin"]
+
+
+def test_evidence_rows_without_threads_are_every_threads_inside_the_window():
+    """page_cache.py's files filled over the window are every thread's rows of it: the
+    window's one filter (EvidenceContext.rows), not a copy of it."""
+    import pandas as pd
+
+    from trainbpf.analyzers.causes.evidence import EvidenceContext
+    from trainbpf.analyzers.intervals import Span
+
+    empty = pd.DataFrame()
+    rows = pd.DataFrame({"ts_ns": [5, 10, 15, 20], "dur_ns": [1] * 4, "tid": [1, 2, 3, 1]})
+    ctx = EvidenceContext(window=Span(10, 20), threads=empty, slots=empty, trainer_states=empty, futex_waits=empty,
+                          stacks=empty, frames={"dirtied": rows}, churn=empty, placement=empty)
+    assert ctx.rows("dirtied")["ts_ns"].tolist() == [10, 15]
+    assert ctx.rows("dirtied", [2])["ts_ns"].tolist() == [10]
+    assert not len(ctx.rows("page_cache"))

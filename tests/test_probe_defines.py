@@ -19,8 +19,50 @@ def _required(source: str) -> set[str]:
     return set(REQUIRED.findall((loader.probes_dir() / source).read_text()))
 
 
+# A tracefs format file as this kernel (6.18) writes it, of the event whose fields a
+# probe reads at offsets (Collector.fields_at).
+DIRTY_FOLIO_FORMAT = """name: writeback_dirty_folio
+ID: 1009
+format:
+\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;
+\tfield:unsigned char common_flags;\toffset:2;\tsize:1;\tsigned:0;
+\tfield:unsigned char common_preempt_count;\toffset:3;\tsize:1;\tsigned:0;
+\tfield:int common_pid;\toffset:4;\tsize:4;\tsigned:1;
+
+\tfield:char name[32];\toffset:8;\tsize:32;\tsigned:0;
+\tfield:ino_t ino;\toffset:40;\tsize:8;\tsigned:0;
+\tfield:unsigned long index;\toffset:48;\tsize:8;\tsigned:0;
+
+print fmt: "bdi %s: ino=%lu index=%lu", REC->name, (unsigned long)REC->ino, REC->index
+"""
+
+
+def _tracefs(root):
+    """A tracefs with no optional tracepoint, and the format files fields_at reads."""
+    folder = root / "events" / "writeback" / "writeback_dirty_folio"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "format").write_text(DIRTY_FOLIO_FORMAT)
+    return root
+
+
+def test_fields_read_at_offsets_take_them_from_the_format_file(tmp_path):
+    from trainbpf.trace.errors import EnvironmentCheckError
+
+    root = _tracefs(tmp_path)
+    assert loader.field_offsets("writeback:writeback_dirty_folio", ("name", "ino"), root) == {
+        "WRITEBACK_DIRTY_FOLIO_NAME_AT": 8, "WRITEBACK_DIRTY_FOLIO_INO_AT": 40}
+    for tp, fields, words in (("writeback:writeback_dirty_folio", ("name", "folio_size"), "lacks field(s) folio_size"),
+                              ("writeback:nosuch", ("ino",), "kernel lacks tracepoint writeback:nosuch")):
+        try:
+            loader.field_offsets(tp, fields, root)
+        except EnvironmentCheckError as exc:
+            assert words in str(exc)
+        else:
+            raise AssertionError(f"{tp} {fields} read")
+
+
 def _defined(collectors, tmp_path) -> dict[str, str]:
-    flags = loader.cflags(collectors, Settings(), tmp_path)
+    flags = loader.cflags(collectors, Settings(), _tracefs(tmp_path))
     return dict(f[2:].partition("=")[::2] for f in flags if f.startswith("-D"))
 
 
@@ -69,7 +111,7 @@ def test_settings_reach_the_probes_as_defines(tmp_path):
                      disk_bucket_ns=50_000_000, net_bucket_ns=20_000_000, refault_keys=4096, ringbuf_pages=8,
                      stack_frames=20, stack_entries=1000, trace_all=True, exec_leaves=True)
     assert set(given.defines()) <= required, "a setting no probe requires"
-    flags = loader.cflags(loader.select(list(loader.PROBE_NAMES), given), given, tmp_path)
+    flags = loader.cflags(loader.select(list(loader.PROBE_NAMES), given), given, _tracefs(tmp_path))
     defined = dict(f[2:].partition("=")[::2] for f in flags if f.startswith("-D"))
     assert {name: int(defined[name]) for name in given.defines()} == {
         "MIN_BLOCK_NS": 123, "MIN_FUTEX_NS": 20_000, "MIN_LOCK_NS": 10_000, "MIN_CUDA_NS": 456,

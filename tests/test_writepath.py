@@ -1,5 +1,6 @@
 """The write path of each file traced threads write (probes/writepath.bpf.c), recorded
-once while three threads write a file each: buffered, O_DIRECT and through io_uring."""
+once while four threads write a file each: buffered, O_DIRECT, through io_uring and
+through a shared mapping."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from trainbpf.tracer.disks import device_name, whole_disk
 
 pytestmark = pytest.mark.kernel
 WRITTEN = WRITE_CHUNK * WRITES
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,21 @@ def test_io_uring_writes_are_counted_per_thread_without_a_file(written):
     assert list(ring.path.unique()) == ["io_uring"], "the ring's writes are neither buffered nor direct syscalls"
     assert ring.calls.sum() == WRITES
     assert (ring.inode == 0).all() and (ring.bytes == 0).all() and (ring.device == "").all()
+
+
+def test_a_file_written_through_a_shared_mapping_is_counted_as_mapped(written):
+    """Its pages are dirtied in the thread's page faults, outside any write syscall; the
+    buffered io_uring writes, whose folios are dirtied inside io_uring_enter, are not."""
+    rec, folder, rows = written
+    file = folder / "mapped.bin"
+    mine = rows[rows.inode == os.stat(file).st_ino]
+    assert set(mine.path) == {"mapped"}, f"{file.name} written as {sorted(set(mine.path))}"
+    assert set(mine.tid) == {rec.tids["mapped"]} and set(mine.pid) == {rec.pid}
+    assert set(mine.device) == {_disk(file)}
+    # a page a fault, or fewer faults where the page cache gave it larger folios
+    assert mine.bytes.sum() == mine.calls.sum() * PAGE and 0 < mine.bytes.sum() <= WRITTEN, mine
+    mapped = rows[rows.path == "mapped"]
+    assert set(mapped.tid) == {rec.tids["mapped"]}, "only stores into a mapping count as mapped"
 
 
 def test_rows_span_their_bucket(written):

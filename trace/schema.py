@@ -208,9 +208,10 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # inode, path), counted in the kernel (probes/writepath.bpf.c): ts_ns = the bucket's
     # start, dur_ns = its length, name = the whole disk "MAJ:MIN" of the file's file
     # system ("" for io_uring), addr = inode (0 for io_uring), state = path "buffered" /
-    # "direct" (O_DIRECT) / "io_uring", size = bytes written (0 for io_uring: a request
-    # carries no file or length), count = calls (write syscalls, direct I/Os or io_uring
-    # write submissions).  A bucket may come in several rows (one per flush): add them up.
+    # "direct" (O_DIRECT) / "io_uring" / "mapped" (stores into a shared mapping), size =
+    # bytes written (0 for io_uring: a request carries no file or length; a page per
+    # folio for mapped), count = calls (write syscalls, direct I/Os, io_uring write
+    # submissions or folios dirtied by page faults).  A bucket may come in several rows (one per flush): add them up.
     "write_path": ("ts_ns", "dur_ns", "tid", "pid", "name", "addr", "state", "size", "count"),
     # A socket a traced thread received or sent on, described the first time it did
     # (probes/net.bpf.c) and again whenever its peer changed since (a socket connected

@@ -84,6 +84,10 @@ class Collector(Source):
     # Bare tracepoints (no tracefs entry), attached as raw tracepoints when present.
     optional_raw_tracepoints: ClassVar[tuple[str, ...]] = ()
     ringbufs: ClassVar[tuple[str, ...]] = ()
+    # Fields its programs read at offsets the loader takes from tracefs' format files, as
+    # -D <EVENT>_<FIELD>_AT: of a tracepoint whose TRACEPOINT_PROBE name (and bcc's struct
+    # of its fields) another probe holds.
+    fields_at: ClassVar[dict[str, tuple[str, ...]]] = {}
     uprobes: ClassVar[bool] = False  # attaches uprobes (to libraries found while recording), no tracepoints
     # Recorded only when `--probes` names it: it costs too much for every recording.
     opt_in: ClassVar[bool] = False

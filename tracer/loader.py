@@ -83,6 +83,25 @@ def tracepoint_exists(tp: str, root: Path = TRACEFS) -> bool:
     return (root / "events" / category / event / "format").exists()
 
 
+def field_offsets(tp: str, fields: tuple[str, ...], root: Path = TRACEFS) -> dict[str, int]:
+    """-D <EVENT>_<FIELD>_AT = each field's offset in the tracepoint's record, as its
+    tracefs format file lays it out (a line "field:char name[32];\toffset:8;\tsize:32;...")."""
+    category, _, event = tp.partition(":")
+    at: dict[str, int] = {}
+    try:
+        text = (root / "events" / category / event / "format").read_text()
+    except OSError as exc:
+        raise EnvironmentCheckError(f"kernel lacks tracepoint {tp}: {exc.strerror}; {DOCTOR}") from exc
+    for line in text.splitlines():
+        parts = dict(p.strip().split(":", 1) for p in line.split(";") if ":" in p)
+        if "field" in parts and "offset" in parts:
+            at[parts["field"].split()[-1].split("[")[0]] = int(parts["offset"])
+    missing = [f for f in fields if f not in at]
+    if missing:
+        raise EnvironmentCheckError(f"tracepoint {tp} lacks field(s) {', '.join(missing)}; {DOCTOR}")
+    return {f"{event.upper()}_{f.upper()}_AT": at[f] for f in fields}
+
+
 def have_define(tp: str) -> str:
     """-D name announcing an optional tracepoint (see #ifdef HAVE_TP_... in the probes)."""
     return "HAVE_TP_" + tp.replace(":", "_").upper()
@@ -179,6 +198,8 @@ def cflags(collectors: list[Collector], settings: Settings, tracefs: Path) -> li
     }
     for c in collectors:
         defines.update(c.defines())
+        for tp, fields in c.fields_at.items():
+            defines.update(field_offsets(tp, fields, tracefs))
     flags = [f"-D{k}={v}" for k, v in defines.items()]
     for c in collectors:
         flags += [f"-D{have_define(tp)}" for tp in c.optional_tracepoints if tracepoint_exists(tp, tracefs)]

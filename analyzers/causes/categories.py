@@ -52,7 +52,7 @@ class Category:
 
 # Another writer's page cache fills the disk: the advice is about that writer, not the storage.
 _WRITEBACK_ADVICE = (
-    "The disk is busy with the writeback of {file}, which {writer_name} writes through the page cache: change that "
+    "The disk is busy with the writeback of {file}, which {writer_name} writes {through}: change that "
     "writer, not the storage. Write it with O_DIRECT or io_uring, rate-limit it (io.max or io.weight on its cgroup, "
     "ionice), flush it in small steps (sync_file_range) instead of letting writeback come in bursts, or put it on "
     "another device or in object storage.")
@@ -144,7 +144,7 @@ REGISTRY: tuple[Category, ...] = (
         "#e8702a", states=("dirty_throttling",), run_class="dirty_throttling", health_checks=("dirty_throttle_ratio",),
         cases={"writeback": (
             "{who} was throttled {s:.2f} s writing dirty pages on {device}: {writer} dirtied {written} of "
-            "{file} meanwhile", _WRITEBACK_ADVICE)}),
+            "{file}{via} meanwhile", _WRITEBACK_ADVICE)}),
     Category(
         "block_io", ev.block_io, "{who} waited {s:.2f} s for block I/O",
         "Threads wait for block I/O: use faster storage or a local cache, prefetch and read ahead, and warm the "
@@ -153,7 +153,7 @@ REGISTRY: tuple[Category, ...] = (
         cases={
             "writeback": (
                 "{who} waited {s:.2f} s for I/O on {device} behind {written} of writeback of {file}, "
-                "dirtied by {writer}{again}", _WRITEBACK_ADVICE),
+                "dirtied by {writer}{via}{again}", _WRITEBACK_ADVICE),
             "direct_writes": (
                 "{who} waited {s:.2f} s for I/O on {device} behind {issued} of O_DIRECT writes to {file} by {issuer}"
                 "{again}",

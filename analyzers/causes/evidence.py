@@ -52,13 +52,16 @@ class EvidenceContext:
     _slot_columns: tuple[np.ndarray, list[np.ndarray]] | None = field(default=None, repr=False)
     _named: dict[int, dict[str, Any]] | None = field(default=None, repr=False)
 
-    def rows(self, kind: str, tids: Any) -> pd.DataFrame:
-        """Rows of `kind` by threads `tids` that start inside the window."""
+    def rows(self, kind: str, tids: Any = None) -> pd.DataFrame:
+        """Rows of `kind` by threads `tids` (None: every thread) that start inside the
+        window."""
         frame = self.frames.get(kind)
         if frame is None or not len(frame):
             return pd.DataFrame(columns=["ts_ns", "dur_ns", "tid"])
         ts = as_int64(frame["ts_ns"])
-        keep = (ts >= self.window.start_ns) & (ts < self.window.end_ns) & np.isin(as_int64(frame["tid"]), list(tids))
+        keep = (ts >= self.window.start_ns) & (ts < self.window.end_ns)
+        if tids is not None:
+            keep &= np.isin(as_int64(frame["tid"]), list(tids))
         return frame[keep]
 
     def intervals(self, state: str, tids: Any = None) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.causes.stack_reading import python_frame, stack_frames
-from trainbpf.analyzers.intervals import as_int64
+from trainbpf.analyzers.intervals import as_int64, intersect
 
 # Threads named per file at most.
 MAX_DIRTIERS = 5
@@ -21,6 +21,18 @@ def kind_rows(frames: Mapping[str, pd.DataFrame], kind: str) -> pd.DataFrame:
     """The evidence frames' rows of `kind`; empty where the trace has none."""
     frame = frames.get(kind)
     return frame if frame is not None else pd.DataFrame()
+
+
+def inside(frame: pd.DataFrame, ws: np.ndarray, we: np.ndarray) -> np.ndarray:
+    """Per row of a bucketed `frame` (ts_ns, dur_ns), the share of its bucket inside the
+    disjoint sorted windows (ws, we)."""
+    if not len(frame):
+        return np.zeros(0)
+    start = as_int64(frame["ts_ns"], 0)
+    end = start + np.maximum(as_int64(frame["dur_ns"], 0), 1)
+    row, _, s, e = intersect(start, end, ws, we)
+    within = np.bincount(row, weights=(e - s).astype(np.float64), minlength=len(frame))
+    return within / (end - start)
 
 
 def file_paths(frames: Mapping[str, pd.DataFrame]) -> dict[tuple[str, int], str]:

@@ -19,9 +19,9 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.causes.files import dirtiers, file_name, file_paths, kind_rows, of_inode
+from trainbpf.analyzers.causes.files import dirtiers, file_name, file_paths, inside, kind_rows, of_inode
 from trainbpf.analyzers.causes.page_cache import refault_names, refaulted
-from trainbpf.analyzers.intervals import as_int64, intersect, merge_intervals
+from trainbpf.analyzers.intervals import as_int64, merge_intervals
 from trainbpf.trace.schema import kernel_device
 
 # The kinds it (and page_cache.py) reads beside the victims' block_rq and dirty_pause rows.
@@ -33,18 +33,13 @@ IO_KINDS = ("disk_io", "writeback_inode", "dirtied", "file", "block_device", "wr
 OTHERS_MIN_SHARE = 0.25
 # Files and threads named at most.
 MAX_NAMED = 5
-
-
-def _inside(frame: pd.DataFrame, ws: np.ndarray, we: np.ndarray) -> np.ndarray:
-    """Per row of a bucketed `frame` (ts_ns, dur_ns), the share of its bucket inside the
-    disjoint sorted windows (ws, we)."""
-    if not len(frame):
-        return np.zeros(0)
-    start = as_int64(frame["ts_ns"], 0)
-    end = start + np.maximum(as_int64(frame["dur_ns"], 0), 1)
-    row, _, s, e = intersect(start, end, ws, we)
-    inside = np.bincount(row, weights=(e - s).astype(np.float64), minlength=len(frame))
-    return inside / (end - start)
+# How the writer of a file written back writes it (its `write_path` rows' path with the
+# most bytes; buffered without rows): (the summary's words after the writer, the advice's).
+_THROUGH = {
+    "buffered": ("", "through the page cache"),
+    "mapped": (" through a shared mapping", "through a shared mapping (mmap), whose dirty pages msync and the "
+               "kernel's writeback write out as they do buffered writes"),
+}
 
 
 def _waited_devices(frames: Mapping[str, pd.DataFrame], roots: list[int], ws: np.ndarray, we: np.ndarray) -> list[str]:
@@ -54,7 +49,7 @@ def _waited_devices(frames: Mapping[str, pd.DataFrame], roots: list[int], ws: np
     rq = kind_rows(frames, "block_rq")
     if len(rq):
         rq = rq[np.isin(as_int64(rq["tid"]), roots)]
-        w = _inside(rq.assign(dur_ns=np.maximum(as_int64(rq["dur_ns"], 0), 1)), ws, we) * as_int64(rq["bytes"], 0)
+        w = inside(rq.assign(dur_ns=np.maximum(as_int64(rq["dur_ns"], 0), 1)), ws, we) * as_int64(rq["bytes"], 0)
         for dev, b in pd.Series(w).groupby(as_int64(rq["dev"], 0)).sum().items():
             per[kernel_device(dev)] = per.get(kernel_device(dev), 0.0) + float(b) + 1.0
     pauses = kind_rows(frames, "dirty_pause")
@@ -78,7 +73,7 @@ def io_culprits(ctx: Any, pieces: pd.DataFrame, roots: list[int], *, dirtying: b
     ws, we = merge_intervals(pieces["start_ns"].to_numpy(np.int64), pieces["end_ns"].to_numpy(np.int64))
     roots = [int(r) for r in roots]
     waited = _waited_devices(frames, roots, ws, we)
-    weight = _inside(disk, ws, we)
+    weight = inside(disk, ws, we)
     on = disk.assign(weighted=weight * as_int64(disk["bytes"], 0))
     on = on[on["weighted"] > 0]
     if not len(on):
@@ -102,10 +97,10 @@ def io_culprits(ctx: Any, pieces: pd.DataFrame, roots: list[int], *, dirtying: b
     rw = issuers[issuers["direction"] != "other"]
     moved = {"bytes": float(rw["bytes"].sum()), "others": float(rw.loc[~rw["victim"], "bytes"].sum()),
              "flushed": float(rw.loc[~rw["victim"] & rw["flusher"], "bytes"].sum())}
-    case = _case({**out, "paths": file_paths(frames), "moved": moved}, device, kind_rows(frames, "write_path"))
+    case = _case(out, device, kind_rows(frames, "write_path"), paths=file_paths(frames), moved=moved)
     if not dirtying:  # their reads: of pages the page cache had dropped?
         reads = float(issuers.loc[issuers["victim"] & (issuers["direction"] == "read"), "bytes"].sum())
-        again = refaulted(ctx, devices[0], ws, we, reads, _inside)
+        again = refaulted(ctx, devices[0], ws, we, reads)
         if again:
             out["refaulted"] = again
             case = case or {"case": "refault", "names": {"device": device, **refault_names(again, device)}}
@@ -140,7 +135,7 @@ def _files(ctx: Any, devices: list[str], ws: np.ndarray, we: np.ndarray, roots: 
     if dirtying:
         rows = rows[~np.isin(as_int64(rows["tid"]), roots)]
     amount = as_int64(rows["folios"], 0) * 4096 if dirtying else as_int64(rows["bytes"], 0)
-    w = pd.Series(_inside(rows, ws, we) * amount, index=rows.index)
+    w = pd.Series(inside(rows, ws, we) * amount, index=rows.index)
     per = w.groupby([rows["device"].astype(str), as_int64(rows["inode"], 0)]).sum()
     per = per[per > 0].sort_values(ascending=False).head(MAX_NAMED)
     paths = file_paths(frames)
@@ -158,14 +153,23 @@ def _write_paths(write_path: pd.DataFrame, device: str, inode: int) -> dict[str,
     return {str(k): float(v) for k, v in rows.groupby(rows["path"].astype(str))["bytes"].sum().items()} if len(rows) else {}
 
 
+def _through(write_paths: Mapping[str, float]) -> dict[str, str]:
+    """The writeback case's `via` (summary) and `through` (advice): how the file is written."""
+    paths = {p: b for p, b in write_paths.items() if p in _THROUGH}
+    via, through = _THROUGH[max(paths, key=paths.__getitem__) if paths else "buffered"]
+    return {"via": via, "through": through}
+
+
 def _who(tid: int, comm: str, function: str | None = None) -> str:
     return f"{comm or '?'} ({tid})" + (f" at {function}" if function else "")
 
 
-def _case(io: dict[str, Any], device: str, write_path: pd.DataFrame) -> dict[str, Any]:
+def _case(io: dict[str, Any], device: str, write_path: pd.DataFrame, *, paths: Mapping[tuple[str, int], str],
+          moved: Mapping[str, float]) -> dict[str, Any]:
     """The evidence's `case` and `names` (analyzers/causes/categories.py cases of block_io
-    and dirty_throttling): who besides the victims filled `device`."""
-    files, moved = io["files"], io["moved"]
+    and dirty_throttling): who besides the victims filled `device`.  `paths`: file_paths;
+    `moved`: the bytes read or written during the waits, all, others' and flushers'."""
+    files = io["files"]
     others = [i for i in io["issuers"] if not i["victim"] and i["direction"] != "other"]
     total, other_bytes = moved["bytes"], moved["others"]
     if total <= 0 or other_bytes < OTHERS_MIN_SHARE * total:
@@ -178,7 +182,7 @@ def _case(io: dict[str, Any], device: str, write_path: pd.DataFrame) -> dict[str
             "device": device, "file": file_name(top, device),
             "written_bytes": top["bytes"],
             "writer": _who(writer["tid"], writer["comm"], writer["function"]) if writer else "a writer before the recording",
-            "writer_name": writer["comm"] if writer else "the file's writer"}}
+            "writer_name": writer["comm"] if writer else "the file's writer", **_through(top["write_paths"])}}
     others = [i for i in others if not i["flusher"]]  # a flusher writes back someone's files: named above
     if not others:
         return {}
@@ -190,6 +194,6 @@ def _case(io: dict[str, Any], device: str, write_path: pd.DataFrame) -> dict[str
     if top["direction"] == "write" and len(direct):
         dev, inode = pd.Series(as_int64(direct["bytes"], 0), index=direct.index).groupby(
             [direct["device"].astype(str), as_int64(direct["inode"], 0)]).sum().idxmax()
-        names["file"] = file_name({"path": io["paths"].get((dev, int(inode))), "inode": int(inode), "device": dev}, device)
+        names["file"] = file_name({"path": paths.get((dev, int(inode))), "inode": int(inode), "device": dev}, device)
         return {"case": "direct_writes", "names": names}
     return {"case": "other_io", "names": names}

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from trainbpf.analyzers.causes.files import dirtiers, file_name, file_paths, kind_rows
+from trainbpf.analyzers.causes.files import dirtiers, file_name, file_paths, inside, kind_rows
 from trainbpf.analyzers.intervals import as_int64
 
 PAGE_BYTES = 4096
@@ -50,8 +50,8 @@ def victim_cgroup(ctx: Any, roots: list[int]) -> dict[str, Any] | None:
     path = str(mine.sort_values("ts_ns")["cgroup"].iloc[-1])
     of = rows[rows["cgroup"].astype(str) == path]
     ts = as_int64(of["ts_ns"], 0)
-    inside = (ts >= ctx.window.start_ns) & (ts <= ctx.window.end_ns)
-    of = of[inside] if inside.any() else of
+    within = (ts >= ctx.window.start_ns) & (ts <= ctx.window.end_ns)
+    of = of[within] if within.any() else of
     values = of.assign(value=pd.to_numeric(of["value"], errors="coerce")).pivot_table(
         index="ts_ns", columns="key", values="value", aggfunc="last", observed=True).sort_index()
     out: dict[str, Any] = {"path": path, "pids": sorted({int(p) for p in as_int64(of["pid"]) if p >= 0})}
@@ -62,11 +62,6 @@ def victim_cgroup(ctx: Any, roots: list[int]) -> dict[str, Any] | None:
     dirty = values.reindex(columns=["file_dirty", "file_writeback"]).fillna(0).sum(axis=1)
     out["dirty"] = float(dirty.max()) if len(dirty) else 0.0
     return out
-
-
-def _in_window(ctx: Any, rows: pd.DataFrame) -> pd.DataFrame:
-    ts = as_int64(rows["ts_ns"], 0)
-    return rows[(ts >= ctx.window.start_ns) & (ts < ctx.window.end_ns)]
 
 
 def cache_fillers(ctx: Any, pids: list[int], roots: list[int]) -> list[dict[str, Any]]:
@@ -83,19 +78,18 @@ def cache_fillers(ctx: Any, pids: list[int], roots: list[int]) -> list[dict[str,
         if len(rows):
             rows = rows[np.isin(as_int64(rows["pid"]), pids)]
             theirs |= set(zip(rows["device"].astype(str), as_int64(rows["inode"], 0).tolist()))
-    dirtied = kind_rows(frames, "dirtied")
+    dirtied = ctx.rows("dirtied")
     folios = pd.Series(dtype=np.float64)
     if len(dirtied):
-        dirtied = _in_window(ctx, dirtied)
         others = dirtied[~np.isin(as_int64(dirtied["tid"]), roots)]
         folios = pd.Series(as_int64(others["folios"], 0), index=others.index).groupby(
             [others["device"].astype(str), as_int64(others["inode"], 0)]).sum()
         own = set(zip(dirtied["device"].astype(str), as_int64(dirtied["inode"], 0).tolist())) - set(folios.index)
         theirs -= own
-    pc = kind_rows(frames, "page_cache")
+    pc = ctx.rows("page_cache")
     added = pd.Series(dtype=np.float64)
     if len(pc):
-        pc = _in_window(ctx, pc[pc["change"].astype(str) == "added"])
+        pc = pc[pc["change"].astype(str) == "added"]
         added = pd.Series(as_int64(pc["pages"], 0), index=pc.index).groupby(
             [pc["device"].astype(str), as_int64(pc["inode"], 0)]).sum()
     score = pd.concat([added, folios], axis=1).fillna(0).max(axis=1) if len(added) or len(folios) else added
@@ -146,19 +140,18 @@ def _rewritten(ctx: Any, device: str) -> set[int]:
     """Inodes dirtied on `device` over the window: their pages come back after a
     truncation as they do after eviction, and the kernel's events do not tell the two
     apart, so their returns are not counted as refaults."""
-    d = kind_rows(ctx.frames, "dirtied")
+    d = ctx.rows("dirtied")
     if not len(d):
         return set()
-    d = _in_window(ctx, d[d["device"].astype(str) == device])
+    d = d[d["device"].astype(str) == device]
     return set(as_int64(d["inode"], 0).tolist())
 
 
-def refaulted(ctx: Any, device: str, ws: np.ndarray, we: np.ndarray, read_bytes: float,
-              weigh) -> dict[str, Any] | None:
+def refaulted(ctx: Any, device: str, ws: np.ndarray, we: np.ndarray, read_bytes: float) -> dict[str, Any] | None:
     """The file whose dropped pages were read again during the waits (ws, we) on
     `device`, when that is at least REFAULT_MIN_SHARE of `read_bytes` (the waiting
     threads' reads), with the file that was added to the cache most meanwhile (what
-    pushed it out); `weigh(frame, ws, we)` weights bucketed rows by the waits."""
+    pushed it out)."""
     pc = kind_rows(ctx.frames, "page_cache")
     if not len(pc) or read_bytes <= 0:
         return None
@@ -166,7 +159,7 @@ def refaulted(ctx: Any, device: str, ws: np.ndarray, we: np.ndarray, read_bytes:
     back = pc[(pc["change"].astype(str) == "refaulted") & ~np.isin(as_int64(pc["inode"], 0), list(_rewritten(ctx, device)))]
     if not len(back):
         return None
-    per = pd.Series(weigh(back, ws, we) * as_int64(back["pages"], 0) * PAGE_BYTES, index=back.index).groupby(
+    per = pd.Series(inside(back, ws, we) * as_int64(back["pages"], 0) * PAGE_BYTES, index=back.index).groupby(
         as_int64(back["inode"], 0)).sum()
     inode, again = int(per.idxmax()), float(per.max())
     if again < REFAULT_MIN_SHARE * read_bytes:

@@ -1,8 +1,10 @@
 """Collector for probes/writepath.bpf.c: how each file a traced thread writes is written
-(buffered, O_DIRECT, io_uring), counted in the kernel per bucket of disk_bucket_ns and
+(buffered, O_DIRECT, io_uring, through a shared mapping), counted in the kernel per bucket of disk_bucket_ns and
 read out as `write_path` rows at each flush."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -11,7 +13,8 @@ from trainbpf.tracer.collector import Collector, bucket_batches, delete_keys, dr
 from trainbpf.tracer.disks import KernelDisks
 
 # The path codes of write_key.path (0 unused), passed to the probe as -D WP_<NAME>.
-PATHS = ("buffered", "direct", "io_uring")
+PATHS = ("buffered", "direct", "io_uring", "mapped")
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")  # bytes a mapped write counts per folio dirtied
 IOCB_WRITE = 1 << 18  # ki_flags of iomap_dio_rw_begin (its format's print fmt: "WRITE")
 IOMAP_WRITE = 1 << 0  # flags of iomap_iter (its print fmt: "WRITE")
 # io_uring opcodes that write a file (include/uapi/linux/io_uring.h): WRITEV, WRITE_FIXED,
@@ -24,7 +27,9 @@ class WritePathCollector(Collector):
     name = "writepath"
     source = "writepath.bpf.c"
     tracepoints = tuple(f"syscalls:sys_{edge}_{call}" for edge in ("enter", "exit")
-                        for call in ("write", "pwrite64", "writev", "pwritev", "pwritev2"))
+                        for call in ("write", "pwrite64", "writev", "pwritev", "pwritev2")) + (
+        "writeback:writeback_dirty_folio",)
+    fields_at = {"writeback:writeback_dirty_folio": ("name", "ino")}  # `mapped`: TRACEPOINT_PROBE is writeback's
     # Each names files on the file systems that have it; a kernel lacking one counts less.
     optional_tracepoints = ("iomap:iomap_dio_rw_begin", "iomap:iomap_iter", "ext4:ext4_da_write_begin",
                             "ext4:ext4_write_begin", "io_uring:io_uring_submit_req")
@@ -37,10 +42,15 @@ class WritePathCollector(Collector):
         return {
             "WRITE_ENTRIES": WRITE_ENTRIES,
             **{f"WP_{path.upper()}": code for code, path in enumerate(PATHS, 1)},
+            "PAGE_BYTES": PAGE_BYTES,
             "IOCB_WRITE_FLAG": IOCB_WRITE,
             "IOMAP_WRITE_FLAG": IOMAP_WRITE,
             "IO_URING_WRITE_OPS": sum(1 << op for op in IO_URING_WRITE_OPS),
         }
+
+    def attach(self, bpf) -> None:
+        # named apart from probes/writeback.bpf.c's program on the same tracepoint
+        bpf.attach_tracepoint(tp="writeback:writeback_dirty_folio", fn_name="writepath_dirty_folio")
 
     def device(self, dev: int) -> str:
         """A kernel dev_t as its whole disk "MAJ:MIN"; "" for none (io_uring rows)."""

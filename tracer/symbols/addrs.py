@@ -137,7 +137,9 @@ class AddressDescriber:
             except OSError:
                 return None  # not kept: a later flush may open it
             try:
-                self._images[m.file] = symbol_tables(f"/proc/self/fd/{fd}", m.path, OBJECT_KINDS) or None
+                # A lock's library may have its debug file fetched (a few libraries hold the
+                # locks waited on); stacks.py's functions, in every library, never are.
+                self._images[m.file] = symbol_tables(f"/proc/self/fd/{fd}", m.path, OBJECT_KINDS, fetch=True) or None
             finally:
                 os.close(fd)
         return self._images[m.file]

@@ -9,6 +9,8 @@ import re
 
 import numpy as np
 
+from trainbpf.tracer.symbols import debuginfod
+
 _ELF64_SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
                        ("value", "<u8"), ("size", "<u8")])
 _SHT_SYMTAB, _SHT_DYNSYM = 2, 11
@@ -212,9 +214,11 @@ def _cstring(data, start: int) -> bytes:
     return data[start:end if end >= 0 else start]
 
 
-def debug_file(path: str, elf: ElfSymbols) -> str | None:
+def debug_file(path: str, elf: ElfSymbols, *, fetch: bool = False) -> str | None:
     """Where a stripped file's debug symbols are, as bcc looks: by build-id, then by
-    debuglink beside the file, in .debug/ there, and under /usr/lib/debug."""
+    debuglink beside the file, in .debug/ there, and under /usr/lib/debug; else, with
+    `fetch` and where the user names debuginfod servers, fetched by build-id
+    (tracer/symbols/debuginfod.py)."""
     candidates = []
     if elf.build_id:
         candidates.append(f"{DEBUG_ROOT}/.build-id/{elf.build_id[:2]}/{elf.build_id[2:]}.debug")
@@ -222,19 +226,39 @@ def debug_file(path: str, elf: ElfSymbols) -> str | None:
         folder = os.path.dirname(path)
         candidates += [f"{folder}/{elf.debuglink}", f"{folder}/.debug/{elf.debuglink}",
                        f"{DEBUG_ROOT}{folder}/{elf.debuglink}"]
-    return next((c for c in candidates if c != path and os.path.isfile(c)), None)
+    local = next((c for c in candidates if c != path and os.path.isfile(c)), None)
+    if local or not fetch or not elf.build_id:
+        return local
+    return debuginfod.cached(elf.build_id) or _fetched(elf.build_id)
 
 
-def symbol_tables(opened: str, path: str, kinds: tuple[int, ...], *, every_table: bool = False) -> list[ElfSymbols]:
+def _fetched(build_id: str) -> str | None:
+    """The debug file a debuginfod server sent for `build_id`, kept when its own build-id
+    note says it is that file's."""
+    got = debuginfod.download(build_id)
+    if got is None:
+        return None
+    try:
+        same = ElfSymbols(got, ()).build_id == build_id
+    except (OSError, ValueError):  # not ELF, malformed, empty
+        same = False
+    if not same:
+        debuginfod.discard(got, build_id)
+        return None
+    return debuginfod.keep(got, build_id)
+
+
+def symbol_tables(opened: str, path: str, kinds: tuple[int, ...], *, every_table: bool = False,
+                  fetch: bool = False) -> list[ElfSymbols]:
     """The symbols of the file `path` (read from `opened`, e.g. /proc/self/fd/N): its
     separate debug file's first, where one is installed (a distribution's libraries are
-    stripped: glibc's main_arena is named only there), the file's own last; none when the
-    file cannot be read or is malformed."""
+    stripped: glibc's main_arena is named only there) or, with `fetch`, a debuginfod
+    server has it, the file's own last; none when the file cannot be read or is malformed."""
     try:
         own = ElfSymbols(opened, kinds, every_table=every_table)
     except (OSError, ValueError):
         return []
-    debug = debug_file(path, own)
+    debug = debug_file(path, own, fetch=fetch)
     if debug:
         try:
             return [ElfSymbols(debug, kinds, every_table=every_table), own]

@@ -118,11 +118,15 @@ def culprit_lines(culprits: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+# write_path's paths as a file culprit's line says them (the others by their own name).
+_PATH_WORDS = {"mapped": "through a shared mapping"}
+
+
 def _file_amounts(c: dict[str, Any]) -> str:
     said = [f"{size(c[key])} {what}" for key, what in (
         ("written_back_bytes", "written back"), ("dirtied_bytes", "dirtied"), ("added_bytes", "added to the page cache"),
         ("refaulted_bytes", "read again"))
         if key in c]
     if c.get("write_paths"):
-        said.append(f"written {'/'.join(c['write_paths'])}")
+        said.append(f"written {'/'.join(_PATH_WORDS.get(p, p) for p in c['write_paths'])}")
     return ", ".join(said)
