@@ -20,6 +20,7 @@ from test_health_outputs import parse_exposition
 
 from trainbpf.health.config import DEFAULT_THRESHOLDS, HealthConfig
 from trainbpf.health.outputs import METRICS, render_textfile
+from trainbpf.health.results import failed_result
 from trainbpf.health.run import assess
 from trainbpf.health.targets import Target
 from trainbpf.trace.reader import read_trace
@@ -60,9 +61,13 @@ def textfiles(tmp_path_factory) -> dict[str, str]:
         "node-starved": (input_pipeline(4.0).write(folder / "starved.parquet"), [single], {100: ({100, 200}, {100, 200})}),
         "node-ok": (healthy(4.0).write(folder / "ok.parquet"), [single], {100: ({100, 200}, {100, 200})}),
     }
-    return {node: render_textfile(assess(trace_path=path, targets=targets, trees=trees, config=HealthConfig(),
-                                         started=time.time() - 6, host=node))
-            for node, (path, targets, trees) in checks.items()}
+    texts = {node: render_textfile(assess(trace_path=path, targets=targets, trees=trees, config=HealthConfig(),
+                                          started=time.time() - 6, host=node))
+             for node, (path, targets, trees) in checks.items()}
+    # A check that could not run (another run held the lock, say) writes this.
+    texts["node-unknown"] = render_textfile(failed_result(config=HealthConfig(), started=time.time() - 1,
+                                                          host="node-unknown", error="another run holds the lock"))
+    return texts
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -113,9 +118,12 @@ def rule_tests(textfiles: dict[str, str]) -> dict:
     job_ratios = {dict(labels)["pid"]: v for (name, labels), v in job.items() if name == "trainbpf_target_starved_ratio"}
     starved_ratio = starved[("trainbpf_target_starved_ratio", (("pid", "100"),))]
     top_seconds = starved[("trainbpf_finding_seconds", (("category", "input_pipeline"), ("pid", "100")))]
+    rank_1 = next((dict(labels), v) for (name, labels), v in job.items()
+                  if name == "trainbpf_rank_starved_seconds" and ("rank", "1") in labels)
     series = (input_series(textfiles["node-job"], "node-job") + input_series(textfiles["node-starved"], "node-starved")
               + input_series(textfiles["node-ok"], "node-ok", reporting=False)
-              + input_series(textfiles["node-ok"], "node-gone", gone_after=20))
+              + input_series(textfiles["node-ok"], "node-gone", gone_after=20)
+              + input_series(textfiles["node-unknown"], "node-unknown"))
 
     def alerts(at: str, name: str, *expected: dict) -> dict:
         return {"eval_time": at, "alertname": name, "exp_alerts": list(expected)}
@@ -134,13 +142,20 @@ def rule_tests(textfiles: dict[str, str]) -> dict:
             alerts("30m", "TrainbpfHealthStale"),
             alerts("55m", "TrainbpfHealthStale", node_alert("node-ok", "node-ok: no trainbpf health check for 55m 0s")),
             alerts("55m", "TrainbpfHealthGone", node_alert("node-gone", "node-gone: trainbpf health series have disappeared")),
-            alerts("55m", "TrainbpfHealthCannotCheck"),
+            alerts("20m", "TrainbpfHealthCannotCheck"),
+            alerts("55m", "TrainbpfHealthCannotCheck", node_alert(
+                "node-unknown", "node-unknown: trainbpf health could not check the node (status 3); see its JSON's error")),
             alerts("55m", "TrainbpfProbeLosses"),
         ],
         "promql_expr_test": [{
             "expr": 'instance_category:trainbpf_finding_seconds:top{instance="node-starved"}', "eval_time": "30m",
             "exp_samples": [{"labels": 'instance_category:trainbpf_finding_seconds:top{category="input_pipeline",instance="node-starved"}',
                              "value": top_seconds}],
+        }, {
+            "expr": 'instance_rank:trainbpf_rank_starved_ratio{instance="node-job",rank="1"}', "eval_time": "30m",
+            "exp_samples": [{"labels": 'instance_rank:trainbpf_rank_starved_ratio{instance="node-job",job="node",'
+                                       f'pid="{rank_1[0]["pid"]}",rank="1"}}',
+                             "value": rank_1[1] / job[("trainbpf_health_recorded_seconds", ())]}],
         }],
     }]}
 
@@ -152,12 +167,13 @@ def test_promtool_checks_the_rules():
 
 
 def test_rules_fire_on_what_health_wrote(textfiles, tmp_path):
-    """A critical process, two warning ranks, the straggler that stays, a node whose checks
-    stopped and one whose series vanished fire; the healthy node and the alerts whose
-    conditions no node meets do not."""
+    """A critical process, two warning ranks, the straggler that stays, a check that could
+    not run, a node whose checks stopped and one whose series vanished fire, each once
+    its `for` has passed; the healthy node does not, nor the alerts no node meets."""
     assert samples(textfiles["node-job"])[("trainbpf_straggler_rank", ())] == 1
     assert samples(textfiles["node-starved"])[("trainbpf_health_status", ())] == 2
     assert samples(textfiles["node-ok"])[("trainbpf_health_status", ())] == 0
+    assert samples(textfiles["node-unknown"])[("trainbpf_health_status", ())] == 3
     tests = tmp_path / "trainbpf-rules.test.yml"
     tests.write_text(yaml.safe_dump(rule_tests(textfiles), sort_keys=False))
     run = subprocess.run([promtool(), "test", "rules", str(tests)], capture_output=True, text=True, timeout=60)

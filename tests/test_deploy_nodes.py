@@ -106,7 +106,7 @@ def slurm(tmp_path):
         done = subprocess.run(["bash", str(script), *args], env=environ, capture_output=True, text=True, timeout=30)
         return done.returncode, log.read_text().splitlines(), done.stderr
 
-    run.shared = tmp_path / "shared"
+    run.shared, run.bin = tmp_path / "shared", bin_dir
     return run
 
 
@@ -115,8 +115,19 @@ def test_prolog_checks_the_node_schedules_the_job_check_and_never_fails(slurm, v
     code, calls, stderr = slurm(PROLOG, exit_code=verdict)
     host = socket.gethostname()
     assert code == 0, stderr
+    health = slurm.bin / "trainbpf-health"
     assert calls == [f"trainbpf-health --duration 3 --json {slurm.shared}/{host}-prolog.json",
-                     f"systemd-run --quiet --unit=trainbpf-health-job-4242 --on-active=120 {PROLOG} --job-check 4242"]
+                     f"systemd-run --quiet --unit=trainbpf-health-job-4242 --on-active=120 "
+                     f"--setenv=TRAINBPF_HEALTH={health} --setenv=TRAINBPF_HEALTH_SHARED={slurm.shared} "
+                     f"--setenv=TRAINBPF_TEXTFILE_DIR=/var/lib/prometheus/node-exporter {PROLOG} --job-check 4242"]
+
+
+def test_prolog_passes_the_sites_settings_to_the_job_check(slurm):
+    code, calls, _ = slurm(PROLOG, TRAINBPF_TEXTFILE_DIR="/srv/textfile", TRAINBPF_SLURM_CGROUPS="/cg/a /cg/b",
+                           TRAINBPF_JOB_CHECK_DELAY="300")
+    assert code == 0
+    assert "--on-active=300 " in calls[1] and "--setenv=TRAINBPF_TEXTFILE_DIR=/srv/textfile " in calls[1]
+    assert "--setenv=TRAINBPF_SLURM_CGROUPS=/cg/a /cg/b " in calls[1]
 
 
 def test_prolog_outside_slurm_says_so_and_does_not_drain(slurm):

@@ -54,6 +54,10 @@ if [ -z "$job" ]; then
   exit 0
 fi
 "$health" --duration 3 --json "$shared/$host-prolog.json" >/dev/null 2>&1
+# A transient unit starts with systemd's environment, not this one: pass the settings on.
 systemd-run --quiet --unit="trainbpf-health-job-$job" --on-active="$delay" \
+  --setenv=TRAINBPF_HEALTH="$health" --setenv=TRAINBPF_HEALTH_SHARED="$shared" \
+  --setenv=TRAINBPF_TEXTFILE_DIR="$textfile_dir" \
+  ${TRAINBPF_SLURM_CGROUPS:+--setenv=TRAINBPF_SLURM_CGROUPS="$TRAINBPF_SLURM_CGROUPS"} \
   "$(readlink -f "${BASH_SOURCE[0]}")" --job-check "$job" >/dev/null 2>&1 || true
 exit 0
