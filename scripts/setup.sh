@@ -41,8 +41,9 @@ APT_PACKAGES=(python3-bpfcc bpfcc-tools libbpfcc python3-venv python3-dev bpftoo
 if [ "$WITH_TEST" -eq 1 ]; then
   # node_exporter for the health-check test, chromium for the HTML screenshot test,
   # sudo for the documented `sudo .venv/bin/trainbpf` invocation, gcc for the stand-in
-  # NVML library (scripts/fake-nvml)
-  APT_PACKAGES+=(prometheus-node-exporter chromium sudo gcc)
+  # NVML library (scripts/fake-nvml), prometheus for promtool (tests/test_deploy.py
+  # checks and unit-tests deploy/prometheus/'s rules)
+  APT_PACKAGES+=(prometheus-node-exporter chromium sudo gcc prometheus)
 fi
 if [ "$WITH_BENCH" -eq 1 ]; then
   # scripts/bench_*.py: gcc builds the context-switch storm, perf is a comparator
@@ -59,6 +60,10 @@ if [ "${#missing[@]}" -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # Only promtool is wanted from the prometheus package: not a server on port 9090.
+  if [[ " ${missing[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null; then
+    systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+  fi
 fi
 
 # tracefs is where bcc reads tracepoint layouts; some machines do not mount it.

@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MAX_FILE_LINES = 450
 MAX_FUNCTION_LINES = 80
-CODE_FOLDERS = ("trainbpf/", "trace/", "tracer/", "analyzers/", "probes/", "tests/", "scripts/", ".ci/")
+CODE_FOLDERS = ("trainbpf/", "trace/", "tracer/", "analyzers/", "probes/", "tests/", "scripts/", "deploy/", ".ci/")
 NOT_CODE = (".md", ".json", ".toml", ".parquet", ".txt")
 
 
