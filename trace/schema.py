@@ -179,6 +179,34 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # filesystem names its disk), addr = the inode, name = the path.  An inode no
     # traced process had open or mapped at a scan has no row.
     "file": ("ts_ns", "pid", "state", "addr", "name"),
+    # A socket a traced thread received or sent on, once (the first time it did; again
+    # when its peer changes): addr = the socket's inode (what /proc/PID/fd shows as
+    # socket:[N]), tid/pid = that thread, state = family "ipv4"/"ipv6"/"unix"/"other",
+    # name = peer "10.0.0.2:8080", "[fd00::2]:8080", a UNIX peer's path ("@name":
+    # abstract, "" unnamed), op = protocol (IPPROTO_*: 6 TCP, 17 UDP; 0 unix), comm =
+    # the interface its route goes out of ("veth0", "lo"; "" when not known).
+    "socket": ("ts_ns", "tid", "pid", "addr", "state", "name", "op", "comm"),
+    # Bytes and calls per (bucket of thresholds.net_bucket_ns, traced thread, socket,
+    # direction), counted in the kernel (sock:sock_recv_length / sock_send_length,
+    # ret > 0): ts_ns = the bucket's start, dur_ns = its length, addr = socket inode,
+    # state = "recv"/"send", size = bytes, count = calls.  A bucket may come in several
+    # rows (one per flush): add them up.
+    "net_io": ("ts_ns", "dur_ns", "tid", "pid", "addr", "state", "size", "count"),
+    # Requests per (bucket, traced thread, socket): count = receives that followed a send
+    # on that socket by that thread (the first receive after each send), size = the sum
+    # of their latencies (that receive's return - the last send's return), value = the
+    # largest.  Buckets as in net_io.
+    "net_request": ("ts_ns", "dur_ns", "tid", "pid", "addr", "count", "size", "value"),
+    # TCP retransmits (tcp:tcp_retransmit_skb) per (bucket, socket) of sockets a traced
+    # thread used (timers and softirqs send them: no thread): addr = socket inode,
+    # count = retransmits.
+    "retransmit": ("ts_ns", "dur_ns", "addr", "count"),
+    # Bytes and packets per (bucket, interface, direction, task), the whole machine:
+    # state "xmit" (net:net_dev_xmit, rc == 0, in the sender's context when the send is
+    # not deferred: tid/pid/comm = that task, else tid 0, pid null, comm "") or "recv"
+    # (net:netif_receive_skb: tid 0, pid null, comm ""), name = interface, size = bytes,
+    # count = packets.  Unnamed tasks under hidepid as in disk_io.
+    "net_device": ("ts_ns", "dur_ns", "tid", "pid", "comm", "name", "state", "size", "count"),
     # A block device the trace names, once: state = "MAJ:MIN", name = "vda".
     "block_device": ("ts_ns", "state", "name"),
     # CUDA launches (cudaLaunchKernel*, cudaLaunchCooperativeKernel, cudaGraphLaunch,
@@ -269,7 +297,7 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
 
 KINDS = tuple(KIND_COLUMNS)
 # Kinds whose tid/pid may be any task on the machine, traced or not (what filled a disk).
-MACHINE_WIDE_KINDS = ("disk_io", "writeback_inode", "dirtied")
+MACHINE_WIDE_KINDS = ("disk_io", "writeback_inode", "dirtied", "net_device")
 
 # What the shared storage columns mean in each kind, by their meaningful names: the one
 # name of each field, from the probe's C struct through the collectors (spool.make_batch
@@ -294,6 +322,11 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "dirtied": {"name": "device", "addr": "inode", "count": "folios"},
     "file": {"state": "device", "addr": "inode", "name": "path"},
     "block_device": {"state": "device"},
+    "socket": {"addr": "socket", "state": "family", "name": "peer", "op": "protocol", "comm": "interface"},
+    "net_io": {"addr": "socket", "state": "direction", "size": "bytes", "count": "calls"},
+    "net_request": {"addr": "socket", "count": "requests", "size": "latency_ns", "value": "max_latency_ns"},
+    "retransmit": {"addr": "socket", "count": "retransmits"},
+    "net_device": {"name": "interface", "state": "direction", "size": "bytes", "count": "packets"},
     "cuda_launch": {"name": "layer", "op": "nested", "count": "launches"},
     "cuda_call": {"op": "nested", "size": "bytes", "count": "ret"},
     "collective": {"op": "seq", "addr": "comm", "size": "elements", "count": "ret"},
