@@ -7,6 +7,7 @@ the network kinds (docs/trace-format.md)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -193,10 +194,53 @@ def test_peer_names_are_resolved_only_when_asked_and_never_hold_the_report():
     assert culprits[0]["host"] == "store.example" and "host" not in culprits[1] and "host" not in culprits[2]
 
     def hangs(address):
-        import time
         time.sleep(5)
-    import time
+        return ("late.example", [], [address])
     t0 = time.monotonic()
     resolve_peers(doc := {"findings": [{"culprits": [{"kind": "peer", "name": "10.0.0.9:1"}]}]}, lookup=hangs,
                   timeout_s=0.2)
     assert time.monotonic() - t0 < 1.0 and "host" not in doc["findings"][0]["culprits"][0]
+
+
+def test_health_writes_the_network_wait_per_top_peer(tmp_path):
+    from test_health_outputs import parse_exposition
+    from trainbpf.health.config import DEFAULT_THRESHOLDS, HealthConfig
+    from trainbpf.health.outputs import render_textfile
+    from trainbpf.health.results import HealthResult, grade_report
+    from trainbpf.health.targets import Target
+
+    report = build_report(_trace(tmp_path))
+    f = report["findings"][0]
+    # Five more peers than the labels hold: the smaller ones go under "other".
+    f["culprits"] += [{"kind": "peer", "name": f"10.0.0.{i}:80", "seconds": 0.01 * i} for i in range(3, 8)]
+    f["seconds"] += sum(0.01 * i for i in range(3, 8))
+    target = grade_report(Target(100, "python", "python train.py", "device"), report, tids={TRAINER, LOADER},
+                          thresholds=DEFAULT_THRESHOLDS)
+    result = HealthResult(2, "node", 1.0, 2.0, "targets", [target], None, [], None, HealthConfig())
+    samples = {k: v for k, v in parse_exposition(render_textfile(result)).items() if k[0] == "trainbpf_network_wait_seconds"}
+    peers = {dict(labels)["peer"]: v for (_, labels), v in samples.items()}
+    assert set(peers) == {PEER, "10.0.0.7:80", "10.0.0.6:80", "other"}, peers
+    assert peers["other"] == pytest.approx(0.03 + 0.04 + 0.05 + f["seconds"] - sum(
+        c["seconds"] for c in f["culprits"] if c["kind"] == "peer"), abs=1e-5)
+    assert sum(peers.values()) == pytest.approx(f["seconds"], abs=1e-5)
+
+
+def test_analyze_resolves_peer_names_only_with_resolve(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from trainbpf.cli import app
+    from trainbpf.reports import network
+
+    s = Synth()
+    _slow_store(s)
+    s.gpu_from_running(TRAINER)
+    path = s.write(tmp_path / "trace.parquet")
+    asked = []
+    monkeypatch.setattr(network.socket, "gethostbyaddr", lambda a: asked.append(a) or ("store.example", [], [a]))
+    plain = CliRunner().invoke(app, ["analyze", str(path)])
+    assert plain.exit_code == 0 and not asked and "store.example" not in plain.output
+    named = CliRunner().invoke(app, ["analyze", str(path), "--resolve"])
+    assert named.exit_code == 0 and asked == ["10.0.0.2"], named.output
+    assert f"peer: {PEER} (store.example): waited" in named.output
+    both = CliRunner().invoke(app, ["analyze", str(path), str(path), "--resolve"])
+    assert both.exit_code != 0 and "trainbpf: error: --resolve applies to one trace" in both.output

@@ -59,15 +59,17 @@ def _address(peer: str) -> str | None:
         return None
 
 
-def resolve_peers(doc: dict[str, Any], *, lookup: Callable[[str], Any] = socket.gethostbyaddr,
+def resolve_peers(doc: dict[str, Any], *, lookup: Callable[[str], Any] | None = None,
                   timeout_s: float = RESOLVE_TIMEOUT_S) -> None:
-    """Add `host` (the reverse DNS name) to the report's peer culprits, in place.  All
-    lookups together take at most `timeout_s`; a failed or late one leaves the address."""
+    """Add `host` (the reverse DNS name; `lookup`, default socket.gethostbyaddr) to the
+    report's peer culprits, in place.  All lookups together take at most `timeout_s`; a
+    failed or late one leaves the address."""
     peers = [c for f in doc.get("findings") or [] for c in f.get("culprits") or [] if c.get("kind") == "peer"]
     addresses = sorted({a for a in (_address(str(c["name"])) for c in peers) if a})
     if not addresses:
         return
     answers: dict[str, str] = {}
+    lookup = lookup or socket.gethostbyaddr
 
     def look(address: str) -> None:
         try:
