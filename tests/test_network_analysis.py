@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from synth import POLL_STACK, RECV_STACK, TRAINER, Synth, periodic
+from synth import POLL_STACK, RECV_STACK, START_NS as START, TRAINER, Synth, periodic
 from trainbpf.analyzers.pipeline import analyze
 from trainbpf.reports.document import Report, build_report, render_json
 from trainbpf.reports.html import render_html
@@ -244,3 +244,43 @@ def test_analyze_resolves_peer_names_only_with_resolve(tmp_path, monkeypatch):
     assert f"peer: {PEER} (store.example): waited" in named.output
     both = CliRunner().invoke(app, ["analyze", str(path), str(path), "--resolve"])
     assert both.exit_code != 0 and "trainbpf: error: --resolve applies to one trace" in both.output
+
+
+def _gloo_job(s: Synth, ranks: int) -> None:
+    """`ranks` ranks (pids 11, 12): each trainer runs, then waits in an all-reduce that
+    its gloo thread ends; the gloo thread waits on its TCP socket to the other rank
+    meanwhile.  Rank 1 computes 60 ms longer every step: the others wait for it."""
+    for rank in range(ranks):
+        pid, trainer, gloo, sock = 11 + rank, 11 + rank, 21 + rank, 7001 + rank
+        s.thread(trainer, "python", pid=pid)
+        s.thread(gloo, "pt_gloo_runloop", pid=pid)
+        for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", ranks)):
+            s.add("process_env", ts_ns=START, pid=pid, name=name, state=str(value))
+        s.socket(gloo, sock, f"127.0.0.1:{29500 + (1 - rank)}", interface="lo")
+        late = 0.06 if rank == 1 else 0.0
+        for x in periodic(0.0, s.duration_s, 0.2):
+            wait = 0.1 - late
+            s.offcpu(trainer, x + 0.1 + late, wait - 0.001, waker=gloo, kstack=("schedule", "futex_wait_queue", "futex_wait"))
+            s.futex(trainer, x + 0.1 + late, wait - 0.002, addr=0x7F00_0000_2000)
+            s.offcpu(gloo, x + 0.1 + late, wait - 0.002, kstack=RECV_STACK)
+            s.net_io(gloo, x + 0.1, sock, 4 * MiB)
+            s.net_io(gloo, x + 0.1, sock, 4 * MiB, direction="send")
+
+
+def test_a_gloo_threads_socket_waits_stay_collective_or_the_stragglers(tmp_path):
+    s = Synth(target_pid=11, meta={"trainer_tid": None})
+    _gloo_job(s, 2)
+    s.gpu_from_running(11)
+    report = build_report(analyze(s.read(tmp_path)))
+    assert report["straggler"] is not None and report["straggler"]["rank"] == 1, report["straggler"]
+    found = {f["category"]: f for f in report["findings"]}
+    assert "network_io" not in found, [(f["category"], f["share"]) for f in report["findings"]]
+    gloo_rows = [t for t in report["threads"] if t["comm"] == "pt_gloo_runloop"]
+    assert all(t["seconds"].get("network_io", 0) > 0 for t in gloo_rows)  # their own time is network waits
+
+    one = Synth(target_pid=11)
+    _gloo_job(one, 1)  # one rank traced without its peers: its waits are the collective's own
+    one.gpu_from_running(11)
+    single = build_report(analyze(one.read(tmp_path, "one.parquet")))
+    assert single["findings"][0]["category"] == "collective", [(f["category"], f["share"]) for f in single["findings"]]
+    assert "network_io" not in {f["category"] for f in single["findings"]}
