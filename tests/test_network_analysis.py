@@ -15,7 +15,6 @@ from synth import POLL_STACK, RECV_STACK, START_NS as START, TRAINER, Synth, per
 from trainbpf.analyzers.pipeline import analyze
 from trainbpf.reports.document import Report, build_report, render_json
 from trainbpf.reports.html import render_html
-from trainbpf.reports.network import resolve_peers
 from trainbpf.reports.text import render_text
 
 LOADER = 200
@@ -179,6 +178,8 @@ def test_a_trace_without_network_rows_reads_as_before(tmp_path):
 
 
 def test_peer_names_are_resolved_only_when_asked_and_never_hold_the_report():
+    from trainbpf.reports.network import resolve_peers
+
     doc = {"findings": [{"culprits": [{"kind": "peer", "name": PEER}, {"kind": "peer", "name": "[fd00::2]:80"},
                                       {"kind": "peer", "name": "unix:/run/x.sock"}]}]}
     asked = []
