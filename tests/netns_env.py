@@ -8,6 +8,7 @@ pair (the host's end optionally shaped by tbf), its server running inside."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import select
 import subprocess
@@ -64,6 +65,7 @@ def two_nodes() -> Iterator[tuple[Node, Node]]:
 # A store for the network scenarios: the host at 10.201.0.1/30 on its end of a veth
 # pair, the store's namespace at 10.201.0.2/30 on the other.
 STORE_HOST_ADDRESS, STORE_ADDRESS = "10.201.0.1", "10.201.0.2"
+_stores = itertools.count()  # each store of a process its own names
 
 
 @dataclass(frozen=True)
@@ -73,14 +75,14 @@ class StoreLink:
 
 
 @contextlib.contextmanager
-def store_namespace(rate_mbit: float | None = None) -> Iterator[StoreLink]:
+def store_namespace(rate_mbit: float | None = None, queue_ms: float = 30) -> Iterator[StoreLink]:
     """A namespace private to this process reached from the host over a veth pair, both
-    ends up and addressed; with `rate_mbit`, the host's end shaped by tbf to that rate
-    (what the host sends to the store queues behind it).  Removed whatever happens
+    ends up and addressed; with `rate_mbit`, the host's end shaped by tbf to that rate,
+    its queue holding `queue_ms` of it (what the host sends to the store queues behind it).  Removed whatever happens
     (the namespace's end goes with it, and the pair with that)."""
     from pyroute2 import IPRoute, NetNS, netns
 
-    tag = f"{os.getpid() % 100000}"
+    tag = f"{os.getpid() % 100000}{next(_stores)}"
     node = Node(f"trainbpf-test-store-{tag}", f"tbst{tag}", STORE_ADDRESS)
     host_ifname = f"tbsh{tag}"
     netns.create(node.netns)
@@ -91,7 +93,7 @@ def store_namespace(rate_mbit: float | None = None) -> Iterator[StoreLink]:
             ip.addr("add", index=index, address=STORE_HOST_ADDRESS, prefixlen=PREFIX)
             ip.link("set", index=index, state="up")
             if rate_mbit is not None:
-                ip.tc("add", "tbf", index, 0x10000, rate=f"{rate_mbit:g}mbit", burst=32 * 1024, latency="60ms")
+                ip.tc("add", "tbf", index, 0x10000, rate=f"{rate_mbit:g}mbit", burst=32 * 1024, latency=f"{queue_ms:g}ms")
         with NetNS(node.netns) as ns:
             index = ns.link_lookup(ifname=node.ifname)[0]
             ns.addr("add", index=index, address=node.address, prefixlen=PREFIX)
@@ -99,6 +101,8 @@ def store_namespace(rate_mbit: float | None = None) -> Iterator[StoreLink]:
             ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
         yield StoreLink(node, host_ifname)
     finally:
+        with contextlib.suppress(Exception), IPRoute() as ip:  # at once: the namespace's end goes later
+            ip.link("del", ifname=host_ifname)
         with contextlib.suppress(OSError):
             netns.remove(node.netns)
 

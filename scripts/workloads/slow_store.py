@@ -41,13 +41,14 @@ def fetch(sock: socket.socket, buffer: memoryview) -> None:
         got += n
 
 
-def fetch_forever(address: str, batches: queue.Queue) -> None:
+def fetch_forever(address: str, batches: queue.Queue, chunk_bytes: int = CHUNK_BYTES,
+                  chunks: int = CHUNKS_PER_BATCH) -> None:
     sock = connect(address)
-    buffer = memoryview(bytearray(CHUNK_BYTES))
+    buffer = memoryview(bytearray(chunk_bytes))
     while True:
-        for _ in range(CHUNKS_PER_BATCH):
+        for _ in range(chunks):
             fetch(sock, buffer)
-        batches.put(bytes(buffer[:1 << 16]))
+        batches.put(bytes(buffer[:1 << 12]))
 
 
 def add_store_argument(parser) -> None:
