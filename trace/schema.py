@@ -179,34 +179,6 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # filesystem names its disk), addr = the inode, name = the path.  An inode no
     # traced process had open or mapped at a scan has no row.
     "file": ("ts_ns", "pid", "state", "addr", "name"),
-    # A socket a traced thread received or sent on, once (the first time it did; again
-    # when its peer changes): addr = the socket's inode (what /proc/PID/fd shows as
-    # socket:[N]), tid/pid = that thread, state = family "ipv4"/"ipv6"/"unix"/"other",
-    # name = peer "10.0.0.2:8080", "[fd00::2]:8080", a UNIX peer's path ("@name":
-    # abstract, "" unnamed), op = protocol (IPPROTO_*: 6 TCP, 17 UDP; 0 unix), comm =
-    # the interface its route goes out of ("veth0", "lo"; "" when not known).
-    "socket": ("ts_ns", "tid", "pid", "addr", "state", "name", "op", "comm"),
-    # Bytes and calls per (bucket of thresholds.net_bucket_ns, traced thread, socket,
-    # direction), counted in the kernel (sock:sock_recv_length / sock_send_length,
-    # ret > 0): ts_ns = the bucket's start, dur_ns = its length, addr = socket inode,
-    # state = "recv"/"send", size = bytes, count = calls.  A bucket may come in several
-    # rows (one per flush): add them up.
-    "net_io": ("ts_ns", "dur_ns", "tid", "pid", "addr", "state", "size", "count"),
-    # Requests per (bucket, traced thread, socket): count = receives that followed a send
-    # on that socket by that thread (the first receive after each send), size = the sum
-    # of their latencies (that receive's return - the last send's return), value = the
-    # largest.  Buckets as in net_io.
-    "net_request": ("ts_ns", "dur_ns", "tid", "pid", "addr", "count", "size", "value"),
-    # TCP retransmits (tcp:tcp_retransmit_skb) per (bucket, socket) of sockets a traced
-    # thread used (timers and softirqs send them: no thread): addr = socket inode,
-    # count = retransmits.
-    "retransmit": ("ts_ns", "dur_ns", "addr", "count"),
-    # Bytes and packets per (bucket, interface, direction, task), the whole machine:
-    # state "xmit" (net:net_dev_xmit, rc == 0, in the sender's context when the send is
-    # not deferred: tid/pid/comm = that task, else tid 0, pid null, comm "") or "recv"
-    # (net:netif_receive_skb: tid 0, pid null, comm ""), name = interface, size = bytes,
-    # count = packets.  Unnamed tasks under hidepid as in disk_io.
-    "net_device": ("ts_ns", "dur_ns", "tid", "pid", "comm", "name", "state", "size", "count"),
     # A block device the trace names, once: state = "MAJ:MIN", name = "vda".
     "block_device": ("ts_ns", "state", "name"),
     # CUDA launches (cudaLaunchKernel*, cudaLaunchCooperativeKernel, cudaGraphLaunch,
@@ -240,6 +212,39 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # carries no file or length), count = calls (write syscalls, direct I/Os or io_uring
     # write submissions).  A bucket may come in several rows (one per flush): add them up.
     "write_path": ("ts_ns", "dur_ns", "tid", "pid", "name", "addr", "state", "size", "count"),
+    # A socket a traced thread received or sent on, described the first time it did
+    # (probes/net.bpf.c) and again whenever its peer changed since (a socket connected
+    # later): the last row per socket whose ts_ns <= a time names it then.  tid/pid = the
+    # thread, addr = the socket's inode (what /proc/PID/fd shows as socket:[N]), state =
+    # family "ipv4"/"ipv6"/"unix"/"other", name = the peer: "10.0.0.2:8080",
+    # "[fd00::2]:8080", the peer's UNIX path ("@name" in the abstract namespace, "" when
+    # unnamed), "" when not connected or for other families; op = protocol (IPPROTO_*:
+    # 6 TCP, 17 UDP, 0 for unix), comm = the interface its route goes out of ("veth0",
+    # "lo"), else the one it is bound to ("" when not known).  Recorders before
+    # 2026-12-08 wrote none of the network kinds.
+    "socket": ("ts_ns", "tid", "pid", "addr", "state", "name", "op", "comm"),
+    # Bytes and calls of a traced thread per (bucket of thresholds.net_bucket_ns, thread,
+    # socket, direction), counted in the kernel from sock:sock_recv_length /
+    # sock_send_length (calls that moved bytes; MSG_PEEK receives left out): addr = the
+    # socket's inode, state = "recv"/"send", size = bytes, count = calls.  ts_ns = the
+    # bucket's start, dur_ns = its length; a bucket may come in several rows (one per
+    # flush): add them up.
+    "net_io": ("ts_ns", "dur_ns", "tid", "pid", "addr", "state", "size", "count"),
+    # Requests a traced thread saw answered per (bucket, thread, socket): count = its
+    # receives that were the first after a send on that socket, size = the sum over them
+    # of (that receive's return - the last send's return) in ns, value = the largest.
+    # Buckets as in net_io.
+    "net_request": ("ts_ns", "dur_ns", "tid", "pid", "addr", "count", "size", "value"),
+    # TCP retransmits (tcp:tcp_retransmit_skb, from timers and softirqs: no thread) per
+    # (bucket, socket) of the sockets a traced thread used: addr = inode, count.
+    "retransmit": ("ts_ns", "dur_ns", "addr", "count"),
+    # Every interface's packets on the machine per (bucket, interface, direction, task):
+    # name = the interface, state = "xmit" (net:net_dev_xmit, sent; tid/pid/comm = the
+    # task on the CPU: the sender, or for a packet sent from a softirq, such as an ACK or
+    # a retransmit, the task it interrupted; tid 0, pid null, comm "" on an idle CPU) or
+    # "recv" (net:netif_receive_skb, in softirq: tid 0, pid null, comm ""), size = bytes,
+    # count = packets.  Unnamed tasks as in disk_io.
+    "net_device": ("ts_ns", "dur_ns", "tid", "pid", "comm", "name", "state", "size", "count"),
     # The memory cgroup of each traced process, read at the start, every
     # thresholds.cgroup_sample_ns and at the stop (tracer/samplers/memcg.py): one row per
     # (time, cgroup, key); pid = a traced process in it, name = its path below the
@@ -322,15 +327,15 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "dirtied": {"name": "device", "addr": "inode", "count": "folios"},
     "file": {"state": "device", "addr": "inode", "name": "path"},
     "block_device": {"state": "device"},
+    "cuda_launch": {"name": "layer", "op": "nested", "count": "launches"},
+    "cuda_call": {"op": "nested", "size": "bytes", "count": "ret"},
+    "collective": {"op": "seq", "addr": "comm", "size": "elements", "count": "ret"},
+    "write_path": {"name": "device", "addr": "inode", "state": "path", "size": "bytes", "count": "calls"},
     "socket": {"addr": "socket", "state": "family", "name": "peer", "op": "protocol", "comm": "interface"},
     "net_io": {"addr": "socket", "state": "direction", "size": "bytes", "count": "calls"},
     "net_request": {"addr": "socket", "count": "requests", "size": "latency_ns", "value": "max_latency_ns"},
     "retransmit": {"addr": "socket", "count": "retransmits"},
     "net_device": {"name": "interface", "state": "direction", "size": "bytes", "count": "packets"},
-    "cuda_launch": {"name": "layer", "op": "nested", "count": "launches"},
-    "cuda_call": {"op": "nested", "size": "bytes", "count": "ret"},
-    "collective": {"op": "seq", "addr": "comm", "size": "elements", "count": "ret"},
-    "write_path": {"name": "device", "addr": "inode", "state": "path", "size": "bytes", "count": "calls"},
     "memory_cgroup": {"name": "cgroup", "state": "key", "count": "value"},
     "page_cache": {"name": "device", "addr": "inode", "state": "change", "count": "pages"},
     "gpu": {"op": "index", "name": "uuid", "value": "util_pct", "size": "mem_util_pct", "count": "mem_used_mib"},

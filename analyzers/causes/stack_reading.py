@@ -28,13 +28,14 @@ KERNEL_PATTERNS: tuple[tuple[str, str], ...] = (
     ("page_faults", r"handle_mm_fault|do_user_addr_fault|exc_page_fault|do_page_fault"),
     ("allocator_churn", r"munmap|do_mmap|zap_pte_range|unmap_page_range|unmap_region|madvise|do_brk|mremap"),
     ("block_io", r"io_schedule|blk_|folio_wait|wait_on_page_bit|__lock_page|submit_bio"),
-    # A thread waiting on a socket: a receive, connect, accept or a full send buffer.
-    ("network_io", r"sk_wait_data|tcp_recvmsg|inet_csk_accept|inet_csk_wait_for_connect|inet_wait_for_connect"
-                   r"|__inet_stream_connect|__skb_wait_for_more_packets|unix_stream_data_wait|unix_stream_read_generic"
-                   r"|sock_recvmsg|sk_stream_wait_memory"),
-    # poll/select/epoll: a network wait only where the thread's socket traffic says so
-    # (analyzers/causes/network.py decides).
-    ("poll_wait", r"do_sys_poll|do_select|ep_poll"),
+    # A wait on a socket: a receive, an accept, a connect, a full send buffer.
+    ("network_io", r"sk_wait_data|tcp_recvmsg|udp_recvmsg|inet_csk_accept|inet_csk_wait_for_connect"
+                   r"|__inet_stream_connect|inet_wait_for_connect|__skb_wait_for_more_packets"
+                   r"|unix_stream_read_generic|unix_stream_data_wait|sock_recvmsg|tcp_sendmsg"
+                   r"|sk_stream_wait_memory|unix_stream_sendmsg|sock_sendmsg"),
+    # poll/select/epoll: on sockets or not, the stack cannot tell; the analysis decides
+    # from the thread's socket traffic around the wait.
+    ("poll_wait", r"do_sys_poll|do_select|ep_poll|do_epoll_wait"),
     ("futex", r"futex_wait"),
 )
 
