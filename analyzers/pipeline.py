@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from trainbpf.analyzers.causes.network import thread_traffic
 from trainbpf.analyzers.findings.ranking import build_findings
 from trainbpf.analyzers.intervals import Span, as_int64
 from trainbpf.analyzers.job.join import JobResult, RankTables
@@ -64,6 +65,7 @@ class Analysis:
     cuda: CudaTimeline | None = None  # every thread's CUDA waits, bursts and gaps; None: CUDA not traced
     pystacks: pd.DataFrame | None = None  # stacks.python_stacks: the trace's Python stacks (states' pystack ids)
     job: JobResult | None = None  # a job of several ranks (analyzers/job/rank_analysis.py); None: one trainer
+    traffic: pd.DataFrame | None = None  # network.TRAFFIC_COLUMNS: each thread's socket bytes in the window
     _states: pd.DataFrame | None = field(default=None, repr=False)
 
     @property
@@ -213,7 +215,7 @@ def _analysis(sh: Shared, threads: pd.DataFrame, part: TrainerPart, starved: pd.
         chain_ends=part.chain_ends, churn=sh.churn, placement=sh.placement, findings=findings,
         lost=lost_counts(sh.meta, trace.view("lost")), idle_fraction=gpu_idle, uses_cuda=part.uses_cuda,
         cuda_steps=step_summary(part.step_rows) if len(part.step_rows) else None, cuda=sh.cuda,
-        pystacks=sh.pystacks, job=job,
+        pystacks=sh.pystacks, job=job, traffic=thread_traffic(trace.view("net_io"), sh.win.start_ns, sh.win.end_ns),
     )
 
 

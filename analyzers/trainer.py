@@ -24,6 +24,7 @@ from trainbpf.analyzers.causes.chains import followed_waits, is_followed, wait_c
 from trainbpf.analyzers.causes.evidence import EvidenceContext
 from trainbpf.analyzers.causes.host import HostSplit, host_labels
 from trainbpf.analyzers.causes.io_culprits import IO_KINDS
+from trainbpf.analyzers.causes.network import NET_KINDS
 from trainbpf.analyzers.causes.numa import gpu_node, memory_placement, thread_placement
 from trainbpf.analyzers.causes.stack_reading import classify_stacks, python_stacks
 from trainbpf.analyzers.findings.ranking import attribute_starved
@@ -151,7 +152,7 @@ def share(trace: Any, window: Window | None) -> Shared:
     del offcpu
     release_unused_memory()
     stacks = classify_stacks(stack_rows)
-    evidence_kinds = ("futex", "futex_addr", "mmap_lock", "reclaim", "compaction", "dirty_pause", "block_rq")
+    evidence_kinds = ("futex", "futex_addr", "mmap_lock", "reclaim", "compaction", "dirty_pause", "block_rq", "net_io")
     frames = {kind: view(kind) for kind in evidence_kinds}
     slots, futex_waits = attribute_states(slots, frames, stacks)
     oncpu = frame("oncpu", ONCPU_COLUMNS + (("pystack_id",) if len(pystacks) else ()))
@@ -223,7 +224,7 @@ def trainer_part(sh: Shared, threads: pd.DataFrame, trainer: int | None, states:
     topology = sh.meta.get("topology") or {}
     ctx = EvidenceContext(
         window=win, threads=threads, slots=sh.slots, trainer_states=states, futex_waits=sh.futex_waits,
-        stacks=sh.stacks, frames={**sh.frames, **{k: sh.trace.view(k) for k in ("faults", "mm_syscall", "preempted_by") + IO_KINDS}},
+        stacks=sh.stacks, frames={**sh.frames, **{k: sh.trace.view(k) for k in ("faults", "mm_syscall", "preempted_by") + IO_KINDS + NET_KINDS}},
         churn=sh.churn, placement=sh.placement, memory_nodes=memory_placement(sh.trace.view("numa_maps"), topology),
         gpu_node=gpu_node(topology), pystacks=sh.pystacks, samples=sh.samples,
     )

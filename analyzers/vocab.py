@@ -10,7 +10,8 @@ import pandas as pd
 
 # Thread states.  Blocked time is named by its cause; together they tile every traced ns.
 #   futex: a futex wait; sleep: an interruptible sleep with no other kernel evidence (pipe,
-#   poll, queue, nanosleep); uninterruptible: D state with no other evidence; short_wait:
+#   poll, queue, nanosleep); network_io: waiting on a socket (a receive, connect, accept, or a
+#   poll of a thread that received on a socket then); uninterruptible: D state with no other evidence; short_wait:
 #   off-CPU intervals below the recorder's min_block_ns, known only as sums.
 STATES: tuple[str, ...] = (
     "running",
@@ -22,6 +23,7 @@ STATES: tuple[str, ...] = (
     "memory_reclaim",
     "dirty_throttling",
     "block_io",
+    "network_io",
     "uninterruptible",
     "short_wait",
     "other",

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from netns_env import STORE_ADDRESS, STORE_PORT, store_namespace, store_server
 from scenario_machine import MemoryCgroup, NeighbourMeter, ScenarioError, lowered_dirty_limits, memory_cgroup, wait_for_quiet
 from trainbpf.trace.spool import spool_path_for
 
@@ -73,6 +74,13 @@ class Scenario:
     refault: tuple[str, str] | None = None
     record_seconds: float = RECORD_SECONDS  # a scenario tested on its own may record less
     probes: str | None = None  # the recorder's --probes (None: its default set)
+    # A store in a network namespace of its own answering after this many ms (None: no
+    # store), over a link shaped to `link_mbit` (None: not shaped); the workload gets --store.
+    store_delay_ms: float | None = None
+    link_mbit: float | None = None
+    # What the top network finding names: its first peer, and the uploader's comm.
+    peer: str | None = None
+    uploader: str | None = None
 
     @property
     def healthy(self) -> bool:
@@ -125,6 +133,12 @@ SCENARIOS = (
     Scenario("dataset_evicted", ("block_io", "memory_reclaim", "input_pipeline"), min_share=0.25,
              memory_limit=256 * MiB, probes="default,pagecache",
              refault=("dataset.bin", "ckpt_writer"), gpu_sources=("nvml",)),
+    # Issue 30: the loader waits on a store 30 ms away; then an upload of the job's own
+    # on the same link, shaped to 20 mbit, delays a store that answers in 5 ms.
+    Scenario("slow_store", ("network_io",), store_delay_ms=30, peer=f"{STORE_ADDRESS}:{STORE_PORT}",
+             gpu_sources=("nvidia-smi",)),
+    Scenario("competing_upload", ("network_io",), store_delay_ms=5, link_mbit=20, uploader="ckpt_upload",
+             gpu_sources=("nvml",)),
     Scenario("numa_wrong_node", ("numa_remote",), declares_topology=True, gpu_sources=("nvidia-smi",)),
     Scenario("demo_trainer", ("input_pipeline",), gpu_sources=("nvml",)),
     Scenario("healthy", gpu_sources=("nvml",)),
@@ -302,6 +316,9 @@ def run_scenario_recorders(scenario: Scenario, workdir: Path, gpu_source: str,
         cgroup = None
         if scenario.memory_limit:
             cgroup = bent.enter_context(memory_cgroup(scenario.memory_limit))
+        if scenario.store_delay_ms is not None:
+            link = bent.enter_context(store_namespace(scenario.link_mbit))
+            workload_args += ("--store", bent.enter_context(store_server(link, scenario.store_delay_ms)))
         workload = bent.enter_context(
             running_workload(scenario, env, workdir, cgroup, workload_args))
         neighbours = NeighbourMeter(workload.pid)

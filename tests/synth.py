@@ -36,6 +36,9 @@ MMAP_LOCK_STACK = ("schedule", "rwsem_down_write_slowpath", "down_write_killable
 BLOCK_STACK = ("io_schedule", "blk_mq_get_tag", "submit_bio_noacct", "ext4_mpage_readpages", "filemap_read", "vfs_read")
 FUTEX_STACK = ("schedule", "futex_wait_queue", "futex_wait", "do_futex", "__x64_sys_futex")
 SLEEP_STACK = ("schedule", "pipe_read", "vfs_read", "ksys_read")
+RECV_STACK = ("schedule", "schedule_timeout", "sk_wait_data", "tcp_recvmsg_locked", "tcp_recvmsg", "inet_recvmsg",
+              "sock_recvmsg", "__sys_recvfrom")
+POLL_STACK = ("schedule", "schedule_hrtimeout_range_clock", "do_sys_poll", "__x64_sys_poll")
 MUNMAP_STACK = ("zap_pte_range", "unmap_page_range", "unmap_region", "do_vmi_munmap", "__vm_munmap", "__x64_sys_munmap")
 GIL_USTACK = ("__futex_abstimed_wait_common", "pthread_cond_timedwait", "take_gil", "PyEval_RestoreThread", "time_sleep")
 LOCK_USTACK = ("__lll_lock_wait", "pthread_mutex_lock", "arena_get2", "malloc", "PyMem_RawMalloc")
@@ -220,6 +223,31 @@ class Synth:
     def page_cache(self, ts: float, inode: int, change: str, pages: int, *, device: str = "254:0",
                    dur: float = 0.1) -> None:
         self.add("page_cache", ts_ns=t(ts), dur_ns=d(dur), name=device, addr=inode, state=change, count=pages)
+
+    # -- network: per-bucket counts (bucket `dur` seconds from `ts`), sockets by inode ----
+    def socket(self, tid: int, inode: int, peer: str, *, family: str = "ipv4", protocol: int = 6,
+               interface: str = "veth0", ts: float = 0.0) -> None:
+        self.add("socket", ts_ns=t(ts), tid=tid, pid=self._pid(tid, None), addr=inode, state=family, name=peer,
+                 op=protocol, comm=interface)
+
+    def net_io(self, tid: int, ts: float, inode: int, bytes: int, *, direction: str = "recv", calls: int = 1,
+               dur: float = 0.1) -> None:
+        self.add("net_io", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), addr=inode,
+                 state=direction, size=bytes, count=calls)
+
+    def net_request(self, tid: int, ts: float, inode: int, *, requests: int, latency: float, max_latency: float,
+                    dur: float = 0.1) -> None:
+        """`latency`: the sum over the requests, seconds."""
+        self.add("net_request", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), addr=inode,
+                 count=requests, size=d(latency), value=float(d(max_latency)))
+
+    def retransmit(self, ts: float, inode: int, count: int, *, dur: float = 0.1) -> None:
+        self.add("retransmit", ts_ns=t(ts), dur_ns=d(dur), addr=inode, count=count)
+
+    def net_device(self, ts: float, interface: str, bytes: int, *, direction: str = "xmit", tid: int = 0,
+                   pid: int | None = None, comm: str = "", packets: int = 1, dur: float = 0.1) -> None:
+        self.add("net_device", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=pid, comm=comm, name=interface,
+                 state=direction, size=bytes, count=packets)
 
     def gpu(self, ts: float, util: float, index: int = 0) -> None:
         self.add("gpu", ts_ns=t(ts), op=index, value=float(util), count=1000, size=10, name=f"GPU-{index}")

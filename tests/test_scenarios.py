@@ -132,6 +132,8 @@ def test_injected_bottleneck_is_the_top_finding(scenario: Scenario, gpu_source: 
         assert [c for c in top["culprits"] if c["kind"] == "lock"], top["culprits"]
     if scenario.culprit:
         _names_the_culprit(top, scenario, result)
+    if scenario.peer or scenario.uploader:
+        _names_the_network_culprit(top, scenario, result)
     if scenario.refault:  # a disk finding says what was read again, and what pushed it out
         file, comm = scenario.refault
         again = [f for f in result.findings if (f["evidence"].get("io") or {}).get("refaulted")]
@@ -220,3 +222,19 @@ def _names_the_culprit(top: dict, scenario: Scenario, result) -> None:
         assert files and files[0]["name"].endswith("/" + file), (top["culprits"], result.describe())
         assert files[0]["write_paths"] == ["buffered"], top["culprits"]
         assert top["evidence"]["case"] == "writeback" and "O_DIRECT" in top["recommendation"], top
+
+
+def _names_the_network_culprit(top: dict, scenario: Scenario, result) -> None:
+    """A network finding names the store it waited on, or the upload that shared its link
+    (with its bytes and rate), and its advice is about that."""
+    if scenario.peer:
+        peers = [c for c in top["culprits"] if c["kind"] == "peer"]
+        assert peers and peers[0]["name"] == scenario.peer, (top["culprits"], result.describe())
+        assert peers[0]["requests"] > 0 and peers[0]["recv_bytes"] > 0, peers[0]
+        assert scenario.peer in top["summary"], top["summary"]
+    if scenario.uploader:
+        uploads = [c for c in top["culprits"] if c.get("uploader")]
+        assert uploads and uploads[0]["name"] == scenario.uploader, (top["culprits"], result.describe())
+        assert uploads[0]["bytes"] > 0 and uploads[0]["rate_bytes_per_s"] > 0, uploads[0]
+        assert top["evidence"]["case"] == "upload", (top["summary"], result.describe())
+        assert top["recommendation"].startswith(scenario.uploader), top["recommendation"]

@@ -180,10 +180,15 @@ def analyze(
     window: Optional[str] = typer.Option(None, help="START:END seconds from the trace start to analyse (one trace)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing -o file (never a symlink, a device, or a file the sudo user could not write)."),
     memory_check: bool = typer.Option(True, "--memory-check/--no-memory-check", help=MEMORY_CHECK_HELP),
+    resolve: bool = typer.Option(False, "--resolve", help="Look up the host names of network peers (reverse DNS, a few seconds at most; one trace). Off by default: the report names addresses."),
 ) -> None:
     """Attribute every stall of the trainer's threads to a cause; rank the findings (no root)."""
     try:
         if len(trace) > 1:
+            if resolve:
+                from trainbpf.trace.errors import UsageError
+
+                raise UsageError("--resolve applies to one trace")
             text = _analyze_traces(trace, format, output, trainer_tid, window, force, memory_check)
         else:
             from trainbpf.reports.render import run_analyze
@@ -191,6 +196,7 @@ def analyze(
             text = run_analyze(
                 path=trace[0], fmt=format, output=output, trainer_tid=trainer_tid,
                 gpu_idle_threshold=gpu_idle_threshold, window=Window.parse(window), force=force, memory_check=memory_check,
+                resolve=resolve,
             )
     except TrainbpfError as exc:
         _fail(exc)

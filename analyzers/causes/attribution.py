@@ -11,6 +11,7 @@ from typing import Mapping
 import numpy as np
 import pandas as pd
 
+from trainbpf.analyzers.causes.network import waits_on_network
 from trainbpf.analyzers.causes.stack_reading import CLASS_CODE, stack_class_codes
 from trainbpf.analyzers.intervals import (
     Span,
@@ -40,7 +41,7 @@ EVIDENCE_KINDS: tuple[tuple[str, str], ...] = (
     ("reclaim", "memory_reclaim"),
 )
 # Kernel-stack classes at switch-out that name a blocked state.
-STACK_STATES = ("dirty_throttling", "memory_reclaim", "mmap_lock", "page_faults", "block_io", "futex")
+STACK_STATES = ("dirty_throttling", "memory_reclaim", "mmap_lock", "page_faults", "block_io", "network_io", "futex")
 
 # A futex address is a contended lock when several threads wait on it and, for at least
 # this share of its woken waits, the waker had itself waited on it shortly before
@@ -115,6 +116,11 @@ def attribute_states(
     kcls = stack_class_codes(stacks, slots["kstack_id"].to_numpy()[blocked])
     for name in reversed(STACK_STATES):
         code[kcls == CLASS_CODE[name]] = STATE_CODE[name]
+    # A poll/select/epoll wait is a network wait where the thread received on a socket then.
+    poll = np.flatnonzero(kcls == CLASS_CODE["poll_wait"])
+    on_net = waits_on_network(b["tid"].to_numpy()[poll], b["start_ns"].to_numpy()[poll], b["end_ns"].to_numpy()[poll],
+                              frames.get("net_io"))
+    code[poll[on_net]] = STATE_CODE["network_io"]
     for kind, name in EVIDENCE_KINDS:
         hit = overlapping(kind)
         if hit is not None:

@@ -18,6 +18,7 @@ from typing import Mapping
 import pandas as pd
 
 from trainbpf.analyzers.causes import evidence as ev, host
+from trainbpf.analyzers.causes.network import network_culprits
 from trainbpf.analyzers.vocab import HOST_CLASSES, RUN_CLASSES, STATES
 
 
@@ -170,6 +171,26 @@ REGISTRY: tuple[Category, ...] = (
                 "{who} waited {s:.2f} s for I/O on {device} behind {issued} of I/O by {issuer}{again}",
                 "{issuer_name} keeps {device} busy while the training data waits on it: limit it (io.max or io.weight "
                 "on its cgroup, ionice -c3), run it elsewhere, or give the dataset its own device."),
+        }),
+    Category(
+        "network_io", network_culprits, "{who} waited {s:.2f} s on the network",
+        "Threads wait for data from the network: keep more requests in flight (prefetch more batches, more loader "
+        "workers or concurrent fetches), cache what is read again (a local copy, a cache in front of the store), and "
+        "check the path to the peer (its latency per request, retransmits, the interface's load).",
+        "#0f8b8d", states=("network_io",), cases={
+            "upload": (
+                "{who} waited {s:.2f} s on the network for {peer} while {uploader} sent {uploaded} on {interface} "
+                "({rate}/s during the waits)",
+                "{uploader_name} sends {uploaded} on {interface} while the data from {peer} waits behind it: cap the "
+                "upload's concurrency and rate (fewer multipart parts in flight, a bandwidth limit on the uploader or "
+                "its cgroup), move it off the critical path (another interface or node), or schedule it between "
+                "steps."),
+            "slow_peer": (
+                "{who} waited {s:.2f} s on the network for {peer}: {requests} requests, {latency_ms:.1f} ms each on "
+                "average",
+                "{peer} takes {latency_ms:.1f} ms per request (at most {max_latency_ms:.1f} ms): keep more requests in "
+                "flight (prefetch more batches, more loader workers or concurrent fetches), cache what is fetched "
+                "again (a local copy or a cache in front of {peer}), or make that server answer faster."),
         }),
     Category(
         "numa_remote", ev.numa_remote, "{who} produced data on a NUMA node other than the GPU's, costing {s:.2f} s",

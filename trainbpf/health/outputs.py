@@ -39,6 +39,7 @@ METRICS: dict[str, str] = {
     "trainbpf_target_host_bound_share_ratio": "Share of the target's starved time that is host-bound (the trainer's own CPU work).",
     "trainbpf_finding_share_ratio": "Share of the target's starved time that one cause explains.",
     "trainbpf_finding_seconds": "Starved seconds that one cause explains.",
+    "trainbpf_network_wait_seconds": "Starved seconds that waits on the network explain, per peer waited on (the top three by address, the rest as peer=\"other\").",
     "trainbpf_target_cuda_traced": "1 when the trainer's CUDA calls were traced (the step metrics follow), 0 when none was seen (no step metrics).",
     "trainbpf_target_steps": "Training steps the trainer completed during the check, from its CUDA waits and launches.",
     "trainbpf_target_steps_per_second": "Training steps per second over the stretch the complete steps cover.",
@@ -103,6 +104,8 @@ def metric_samples(result: HealthResult) -> list[Sample]:
         for f in t.findings:
             add("trainbpf_finding_share_ratio", f["share"], pid=pid, category=f["category"])
             add("trainbpf_finding_seconds", f["seconds"], pid=pid, category=f["category"])
+        for peer, seconds in t.network_wait.items():
+            add("trainbpf_network_wait_seconds", seconds, pid=pid, peer=peer)
         if t.steps is not None:
             add("trainbpf_target_cuda_traced", int(t.steps.traced), pid=pid)
             for key, metric in STEP_METRICS.items():
@@ -191,6 +194,7 @@ def health_document(result: HealthResult) -> dict[str, Any]:
             "host_bound_s": t.host_bound_s,
             "gpu_idle_fraction": t.gpu_idle_fraction, "findings": t.findings, "steps": steps_document(t.steps),
             "thread_seconds": [{"role": r, "state": s, "seconds": v} for (r, s), v in sorted(t.role_seconds.items())],
+            "network_wait_seconds": dict(t.network_wait),
         } for t in result.targets],
         "job": result.job,
         "node": result.node,

@@ -84,6 +84,7 @@ class TargetResult:
     role_seconds: dict[tuple[str, str], float] = field(default_factory=dict)  # (role, state) -> s
     error: str | None = None
     steps: StepMetrics | None = None  # None: not analysed
+    network_wait: dict[str, float] = field(default_factory=dict)  # peer (top few, then "other") -> starved s
 
     @property
     def top(self) -> dict[str, Any] | None:
@@ -116,8 +117,30 @@ def grade_report(target: Target, report: Mapping[str, Any], *, tids: set[int],
             for state, seconds in th["seconds"].items():
                 key = (th["role"], state)
                 result.role_seconds[key] = round(result.role_seconds.get(key, 0.0) + float(seconds), 6)
+    result.network_wait = network_wait(report["findings"])
     result.status = make_check("starved_ratio", result.starved_ratio, thresholds, target.pid).status
     return result
+
+
+# Peers named as a label of trainbpf_network_wait_seconds at most (the rest are "other").
+NETWORK_PEER_LABELS = 3
+
+
+def network_wait(findings: list[Mapping[str, Any]]) -> dict[str, float]:
+    """The starved seconds network_io findings explain, per peer waited on: the top
+    NETWORK_PEER_LABELS peers by name, the rest (and waits matched to no socket) as "other"."""
+    per: dict[str, float] = {}
+    total = 0.0
+    for f in findings:
+        if f["category"] != "network_io":
+            continue
+        total += float(f["seconds"])
+        for c in f.get("culprits") or ():
+            if c.get("kind") == "peer":
+                per[str(c["name"])] = per.get(str(c["name"]), 0.0) + float(c["seconds"])
+    top = dict(sorted(per.items(), key=lambda kv: -kv[1])[:NETWORK_PEER_LABELS])
+    rest = max(0.0, total - sum(top.values()))
+    return {**{k: round(v, 6) for k, v in top.items()}, **({"other": round(rest, 6)} if rest > 1e-6 else {})}
 
 
 @dataclass

@@ -21,6 +21,7 @@ from trainbpf.analyzers.pipeline import Analysis
 from trainbpf.analyzers.threads.states import state_seconds
 from trainbpf.analyzers.vocab import ROLES
 from trainbpf.reports.job import job_summary, rank_culprits, ranks_section, straggler_section
+from trainbpf.reports.network import network_culprits, thread_network
 from trainbpf.reports.present import size
 from trainbpf.reports.python_frames import frame_label
 
@@ -96,10 +97,12 @@ def build_report(analysis: Analysis) -> dict[str, Any]:
     seconds = state_seconds(analysis.totals)
     threads = analysis.threads.assign(order=analysis.threads["role"].astype(str).map(_ROLE_ORDER))
     rows = []
+    traffic = thread_network(analysis.traffic)
     for th in threads.sort_values(["order", "tid"], kind="stable").itertuples(index=False):
         rows.append({
             "tid": int(th.tid), "comm": str(th.comm), "role": str(th.role),
             "seconds": {k: _seconds(v) for k, v in seconds.get(int(th.tid), {}).items()},
+            **({"network": traffic[int(th.tid)]} if int(th.tid) in traffic else {}),
         })
     pid = analysis.meta.get("target_pid")
     return {
@@ -180,7 +183,7 @@ def culprits(category: str, threads: list[dict[str, Any]], evidence: dict[str, A
             row.setdefault("seconds", _seconds(sum(f["seconds"] for f in own["functions"])))
         out.append(row)
     return (out + _preempting(evidence) + _lock_culprits(evidence, pids) + _io_culprits(evidence)
-            + _memory_culprits(evidence) + rank_culprits(evidence))
+            + _memory_culprits(evidence) + network_culprits(evidence) + rank_culprits(evidence))
 
 
 def _memory_culprits(evidence: dict[str, Any]) -> list[dict[str, Any]]:

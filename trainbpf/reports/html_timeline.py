@@ -30,7 +30,7 @@ from trainbpf.reports.html_job import Lane, trainer_lanes
 STATE_COLORS = {
     "running": "#2e9e44", "runnable": "#f29d38", "futex": "#8e6bd1", "sleep": "#8fc1e3",
     "page_faults": "#d64545", "mmap_lock": "#a0522d", "memory_reclaim": "#c2389a",
-    "dirty_throttling": "#e8702a", "block_io": "#2f6db5", "uninterruptible": "#7a7a7a",
+    "dirty_throttling": "#e8702a", "block_io": "#2f6db5", "network_io": "#0f8b8d", "uninterruptible": "#7a7a7a",
     "short_wait": "#c8c8c8", "other": "#4d4d4d",
 }
 # The timeline's row of host-bound time, in the colour of the trainer's own computation.

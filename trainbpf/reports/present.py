@@ -96,9 +96,10 @@ def evidence_lines(key: str, value: Any) -> list[str]:
 
 
 def culprit_lines(culprits: list[dict[str, Any]]) -> list[str]:
-    """What a disk or memory finding blames: the device, the memory cgroup, the files
-    (written back, added to the cache, read again) with who dirtied them, and the
-    other tasks whose I/O filled the device: a line each, for the text and HTML reports."""
+    """What a disk, memory or network finding blames: the device, the memory cgroup, the
+    files (written back, added to the cache, read again) with who dirtied them, the
+    other tasks whose I/O filled the device, the network peers and the uploads on their
+    interface: a line each, for the text and HTML reports."""
     lines = []
     for c in culprits:
         if c["kind"] == "device":
@@ -110,6 +111,12 @@ def culprit_lines(culprits: list[dict[str, Any]]) -> list[str]:
             lines.append(f"cgroup: {c['name']} ({held})")
         elif c["kind"] == "file":
             lines.append(f"file: {c['name']} ({_file_amounts(c)})")
+        elif c["kind"] == "peer":
+            lines.append(_peer_line(c))
+        elif c.get("uploader"):
+            lines.append(f"upload: {c['name']} ({c['tid']}, pid {c['pid'] if c['pid'] is not None else '?'}) sent "
+                         f"{size(c['bytes'])} on {c['interface'] or 'the interface'} during the waits "
+                         f"({size(c['rate_bytes_per_s'])}/s)")
         elif "folios" in c:
             at = f" at {c['function']}" if c.get("function") else ""
             lines.append(f"dirtied by: {c['name']} ({c['tid']}, pid {c['pid']}){at}, {c['folios']} folios")
@@ -120,6 +127,16 @@ def culprit_lines(culprits: list[dict[str, Any]]) -> list[str]:
 
 # write_path's paths as a file culprit's line says them (the others by their own name).
 _PATH_WORDS = {"mapped": "through a shared mapping"}
+
+
+def _peer_line(c: dict[str, Any]) -> str:
+    host = f" ({c['host']})" if c.get("host") else ""
+    said = [f"waited {duration(c['seconds'])}", f"{size(c['recv_bytes'])} received, {size(c['send_bytes'])} sent"]
+    if c["requests"]:
+        said.append(f"{c['requests']} requests, {duration(c['mean_latency_ms'] / 1e3)} each on average")
+    if c["retransmits"]:
+        said.append(f"{c['retransmits']} retransmits")
+    return f"peer: {c['name']}{host}: " + ", ".join(said)
 
 
 def _file_amounts(c: dict[str, Any]) -> str:

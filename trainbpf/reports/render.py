@@ -17,6 +17,7 @@ from trainbpf.analyzers.options import (
 from trainbpf.analyzers.pipeline import analyze
 from trainbpf.reports.document import Report, render_json
 from trainbpf.reports.html import render_html
+from trainbpf.reports.network import resolve_peers
 from trainbpf.reports.text import render_text
 from trainbpf.trace.memory import read_for_analysis
 from trainbpf.trace.safefile import OutputFile, check_output, write_new
@@ -45,17 +46,22 @@ def run_analyze(
     window: Window | None = None,
     force: bool = False,
     memory_check: bool = True,
+    resolve: bool = False,
 ) -> str:
     """Analyse a trace and render it as `fmt` (text, json, html); write it to `output`
     when given (an existing file only with `force`); return the text.  A trace too large
     for the memory available is refused unless `memory_check` is off.  `window` comes
     parsed (Window.parse at the edge); `gpu_idle_threshold` goes to the HTML renderer
-    only.  Raises trainbpf.trace.errors exceptions only."""
+    only; `resolve` looks up the network peers' host names (never by default).  Raises
+    trainbpf.trace.errors exceptions only."""
     render_as = renderer(ReportFormat.of(fmt), gpu_idle_threshold=check_gpu_idle_threshold(gpu_idle_threshold))
 
     def render() -> str:
         trace = read_for_analysis(path, memory_check=memory_check)
-        return render_as(Report.of(analyze(trace, trainer_tid=trainer_tid, window=window)))
+        report = Report.of(analyze(trace, trainer_tid=trainer_tid, window=window))
+        if resolve:
+            resolve_peers(report.doc)
+        return render_as(report)
 
     return write_report(output, render, force=force)
 

@@ -9,7 +9,7 @@ from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.pipeline import observed_ns
 from trainbpf.analyzers.vocab import STATES
 from trainbpf.reports.job import rank_lines
-from trainbpf.reports.present import culprit_lines, pct
+from trainbpf.reports.present import culprit_lines, pct, size
 from trainbpf.reports.python_frames import python_line, refused_note
 from trainbpf.trace.printable import printable
 
@@ -158,12 +158,15 @@ def as_text(lines: list[str]) -> str:
 
 def _thread_table(report: dict[str, Any], analysis: Analysis) -> list[str]:
     used = [s for s in STATES if any(s in t["seconds"] for t in report["threads"])]
-    head = ["tid", "comm", "role"] + used + ["observed"]
+    net = any("network" in t for t in report["threads"])  # socket bytes in and out
+    head = ["tid", "comm", "role"] + used + ["observed"] + (["net in", "net out"] if net else [])
     observed = observed_ns(analysis)
     rows = []
     for t in report["threads"]:
         total = float(observed.get(t["tid"], 0)) / NS_PER_S
-        rows.append([str(t["tid"]), printable(t["comm"] or "?"), t["role"]] + [f"{t['seconds'].get(s, 0.0):.2f}" for s in used] + [f"{total:.2f}"])
+        moved = t.get("network") or {"recv_bytes": 0, "send_bytes": 0}
+        rows.append([str(t["tid"]), printable(t["comm"] or "?"), t["role"]] + [f"{t['seconds'].get(s, 0.0):.2f}" for s in used]
+                    + [f"{total:.2f}"] + ([size(moved["recv_bytes"]), size(moved["send_bytes"])] if net else []))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     fmt = lambda r: "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     return ["Threads (seconds per state):", "  " + fmt(head)] + ["  " + fmt(r) for r in rows]
