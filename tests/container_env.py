@@ -1,7 +1,7 @@
 """A container made by hand for the real-kernel tests: new pid and mount namespaces
 (unshare), a root file system of the host's /usr and /etc bound read-only plus another
 CPython build bound at a path the host does not have, /proc mounted fresh for the new
-pid namespace, chroot into it, and a cgroup whose path is a Kubernetes pod's container's.
+pid namespace, pivot_root into it, and a cgroup whose path is a Kubernetes pod's container's.
 
 Everything is undone on the way out, whatever happens: killing the namespace's first
 process ends every process in it, the mounts go with the last of them, and the cgroups
@@ -26,6 +26,7 @@ CONTAINER_PYTHON = "/opt/py312"  # where the container's CPython lives (not on t
 DATA = "/data"  # the test's folder, shared with the container
 WORKLOADS = "/workloads"
 READY_TIMEOUT_S = 60
+OLD_ROOT = "/.old-root"  # where pivot_root puts the host's root, unmounted at once
 
 
 class ContainerError(Exception):
@@ -77,12 +78,13 @@ def made_cgroup(path: str):
                     time.sleep(0.05)
 
 
-def _root_script(rootfs: Path, python_home: Path, workdir: Path, workloads: Path, argv: list[str],
-                 env: dict[str, str]) -> str:
-    """The shell run as the new pid namespace's first process: mounts, then chroot."""
-    binds = [("/usr", "usr", "ro"), ("/etc", "etc", "ro"), (str(python_home), CONTAINER_PYTHON[1:], "ro"),
-             (str(workloads), WORKLOADS[1:], "ro"), (str(workdir), DATA[1:], "rw")]
-    lines = ["set -e", "mount --make-rprivate /"]
+def _root_script(rootfs: Path, binds: list[tuple[str, str, str]], argv: list[str], env: dict[str, str]) -> str:
+    """The shell run as the new pid namespace's first process: mounts (`binds`: host
+    folder, folder in `rootfs`, ro or rw), then pivot_root into `rootfs` and the old
+    root unmounted, as runtimes do (the host then sees the container's paths in its
+    /proc/PID/maps, not the folders they came from)."""
+    root = shlex.quote(str(rootfs))
+    lines = ["set -e", "mount --make-rprivate /", f"mount --bind {root} {root}"]
     for src, dest, mode in binds:
         target = shlex.quote(str(rootfs / dest))
         lines.append(f"mount --bind {shlex.quote(src)} {target}")
@@ -92,14 +94,14 @@ def _root_script(rootfs: Path, python_home: Path, workdir: Path, workloads: Path
               f"mount -t proc proc {shlex.quote(str(rootfs / 'proc'))}",
               f"mount -t tmpfs tmpfs {shlex.quote(str(rootfs / 'tmp'))}"]
     variables = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+    lines += [f"cd {root}", f"pivot_root . {OLD_ROOT[1:]}", "cd /", f"umount -l {OLD_ROOT}"]
     # Not exec: the workload is not the namespace's first process, as in most containers.
-    lines.append(f"chroot {shlex.quote(str(rootfs))} /usr/bin/env -i {variables} "
-                 + " ".join(shlex.quote(a) for a in argv))
+    lines.append(f"/usr/bin/env -i {variables} " + " ".join(shlex.quote(a) for a in argv))
     return "\n".join(lines)
 
 
-def _make_rootfs(rootfs: Path) -> None:
-    for name in ("usr", "etc", "dev", "proc", "tmp", CONTAINER_PYTHON[1:], WORKLOADS[1:], DATA[1:]):
+def _make_rootfs(rootfs: Path, binds: list[tuple[str, str, str]]) -> None:
+    for name in ["dev", "proc", "tmp", OLD_ROOT[1:]] + [dest for _, dest, _ in binds]:
         (rootfs / name).mkdir(parents=True, exist_ok=True)
     for name in ("bin", "lib", "lib64", "sbin"):  # merged /usr: the same links inside
         host = Path("/") / name
@@ -148,14 +150,19 @@ def _ready_line(proc: subprocess.Popen) -> str:
 
 
 @contextlib.contextmanager
-def container(workdir: Path, python_home: Path, workloads: Path, argv: list[str], env: dict[str, str]):
+def container(workdir: Path, python_home: Path, workloads: Path, argv: list[str], env: dict[str, str],
+              extra: dict[str, Path] | None = None):
     """Run `argv` (paths as the container sees them: CONTAINER_PYTHON, WORKLOADS, DATA =
-    `workdir`) in a container; yield the Container once it printed `ready pid=N`."""
+    `workdir`, and `extra`'s: path inside -> host folder, bound read-only) in a
+    container; yield the Container once it printed `ready pid=N`."""
     container_id, pod_uid = os.urandom(32).hex(), str(uuid.uuid4())
     cgroup = kubepods_cgroup(container_id, pod_uid)
     rootfs = workdir / "rootfs"
-    _make_rootfs(rootfs)
-    script = _root_script(rootfs, python_home, workdir, workloads, argv, env)
+    binds = [("/usr", "usr", "ro"), ("/etc", "etc", "ro"), (str(python_home), CONTAINER_PYTHON[1:], "ro"),
+             (str(workloads), WORKLOADS[1:], "ro"), (str(workdir), DATA[1:], "rw")]
+    binds += [(str(host), inside.strip("/"), "ro") for inside, host in (extra or {}).items()]
+    _make_rootfs(rootfs, binds)
+    script = _root_script(rootfs, binds, argv, env)
     log = open(workdir / "container.log", "wb")
     with made_cgroup(cgroup) as folder:
         procs = folder / "cgroup.procs"

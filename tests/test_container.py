@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -16,8 +17,13 @@ from kernel_env import PYENV, PYTHON_VERSIONS, python_interpreter, require_root
 from scenario_harness import WORKLOADS as HOST_WORKLOADS
 from scenario_harness import fake_gpu_env, trainbpf_cli
 from scenario_machine import wait_for_quiet
+from standins import build_standin
+from trainbpf.trace.reader import read_trace
 from trainbpf.trace.spool import spool_path_for
 
+TESTS = Path(__file__).resolve().parent
+CONTAINER_CUDA = "/opt/cuda"  # the CUDA libraries' folder inside the container (not on the host)
+CONTAINER_TESTS = "/tests"
 RECORD_SECONDS = 5
 # input_pipeline: one dataloader thread slower than the GPU (one busy core: a second
 # decoding thread on this two-core machine can make the wait for a core the top cause)
@@ -76,3 +82,32 @@ def test_container_identity_recorded(recorded):
     assert (ident["id"], ident["runtime"], ident["pod_uid"]) == (box.container_id, "containerd", box.pod_uid), ident
     assert ident["cgroup"] == box.cgroup
     assert box.container_id[:12] in text
+
+
+def test_container_cuda_library(tmp_path):
+    """The container's CUDA runtime (the stand-in libcudart, at /opt/cuda/..., a path the
+    host does not have) is found in its maps and probed through the mapped file: the
+    workload waits for the uprobes before it trains, and its GPU waits are in the trace."""
+    require_root("makes namespaces, mounts and cgroups, and loads BPF programs")
+    python_interpreter("3.12")
+    wheel = tmp_path / "wheel"
+    runtime = build_standin("fake-cuda", wheel)
+    trace = tmp_path / "trace.parquet"
+    argv = [f"{CONTAINER_PYTHON}/bin/python3.12", f"{CONTAINER_TESTS}/cuda_workloads.py",
+            "--runtime", f"{CONTAINER_CUDA}/{runtime.relative_to(wheel)}", "--truth", f"{DATA}/truth.json",
+            "--hold-until", f"{DATA}/{spool_path_for(trace).name}", "--seconds", "4"]
+    inside = {"PATH": "/usr/bin", "LD_LIBRARY_PATH": f"{CONTAINER_PYTHON}/lib", "PYTHONDONTWRITEBYTECODE": "1"}
+    with container(tmp_path, PYENV / PYTHON_VERSIONS["3.12"], HOST_WORKLOADS, argv, inside,
+                   extra={CONTAINER_CUDA: wheel, CONTAINER_TESTS: TESTS}) as box:
+        rec = subprocess.run([str(trainbpf_cli()), "record", "--pid", str(box.host_pid), "-o", str(trace),
+                              "--gpu", "off", "--probes", "sched,futex,cuda", "--duration", "60"],
+                             capture_output=True, text=True, timeout=180)
+        assert rec.returncode == 0, rec.stderr[-3000:]
+        assert box.init.wait(timeout=30) == 0, (tmp_path / "container.log").read_text()[-2000:]
+    data = read_trace(trace)
+    libraries = data.meta["cuda"]["libraries"]
+    probed = {lib["path"]: lib["symbols"] for lib in libraries}
+    assert any(path.startswith(CONTAINER_CUDA) and symbols for path, symbols in probed.items()), libraries
+    assert not Path(CONTAINER_CUDA).exists(), "the test means a library path only the container has"
+    waits = data.view("cuda_call")
+    assert len(waits) and set(waits["pid"].astype(int)) == {box.host_pid}, waits.head()
