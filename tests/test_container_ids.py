@@ -4,6 +4,8 @@ rows read back per process)."""
 
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 import pytest
 
@@ -109,3 +111,42 @@ def test_process_containers_newest_read():
     assert container_of(table, 30) is None
     empty = process_containers(rows.iloc[:0])
     assert list(empty.columns) == ["pid", "id", "runtime", "pod_uid", "cgroup"] and container_of(empty, 10) is None
+
+
+def test_reports_show_the_container(tmp_path):
+    """The traced process's container in the JSON (`container`), the text header and the
+    HTML header; a trace without container rows says none."""
+    from synth import TRAINER, input_pipeline, t
+    from trainbpf.reports.render import run_analyze
+
+    cgroup = f"/kubepods.slice/kubepods-pod{POD}.slice/cri-containerd-{CID}.scope"
+    synth = input_pipeline()
+    for field, value in {"id": CID, "runtime": "containerd", "pod_uid": UID, "cgroup": cgroup}.items():
+        synth.add("container", ts_ns=t(0), pid=TRAINER, name=field, state=value)
+    path = synth.write(tmp_path / "t.parquet")
+    doc = json.loads(run_analyze(path=path, fmt="json"))
+    assert doc["container"] == {"id": CID, "runtime": "containerd", "pod_uid": UID, "cgroup": cgroup}
+    words = f"{CID[:12]} (containerd), pod {UID}"
+    assert f"  container: {words}; cgroup {cgroup}\n" in run_analyze(path=path, fmt="text")
+    assert f"<b>Container:</b> {words} · cgroup <code>{cgroup}</code>" in run_analyze(path=path, fmt="html")
+    plain = input_pipeline().write(tmp_path / "plain.parquet")
+    assert json.loads(run_analyze(path=plain, fmt="json"))["container"] is None
+    assert "container:" not in run_analyze(path=plain, fmt="text")
+
+
+def _rank(rank: int, container: str | None) -> dict:
+    return {"rank": rank, "pid": 10 + rank, "node": "n", "collectives": 5, "step_p50_ms": 40.0, "starved_s": 1.0,
+            "collective_wait_s": 0.5, "last_arrival_share": 0.2, "top_category": "input_pipeline",
+            "container": container}
+
+
+def test_rank_table_names_containers_only_where_ranks_differ():
+    from trainbpf.reports.job import RANK_HEAD, rank_cells, rank_head
+
+    apart = [_rank(0, CID), _rank(1, "d" * 64)]
+    assert rank_head(apart) == RANK_HEAD and rank_head(apart)[-1] == "container"
+    assert [row[-1] for row in rank_cells(apart)] == [CID[:12], "d" * 12]
+    together = [_rank(0, CID), _rank(1, CID)]
+    assert "container" not in rank_head(together)
+    assert all(len(row) == len(rank_head(together)) for row in rank_cells(together))
+    assert "container" not in rank_head([_rank(0, None), _rank(1, None)])
