@@ -151,10 +151,12 @@ def _ready_line(proc: subprocess.Popen) -> str:
 
 @contextlib.contextmanager
 def container(workdir: Path, python_home: Path, workloads: Path, argv: list[str], env: dict[str, str],
-              extra: dict[str, Path] | None = None):
+              extra: dict[str, Path] | None = None, nice: int = 0):
     """Run `argv` (paths as the container sees them: CONTAINER_PYTHON, WORKLOADS, DATA =
     `workdir`, and `extra`'s: path inside -> host folder, bound read-only) in a
-    container; yield the Container once it printed `ready pid=N`."""
+    container, its session's scheduling group at `nice` (the kernel's autogroups weigh
+    sessions, not tasks, against each other); yield the Container once it printed
+    `ready pid=N`."""
     container_id, pod_uid = os.urandom(32).hex(), str(uuid.uuid4())
     cgroup = kubepods_cgroup(container_id, pod_uid)
     rootfs = workdir / "rootfs"
@@ -166,9 +168,15 @@ def container(workdir: Path, python_home: Path, workloads: Path, argv: list[str]
     log = open(workdir / "container.log", "wb")
     with made_cgroup(cgroup) as folder:
         procs = folder / "cgroup.procs"
-        init = subprocess.Popen(["unshare", "--pid", "--mount", "--fork", "--kill-child", "sh", "-c", script],
+        def enter() -> None:  # in the child, before unshare runs
+            procs.write_text(str(os.getpid()))
+            os.setsid()
+            with contextlib.suppress(OSError):  # no autogroups: nice alone
+                Path("/proc/self/autogroup").write_text(str(nice))
+
+        init = subprocess.Popen(["nice", "-n", str(nice), "unshare", "--pid", "--mount", "--fork", "--kill-child", "sh", "-c", script],
                                 stdout=subprocess.PIPE, stderr=log,
-                                preexec_fn=lambda: procs.write_text(str(os.getpid())))
+                                preexec_fn=enter)
         try:
             line = _ready_line(init)
             if not line.startswith("ready pid="):
