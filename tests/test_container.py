@@ -6,6 +6,7 @@ injected cause and record which container it was."""
 
 from __future__ import annotations
 
+import glob
 import json
 import subprocess
 from pathlib import Path
@@ -13,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from container_env import CONTAINER_PYTHON, DATA, WORKLOADS, container
-from kernel_env import PYENV, PYTHON_VERSIONS, python_interpreter, require_root
+from kernel_env import PYENV, PYTHON_VERSIONS, missing, python_interpreter, require_root
 from scenario_harness import WORKLOADS as HOST_WORKLOADS
 from scenario_harness import fake_gpu_env, trainbpf_cli
 from scenario_machine import wait_for_quiet
 from standins import build_standin
+from trainbpf.doctor import process_cuda
 from trainbpf.trace.reader import read_trace
 from trainbpf.trace.spool import spool_path_for
 
@@ -113,3 +115,32 @@ def test_container_cuda_library(tmp_path):
     assert not Path(CONTAINER_CUDA).exists(), "the test means a library path only the container has"
     waits = data.view("cuda_call")
     assert len(waits) and set(waits["pid"].astype(int)) == {box.host_pid}, waits.head()
+
+
+def test_container_real_cuda_runtime_read_from_the_mapped_file(tmp_path):
+    """The real libcudart (/usr/local/cuda*/lib*), mapped from a folder that only the
+    process's mount namespace fills (on the host the same path is an empty folder): its
+    probed calls are read from the file mapped (what `record` attaches to, and what
+    `doctor --cuda` lists), not from the host's path."""
+    require_root("makes a mount namespace")
+    real = sorted(glob.glob("/usr/local/cuda*/lib*/libcudart.so.*[0-9]"))
+    if not real:
+        missing("no real libcudart under /usr/local/cuda*/lib*")  # a failure in CI
+    inside = tmp_path / "cuda"
+    inside.mkdir()
+    lib = inside / Path(real[-1]).name
+    script = (f"mount --make-rprivate / && mount --bind {Path(real[-1]).parent} {inside} && exec python3 -c "
+              f"'import ctypes, time; ctypes.CDLL(\"{lib}\"); print(\"ready\", flush=True); time.sleep(60)'")
+    proc = subprocess.Popen(["unshare", "--mount", "--fork", "--kill-child", "sh", "-c", script],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        pid = int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()[0])
+        assert not lib.exists(), "the library's path should lead nowhere on the host"
+        found = process_cuda(pid)
+        assert [path for path, _ in found] == [str(lib)], found
+        calls = {call for _, call in found[0][1]}
+        assert {"cudaLaunchKernel", "cudaStreamSynchronize", "cudaMalloc"} <= calls, found
+    finally:
+        proc.kill()  # --kill-child: the python inside goes with it
+        proc.wait()
