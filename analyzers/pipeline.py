@@ -25,6 +25,7 @@ from trainbpf.analyzers.job.rank_analysis import (
 )
 from trainbpf.analyzers.job.ranks import empty_ranks, job_ranks
 from trainbpf.analyzers.options import Window
+from trainbpf.analyzers.threads.containers import process_containers
 from trainbpf.analyzers.threads.roles import pick_trainer
 from trainbpf.analyzers.threads.states import expand_slots, state_totals
 from trainbpf.analyzers.timeline.cuda_calls import CudaTimeline, step_summary
@@ -66,6 +67,7 @@ class Analysis:
     pystacks: pd.DataFrame | None = None  # stacks.python_stacks: the trace's Python stacks (states' pystack ids)
     job: JobResult | None = None  # a job of several ranks (analyzers/job/rank_analysis.py); None: one trainer
     traffic: pd.DataFrame | None = None  # network.TRAFFIC_COLUMNS: each thread's socket bytes in the window
+    containers: pd.DataFrame | None = None  # containers.CONTAINER_COLUMNS: the traced processes' containers
     _states: pd.DataFrame | None = field(default=None, repr=False)
 
     @property
@@ -216,6 +218,7 @@ def _analysis(sh: Shared, threads: pd.DataFrame, part: TrainerPart, starved: pd.
         lost=lost_counts(sh.meta, trace.view("lost")), idle_fraction=gpu_idle, uses_cuda=part.uses_cuda,
         cuda_steps=step_summary(part.step_rows) if len(part.step_rows) else None, cuda=sh.cuda,
         pystacks=sh.pystacks, job=job, traffic=thread_traffic(trace.view("net_io"), sh.win.start_ns, sh.win.end_ns),
+        containers=process_containers(trace.view("container")),
     )
 
 

@@ -9,7 +9,8 @@ from trainbpf.analyzers.causes.categories import CATEGORIES
 from trainbpf.analyzers.vocab import ROLES, STATES
 
 TOP_KEYS = {"schema", "trace", "gpu", "starved_s", "host_bound_s", "ranks", "straggler", "findings", "threads", "cuda",
-            "traces"}
+            "traces", "container"}
+CONTAINER_KEYS = {"id", "runtime", "pod_uid", "cgroup"}
 TRACE_KEYS = {"path", "duration_s", "pid", "lost_events"}
 GPU_KEYS = {"source", "samples", "idle_fraction"}
 FINDING_KEYS = {"category", "share", "seconds", "severity", "threads", "chain", "culprits", "summary", "evidence",
@@ -64,6 +65,9 @@ def validate_report(doc: dict[str, Any]) -> None:
     assert type(doc["host_bound_s"]) is float and 0 <= doc["host_bound_s"] <= doc["starved_s"] + 1e-6
     assert doc["ranks"] is None and doc["straggler"] is None  # a single process
     assert doc["traces"] is None  # one trace
+    box = doc["container"]
+    assert box is None or (set(box) == CONTAINER_KEYS and isinstance(box["id"], str) and isinstance(box["cgroup"], str)
+                           and all(box[k] is None or isinstance(box[k], str) for k in ("runtime", "pod_uid"))), box
 
     shares = []
     for f in doc["findings"]:

@@ -24,7 +24,7 @@ SLOW_RANK = 3
 SECONDS = 6.0
 TRACES_KEYS = {"path", "host", "pid", "ranks", "residual_offset_ms", "aligned_by"}
 RANK_KEYS = {"rank", "local_rank", "world_size", "pid", "trainer_tid", "node", "source", "starved_s",
-             "collective_wait_s", "collectives", "step_p50_ms", "last_arrival_share", "top_category"}
+             "collective_wait_s", "collectives", "step_p50_ms", "last_arrival_share", "top_category", "container"}
 
 
 gen_job = bench_module("gen_job")
@@ -182,3 +182,18 @@ def test_the_two_nodes_of_that_job_are_accepted(bad):
 def test_options_of_one_trace_are_refused_with_several(bad, extra, message):
     run = subprocess.run([TRAINBPF, "analyze", str(bad["a"]), str(bad["b"]), *extra], capture_output=True, text=True)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
+
+
+def test_ranks_in_containers_of_their_own(tmp_path):
+    """Each rank in a container of its own (container rows, as a node's recorder reads
+    them from the ranks' cgroups): each rank's `container` in the JSON, and a container
+    column in the text report's rank table; none where the ranks share no container rows."""
+    paths = gen_job.write_job(tmp_path, traces=2, ranks_per_trace=2, seconds=SECONDS, slow_rank=1, containers=True)
+    doc, _ = _report(*paths)
+    assert [r["container"] for r in doc["ranks"]] == [gen_job.container_id(r) for r in range(4)]
+    text = analyze(*paths, fmt="text").stdout
+    head = next(line for line in text.splitlines() if line.strip().startswith("rank "))
+    assert head.split()[-1] == "container", text
+    assert all(gen_job.container_id(r)[:12] in text for r in range(4)), text
+    plain, _ = _report(*gen_job.write_job(tmp_path / "plain", traces=2, ranks_per_trace=2, seconds=SECONDS))
+    assert [r["container"] for r in plain["ranks"]] == [None] * 4

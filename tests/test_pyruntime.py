@@ -105,3 +105,33 @@ def test_address_of_every_object_as_readelf(version):
     assert any(other != name and other.endswith(name) for name in truth for other in truth)
     elf = ElfSymbols(str(lib))
     assert {name: elf.address_of(name) for name in truth} == truth
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("version", list(PYTHON_VERSIONS))
+def test_thread_ids_of_another_pid_namespace_are_the_hosts(version):
+    """A CPython in its own pid namespace (a container's) stores its threads' ids as it
+    numbers them (1, 2, ...): attach maps them to the host's, the tids the kernel's
+    probes see, and so does every later read of the thread list."""
+    require_root("makes a pid namespace and reads another process's memory")
+    outer = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", python_interpreter(version), "-c", WORKLOAD],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert outer.stdout.readline().strip() == "ready"
+        pid = int(open(f"/proc/{outer.pid}/task/{outer.pid}/children").read().split()[0])
+        deadline = time.monotonic() + 5
+        while len(os.listdir(f"/proc/{pid}/task")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        tasks = {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+        nspid = next(line for line in open(f"/proc/{pid}/status") if line.startswith("NSpid:")).split()[1:]
+        assert len(nspid) == 2 and nspid[1] != str(pid), nspid  # its own pid namespace's number too
+        py = pyruntime.attach(pid)
+        assert set(py.threads) == tasks
+        mem = pyruntime.ProcessMemory(pid)
+        try:
+            assert pyruntime.thread_states(mem, py.runtime, py.offsets) == py.threads
+        finally:
+            mem.close()
+    finally:
+        outer.kill()
+        outer.wait()

@@ -163,3 +163,33 @@ def test_a_flushs_stack_references_leave_out_nulls_failures_and_interrupt_wakers
     assert dropped.column(column("peer_pystack_id")).to_pylist() == [None, 1 << 24, None, None]
     assert dropped.column(column("peer_kstack_id")).to_pylist() == [None, 9, 40, None]
     assert drop_irq_wakers(rows, StackSymbolizer(FakeBpf({})).irq_id_array()) is rows
+
+
+def test_a_file_not_held_is_named_from_the_file_mapped(tmp_path, monkeypatch):
+    """Beyond MAX_HELD_FILES a file is opened again when its frames are named: through
+    its process's map_files while it lives, else by its path only while that is still
+    the file mapped.  A container's library has its path inside the container in
+    /proc/PID/maps; on the host that path leads to another file (here: another library
+    at the path the mapping names), which must never name its frames."""
+    import dataclasses
+    import shutil
+
+    from trainbpf.tracer.symbols import stacks
+    from trainbpf.tracer.symbols.maps import ProcMaps
+
+    lib, host_file = tmp_path / "libmapped.so", tmp_path / "libhost.so"
+    shutil.copy("/usr/lib/x86_64-linux-gnu/libz.so.1", lib)
+    shutil.copy("/usr/lib/x86_64-linux-gnu/libbz2.so.1.0", host_file)
+    addr = ctypes.cast(ctypes.CDLL(str(lib)).zlibVersion, ctypes.c_void_p).value
+    mapped = next(m for m in ProcMaps().of(os.getpid()).maps if m.start <= addr < m.end)
+    m = dataclasses.replace(mapped, path=str(host_file))  # the path as a container's maps show it to the host
+    frame = (*m.file, addr - m.start + m.offset)
+    monkeypatch.setattr(stacks, "MAX_HELD_FILES", 0)
+    gone = 2 ** 22 + 1  # no such process: the traced one has exited
+    for pid, expected in ((os.getpid(), "zlibVersion"), (gone, "[unknown]")):
+        files = stacks.MappedFiles()
+        try:
+            assert files.hold(pid, m)
+            assert files.name(frame) == f"{expected} [libhost.so]", pid
+        finally:
+            files.close()

@@ -292,6 +292,12 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # forked and again after an exec; the rows of one read share its ts_ns, and a
     # process has new rows only when its variables changed: its newest ts_ns holds them.
     "process_env": ("ts_ns", "pid", "name", "state"),
+    # One field of the container a traced process runs in, from its cgroup path
+    # (tracer/samplers/containers.py): name = the field ("id": the runtime's container
+    # id; "runtime": docker, containerd, cri-o or podman, where the path says;
+    # "pod_uid": the Kubernetes pod's UID, where the path shows it; "cgroup": the path),
+    # state = its value.  Read once when the process joins; none for a process in no container.
+    "container": ("ts_ns", "pid", "name", "state"),
     # Cumulative lost events for probe `name` (ring buffer full).
     "lost": ("ts_ns", "name", "count"),
     # A symbolised stack: kstack_id = the stack id (kernel and user ids share one map;
@@ -345,6 +351,7 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "taskstats": {"name": "field", "count": "total_ns"},
     "numa_maps": {"count": "pages"},
     "process_env": {"name": "variable", "state": "value"},
+    "container": {"name": "field", "state": "value"},
     "lost": {"name": "probe", "count": "lost"},
     "stack": {"kstack_id": "stack_id", "state": "space", "name": "frames"},
 }

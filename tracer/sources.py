@@ -7,7 +7,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from trainbpf.tracer import loader
-from trainbpf.tracer.samplers import jobenv, procfs, taskstats
+from trainbpf.tracer.samplers import containers, jobenv, procfs, taskstats
 from trainbpf.tracer.samplers.memcg import CgroupSampler
 from trainbpf.tracer.samplers.files import FileNames
 from trainbpf.tracer.samplers.gpu import GpuSampler
@@ -241,6 +241,23 @@ class JobEnvironments(Source):
         return _present(self.reader.take(self.session.threads))
 
 
+class Containers(Source):
+    """The container each traced process runs in, from its cgroup path (`container` rows,
+    tracer/samplers/containers.py), read when it joins."""
+
+    name = "containers"
+
+    def open(self, session) -> None:
+        super().open(session)
+        self.reader = containers.ContainerReader()
+
+    def seed(self, walked: list) -> list[pa.RecordBatch]:
+        return self.flush(self.session.start_ns, final=False)
+
+    def flush(self, now_ns: int, *, final: bool) -> list[pa.RecordBatch]:
+        return _present(self.reader.take(self.session.threads))
+
+
 class TaskDelays(Source):
     """Each traced thread's delay accounting (taskstats), at the start and at the stop."""
 
@@ -259,7 +276,7 @@ class TaskDelays(Source):
 # After the probes, in this order: symbolisers name the flush's rows in turn, and each
 # source's end() sees what the ones before it ended.
 SOURCES: list[type[Source]] = [
-    StackNames, FutexAddresses, PythonFrames, FileNames, JobEnvironments, GpuSamples, ProcSamples, MemoryCgroups,
+    StackNames, FutexAddresses, PythonFrames, FileNames, JobEnvironments, Containers, GpuSamples, ProcSamples, MemoryCgroups,
     NumaPages,
     TaskDelays,
 ]

@@ -58,6 +58,7 @@ class RankTables:
     spent: pd.DataFrame
     gpu_samples: int = 0  # its GPU's samples in its window (0: starved time without GPU samples)
     host_bound_ns: float = 0.0  # its starved time its trainer's own CPU work explains
+    container: str = ""  # the id of the container its process ran in ("" none)
 
     def shifted(self, ns: int) -> RankTables:
         """The same tables with every time moved by `ns` (onto another trace's clock)."""
@@ -91,7 +92,8 @@ class JobResult:
 def join_ranks(tables: list[RankTables], *, window_ns: int) -> JobResult:
     """The job of `tables` (every rank's, on one clock) over a window of `window_ns`."""
     ranks = pd.DataFrame([{"rank": t.rank, "local_rank": t.local_rank, "world_size": t.world_size, "pid": t.pid,
-                           "trainer_tid": t.trainer_tid, "job": t.job, "source": t.source, "node": t.node}
+                           "trainer_tid": t.trainer_tid, "job": t.job, "source": t.source, "node": t.node,
+                           "container": t.container}
                           for t in tables]).astype({"rank": np.int64, "local_rank": np.int64, "world_size": np.int64,
                                                     "pid": np.int64, "trainer_tid": np.int64})
     calls = pd.concat([t.calls for t in tables], ignore_index=True)

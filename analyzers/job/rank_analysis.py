@@ -24,6 +24,7 @@ from trainbpf.analyzers.intervals import as_int64
 from trainbpf.analyzers.job.collectives import collective_waits
 from trainbpf.analyzers.job.join import JobResult, RankTables, join_ranks
 from trainbpf.analyzers.job.ranks import process_fields, rank_of_threads
+from trainbpf.analyzers.threads.containers import process_containers
 from trainbpf.analyzers.timeline.starvation import gpu_names_by_index, rank_gpu
 from trainbpf.analyzers.trainer import Shared, TrainerPart, roles, trainer_part
 
@@ -99,14 +100,16 @@ def rank_tables(sh: Shared, ranks: pd.DataFrame
     calls, waits = _calls(sh, threads, parts)
     pid_of = dict(zip(threads["tid"].tolist(), threads["pid"].tolist()))
     node = str(sh.meta.get("host") or "")
-    tables = [_tables(r, parts[int(r.rank)], calls, waits, node, pid_of, bases[int(r.rank)])
+    boxes = process_containers(sh.trace.view("container")).set_index("pid")["id"].to_dict()
+    tables = [_tables(r, parts[int(r.rank)], calls, waits, node, pid_of, bases[int(r.rank)], boxes.get(int(r.pid), ""))
               for r in ranks.itertuples(index=False)]
     return threads, thread_rank, parts, tables, view
 
 
 def _tables(r: Any, part: TrainerPart, calls: pd.DataFrame, waits: pd.DataFrame, node: str,
-            pid_of: dict[int, int], basis: str) -> RankTables:
-    """One rank's RankTables (`r`: its ranks.RANK_COLUMNS row, `basis`: its GPU's)."""
+            pid_of: dict[int, int], basis: str, container: str) -> RankTables:
+    """One rank's RankTables (`r`: its ranks.RANK_COLUMNS row, `basis`: its GPU's,
+    `container`: the id of its process's, "" none)."""
     rank = int(r.rank)
     mine = waits[waits["rank"] == rank].reset_index(drop=True)
     inside = mine["interval"].to_numpy(np.int64)
@@ -125,7 +128,8 @@ def _tables(r: Any, part: TrainerPart, calls: pd.DataFrame, waits: pd.DataFrame,
         trainer_tid=int(r.trainer_tid), job=str(r.job), source=str(r.source), node=node,
         calls=calls[calls["rank"] == rank].reset_index(drop=True), waits=mine, starved=part.starved,
         timeline=timeline, own=found(as_collective(part.starved, inside, part.trainer)), spent=found(spent),
-        gpu_samples=len(w) if basis == "gpu_idle" else 0, host_bound_ns=float((w["host_bound_ns"] * w["weight"]).sum()))
+        gpu_samples=len(w) if basis == "gpu_idle" else 0, host_bound_ns=float((w["host_bound_ns"] * w["weight"]).sum()),
+        container=container)
 
 
 def _calls(sh: Shared, threads: pd.DataFrame, parts: dict[int, TrainerPart]) -> tuple[pd.DataFrame, pd.DataFrame]:

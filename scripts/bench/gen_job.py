@@ -161,11 +161,13 @@ def _gpu_rows(rows: _Rows, job: Job, ranks: list[int], local: list[int], host: s
 
 
 def write_trace(path: Path, job: Job, ranks: list[int], *, host: str, boot_s: float, clock_error_ns: int = 0,
-                start_s: float = 0.0, helpers: int = 6, seed: int = 0, env: bool = True, run_id: str = RUN_ID) -> Path:
+                start_s: float = 0.0, helpers: int = 6, seed: int = 0, env: bool = True, run_id: str = RUN_ID,
+                containers: bool = False) -> Path:
     """One node's trace of `ranks` (global rank numbers, local ranks in order): its
     CLOCK_MONOTONIC read `boot_s` at the job's wall-clock start, its metadata's
     wall_minus_mono_ns off by `clock_error_ns`, its recording from `start_s` on;
-    `env`: whether the ranks' environments are recorded (process_env rows)."""
+    `env`: whether the ranks' environments are recorded (process_env rows); `containers`:
+    whether each rank ran in a container of its own (container rows: container_id)."""
     rng = np.random.default_rng(seed)
     wall_minus_mono = START_WALL_NS - int(boot_s * NS)
 
@@ -192,6 +194,11 @@ def write_trace(path: Path, job: Job, ranks: list[int], *, host: str, boot_s: fl
             for pid in [trainer] + pids["workers"]:
                 rows.add("process_env", ts_ns=np.int64(lo), pid=np.int32(pid), name=list(variables),
                          state=[str(v) for v in variables.values()])
+        if containers:
+            box = container_id(rank)
+            fields = {"id": box, "runtime": "containerd", "cgroup": f"/kubepods/pod-rank{rank}/cri-containerd-{box}.scope"}
+            for pid in [trainer] + pids["workers"]:
+                rows.add("container", ts_ns=np.int64(lo), pid=np.int32(pid), name=list(fields), state=list(fields.values()))
         _rank_rows(rows, job, rank, local, pids, mono, (lo, hi), rng)
     _offcpu(rows, [lo], [hi - lo - MS], LAUNCHER_PID, LAUNCHER_PID)
     _offcpu(rows, np.arange(lo, hi - NS, NS), np.full(len(range(lo, hi - NS, NS)), NS - MS), LAUNCHER_PID + 1, LAUNCHER_PID)
@@ -222,8 +229,14 @@ def write_trace(path: Path, job: Job, ranks: list[int], *, host: str, boot_s: fl
     return finalize(spool_path_for(Path(path)), Path(path))
 
 
+def container_id(rank: int) -> str:
+    """The id of rank `rank`'s container, where write_trace gives each its own."""
+    return format(0xC0FFEE00 + rank, "064x")
+
+
 def write_job(folder: Path, *, traces: int = 2, ranks_per_trace: int = 4, seconds: float = 10.0, slow_rank: int = 1,
-              clock_errors_ms: list[float] | None = None, helpers: int = 6, seed: int = 0, env: bool = True) -> list[Path]:
+              clock_errors_ms: list[float] | None = None, helpers: int = 6, seed: int = 0, env: bool = True,
+              containers: bool = False) -> list[Path]:
     """`traces` node traces of one job of traces x ranks_per_trace ranks (node i holds
     ranks i*ranks_per_trace ...); node i's clock booted 1000 + 37 i s before the job and
     its recording starts 50 i ms into it; `clock_errors_ms`: each trace's metadata error
@@ -237,7 +250,7 @@ def write_job(folder: Path, *, traces: int = 2, ranks_per_trace: int = 4, second
         ranks = list(range(i * ranks_per_trace, (i + 1) * ranks_per_trace))
         paths.append(write_trace(folder / f"node{i}.parquet", job, ranks, host=f"node{i}", boot_s=1000 + 37 * i,
                                  clock_error_ns=int(errors[i] * MS), start_s=0.05 * i, helpers=helpers, seed=seed + i,
-                                 env=env))
+                                 env=env, containers=containers))
     return paths
 
 

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import ctypes
 import functools
+import hashlib
 import mmap
 import os
 import shutil
@@ -28,7 +29,10 @@ import traceback
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-import numpy as np  # noqa: E402  (after the thread-count settings above)
+try:
+    import numpy as np  # noqa: E402  (after the thread-count settings above)
+except ImportError:  # another Python build, a container's (tests/container_env.py): none installed there
+    np = None
 
 SIM_GPU_ENV = "TRAINBPF_SIM_GPU"
 DEFAULT_SIM_GPU_PATH = "/tmp/trainbpf-sim-gpu"
@@ -210,12 +214,23 @@ _DEFAULT_MATRIX_N = 256  # one product: about 1 ms
 def burn_cpu(seconds: float, matrix_n: int = _DEFAULT_MATRIX_N) -> None:
     """Spend `seconds` of this thread's CPU time (not wall time: waiting for a core
     makes the work take longer, as real decoding would).  Bigger `matrix_n` means
-    longer chunks (128: ~0.1 ms, 512: ~7 ms) and fewer trips through the GIL."""
+    longer chunks (128: ~0.1 ms, 512: ~7 ms) and fewer trips through the GIL.  Without
+    numpy, hashing chunks of 1 MiB, which also runs with the GIL released."""
+    if np is None:
+        _burn_cpu_hashing(seconds)
+        return
     matrix = np.random.default_rng().random((matrix_n, matrix_n))
     out = np.empty_like(matrix)
     stop = time.thread_time() + seconds
     while time.thread_time() < stop:
         np.matmul(matrix, matrix, out=out)
+
+
+def _burn_cpu_hashing(seconds: float) -> None:
+    chunk = bytes(1 << 20)  # ~1 ms, as one default product; hashlib drops the GIL for buffers over 2 KiB
+    stop = time.thread_time() + seconds
+    while time.thread_time() < stop:
+        hashlib.sha256(chunk).digest()
 
 
 def repeat_for(seconds: float, action) -> int:
@@ -320,10 +335,11 @@ def scratch_folder(prefix: str, parent: str | None = None):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def decode_batch(cpu_seconds: float, batch_bytes: int = 1 << 20) -> np.ndarray:
-    """A stand-in for decoding one batch of samples: CPU work, then the batch tensor."""
+def decode_batch(cpu_seconds: float, batch_bytes: int = 1 << 20):
+    """A stand-in for decoding one batch of samples: CPU work, then the batch tensor
+    (bytes without numpy)."""
     burn_cpu(cpu_seconds)
-    return np.ones(batch_bytes // 8, dtype=np.float64)
+    return bytes(batch_bytes) if np is None else np.ones(batch_bytes // 8, dtype=np.float64)
 
 
 def train(seconds: float, next_batch=None, *, step_s=None, before_step=None) -> None:

@@ -45,17 +45,23 @@ def open_mapped(pid: int, m: Mapping, proc: str = "/proc") -> int:
     err: OSError = FileNotFoundError(m.path)
     for path in (f"{proc}/{pid}/map_files/{m.start:x}-{m.end:x}", f"{proc}/{pid}/root{m.path}"):
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            return open_if_mapped(path, m)
         except OSError as exc:
             err = exc
-            continue
-        st = os.fstat(fd)
-        major, minor = (int(x, 16) for x in m.file[0].split(":"))
-        if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) == (major, minor, m.file[1]):
-            return fd
-        os.close(fd)
-        err = OSError(errno.ESTALE, f"{m.path} is no longer the file mapped")
     raise err
+
+
+def open_if_mapped(path: str, m: Mapping) -> int:
+    """A read-only descriptor of `path` if it is the file mapped at `m` (its device and
+    inode); OSError otherwise.  By its name a mapping's file may be another: replaced
+    since, or a container's, whose path on the host leads elsewhere."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    st = os.fstat(fd)
+    major, minor = (int(x, 16) for x in m.file[0].split(":"))
+    if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) == (major, minor, m.file[1]):
+        return fd
+    os.close(fd)
+    raise OSError(errno.ESTALE, f"{m.path} is no longer the file mapped")
 
 
 class MapsIndex:

@@ -164,8 +164,32 @@ def read_debug_offsets(mem: ProcessMemory, runtime: int) -> dict[str, int]:
     return dict(zip(_DEBUG_FIELDS, values))
 
 
-def _task_tids(pid: int) -> set[int]:
-    return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+def own_tids(pid: int) -> dict[int, int]:
+    """Process `pid`'s threads: tid as the process itself sees it (its pid namespace's,
+    which CPython stores) -> tid as the recorder and the kernel's probes see it.  The
+    same numbers unless the process is in another pid namespace (a container): then the
+    last field of each thread's NSpid line."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        if os.stat(f"/proc/{pid}/ns/pid").st_ino == os.stat("/proc/self/ns/pid").st_ino:
+            return {tid: tid for tid in tids}
+    except OSError as err:
+        raise PyRuntimeError(f"process {pid}: {err.strerror}") from None
+    out = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status", "rb") as fh:
+                nspid = next((line for line in fh if line.startswith(b"NSpid:")), b"")
+        except OSError:  # exited meanwhile
+            continue
+        if nspid.split()[1:]:
+            out[int(nspid.split()[-1])] = tid
+    return out
+
+
+def _own_pid(pid: int, tids: dict[int, int]) -> int:
+    """`pid` as the process sees itself (own_tids' keys)."""
+    return next((own for own, host in tids.items() if host == pid), pid)
 
 
 @dataclass
@@ -200,7 +224,14 @@ def thread_list(mem: ProcessMemory, runtime: int, off: dict[str, int]) -> list[i
 
 
 def thread_states(mem: ProcessMemory, runtime: int, off: dict[str, int]) -> dict[int, int]:
-    """Native tid -> PyThreadState address."""
+    """Native tid as the recorder sees it (own_tids) -> PyThreadState address; threads
+    gone meanwhile left out."""
+    host = own_tids(mem.pid)
+    return {host[tid]: ts for tid, ts in own_thread_states(mem, runtime, off).items() if tid in host}
+
+
+def own_thread_states(mem: ProcessMemory, runtime: int, off: dict[str, int]) -> dict[int, int]:
+    """Native tid as the process sees it (its pid namespace's) -> PyThreadState address."""
     out: dict[int, int] = {}
     for ts in thread_list(mem, runtime, off):
         if "ts.native_thread_id" not in off:  # 3.10: through pthread_self()
@@ -213,10 +244,12 @@ def thread_states(mem: ProcessMemory, runtime: int, off: dict[str, int]) -> dict
 
 def pthread_tid_offset(mem: ProcessMemory, pid: int, runtime: int, off: dict[str, int]) -> int:
     """Where glibc's struct pthread keeps the kernel tid: the one 4-byte offset at which
-    every listed thread's value is a distinct task of `pid`, one of them `pid` itself."""
+    every listed thread's value is a distinct task of `pid`, one of them `pid` itself
+    (numbered as in the process's own pid namespace)."""
     pthreads = [mem.read(mem.u64(ts + off["ts.thread_id"]), PTHREAD_SCAN_BYTES)
                 for ts in thread_list(mem, runtime, off)]
-    tasks = _task_tids(pid)
+    own = own_tids(pid)
+    tasks, pid = set(own), _own_pid(pid, own)
     found = []
     for at in range(0, PTHREAD_SCAN_BYTES, 4):
         tids = [struct.unpack_from("<I", raw, at)[0] for raw in pthreads]
@@ -292,8 +325,9 @@ def self_test(mem: ProcessMemory, pid: int, runtime: int, off: dict[str, int],
     """Raise PyRuntimeError unless the layout reads true in this process: every thread
     id found is a task of the process, the main thread is among them, and every frame
     of every thread (up to MAX_FRAMES each) holds a `code` object whose name fields
-    decode and agree."""
-    tasks = _task_tids(pid)
+    decode and agree.  `threads` as own_thread_states gives them."""
+    own = own_tids(pid)
+    tasks, pid = set(own), _own_pid(pid, own)
     if not threads:
         raise PyRuntimeError("self-test: the interpreter's thread list is empty")
     stray = set(threads) - tasks
@@ -330,10 +364,11 @@ def attach(pid: int, corrupt: str | None = None) -> PyProcess:
             off[corrupt] += 8
         if "ts.native_thread_id" not in off:
             off["pthread.tid"] = pthread_tid_offset(mem, pid, runtime, off)
-        threads = thread_states(mem, runtime, off)
+        threads = own_thread_states(mem, runtime, off)
         self_test(mem, pid, runtime, off, threads)
+        host = own_tids(pid)
     except PyRuntimeError as err:
         raise PyRuntimeError(f"CPython {version}: {err}", version) from None
     finally:
         mem.close()
-    return PyProcess(pid, version, runtime, off, threads)
+    return PyProcess(pid, version, runtime, off, {host[tid]: ts for tid, ts in threads.items() if tid in host})

@@ -18,10 +18,10 @@ import pyarrow.compute as pc
 
 from trainbpf.trace.spool import make_batch
 from trainbpf.tracer.symbols.elf import FUNCTION_KINDS, ElfSymbols, symbol_tables
-from trainbpf.tracer.symbols.maps import MapsIndex, Mapping, ProcMaps, open_mapped
+from trainbpf.tracer.symbols.maps import MapsIndex, Mapping, ProcMaps, open_if_mapped, open_mapped
 
 MAX_CACHED_NAMES = 65536
-MAX_HELD_FILES = 512  # descriptors kept open; beyond, a file is reopened by path after the stop
+MAX_HELD_FILES = 512  # descriptors kept open; beyond, a file is opened again to be named (_reopen)
 MMAP_MIN_ADDR = 65536  # vm.mmap_min_addr's default; no user mapping starts lower
 # A wake-up whose kernel stack holds one of these ran in interrupt context (a timer
 # expiring, an I/O completing): `current` there is whoever was interrupted, not a waker.
@@ -200,6 +200,7 @@ class MappedFiles:
     def __init__(self, proc: str = "/proc"):
         self.proc = proc
         self._opened: dict[tuple[str, int], tuple[str, int | None]] = {}  # file -> (path, fd)
+        self._unheld: dict[tuple[str, int], tuple[int, Mapping]] = {}  # file -> where it was mapped, when no fd is held
         self._symbols: dict[tuple[str, int], list[ElfSymbols]] = {}
         self._names: dict[tuple[str, int, int], str] = {}
 
@@ -213,6 +214,8 @@ class MappedFiles:
             except OSError:
                 return False
         self._opened[m.file] = (m.path, fd)
+        if fd is None:
+            self._unheld[m.file] = (pid, m)
         return True
 
     def name(self, frame: tuple[str, int, int]) -> str:
@@ -233,15 +236,33 @@ class MappedFiles:
         """The file's symbol tables, its separate debug file's first, the file's own last."""
         if file not in self._symbols:
             path, fd = self._opened[file]
-            self._symbols[file] = symbol_tables(f"/proc/self/fd/{fd}" if fd is not None else path, path,
-                                                FUNCTION_KINDS, every_table=True)
+            opened = fd if fd is not None else self._reopen(file)
+            self._symbols[file] = [] if opened is None else symbol_tables(f"/proc/self/fd/{opened}", path, FUNCTION_KINDS,
+                                                                          every_table=True)
+            if fd is None and opened is not None:
+                os.close(opened)
         return self._symbols[file]
+
+    def _reopen(self, file: tuple[str, int]) -> int | None:
+        """A file not held open, opened again to be named: through its process while
+        that lives, else by its path while that still leads to the very file (in a
+        container the host's file at that path is another); None: no names."""
+        pid, m = self._unheld[file]
+        try:
+            return open_mapped(pid, m, self.proc)
+        except OSError:
+            pass
+        try:
+            return open_if_mapped(m.path, m)
+        except OSError:
+            return None
 
     def close(self) -> None:
         for _, fd in self._opened.values():
             if fd is not None:
                 os.close(fd)
         self._opened.clear()
+        self._unheld.clear()
         self._symbols.clear()
 
 

@@ -18,6 +18,7 @@ from trainbpf.analyzers.causes.files import file_name
 from trainbpf.analyzers.causes.page_cache import refault_names
 from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.pipeline import Analysis
+from trainbpf.analyzers.threads.containers import container_of
 from trainbpf.analyzers.threads.states import state_seconds
 from trainbpf.analyzers.vocab import ROLES
 from trainbpf.reports.job import job_summary, rank_culprits, ranks_section, straggler_section
@@ -126,6 +127,7 @@ def build_report(analysis: Analysis) -> dict[str, Any]:
         "threads": rows,
         "cuda": cuda_section(analysis),
         "traces": None,
+        "container": None if analysis.containers is None else container_of(analysis.containers, pid),
     }
 
 

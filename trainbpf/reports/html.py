@@ -23,7 +23,7 @@ from trainbpf.reports.html_timeline import (
     esc,
     timeline,
 )
-from trainbpf.reports.present import culprit_lines, evidence_lines, pct
+from trainbpf.reports.present import container_words, culprit_lines, evidence_lines, pct
 from trainbpf.reports.python_frames import python_line
 
 if TYPE_CHECKING:
@@ -168,6 +168,9 @@ def render_html(rendered: Report, *, gpu_idle_threshold: float = GPU_IDLE_THRESH
         "<h1>trainbpf report</h1>",
         f'<p class="meta"><b>Trace:</b> <code>{esc(tr["path"])}</code> · {tr["duration_s"]:.2f} s analysed · pid {esc(tr["pid"])}</p>',
     ]
+    if report["container"]:
+        parts.append(f'<p class="meta"><b>Container:</b> {esc(container_words(report["container"]))} · cgroup '
+                     f'<code>{esc(report["container"]["cgroup"])}</code></p>')
     if gpu["samples"]:
         parts.append(
             f'<p class="meta"><b>GPU:</b> {esc(gpu["source"])}, {gpu["samples"]} samples, idle '

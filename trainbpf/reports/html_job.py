@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from trainbpf.reports.job import (
-    RANK_HEAD,
+    rank_head,
     RANK_TEXT_COLUMNS,
     rank_cells,
     ranks_known_by,
@@ -56,7 +56,7 @@ def rank_section(report: dict[str, Any]) -> list[str]:
         numeric = "" if i in RANK_TEXT_COLUMNS else ' class="n"'
         return f"<{tag}{numeric}>{html.escape(text)}</{tag}>"
 
-    head = "".join(cell("th", i, h) for i, h in enumerate(RANK_HEAD))
+    head = "".join(cell("th", i, h) for i, h in enumerate(rank_head(ranks)))
     rows = "".join(f'<tr data-rank="{r["rank"]}">' + "".join(cell("td", i, c) for i, c in enumerate(cells)) + "</tr>"
                    for r, cells in zip(ranks, rank_cells(ranks)))
     return ["<h2>Ranks</h2>",

@@ -8,6 +8,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from trainbpf.analyzers.intervals import NS_PER_S
+from trainbpf.reports.present import SHORT_ID_CHARS
 
 if TYPE_CHECKING:
     from trainbpf.analyzers.job.join import JobResult
@@ -30,6 +31,7 @@ def ranks_section(job: JobResult | None) -> list[dict[str, Any]] | None:
             "starved_s": _round(r.starved_ns / NS_PER_S), "collective_wait_s": _round(r.collective_wait_ns / NS_PER_S),
             "collectives": int(r.collectives), "step_p50_ms": _round(r.step_p50_ns / 1e6),
             "last_arrival_share": _round(r.last_share), "top_category": str(r.top_category) or None,
+            "container": str(r.container) or None,
         })
     return out
 
@@ -49,16 +51,24 @@ def rank_culprits(evidence: dict[str, Any]) -> list[dict[str, Any]]:
              "seconds": _round(c["seconds"])} for c in evidence.get("culprit_ranks", [])]
 
 
-RANK_HEAD = ("rank", "pid", "node", "steps", "step p50", "starved", "collective wait", "arrived last", "top cause")
+RANK_HEAD = ("rank", "pid", "node", "steps", "step p50", "starved", "collective wait", "arrived last", "top cause",
+             "container")
 # The columns of RANK_HEAD that are text (left-aligned), the others numbers.
-RANK_TEXT_COLUMNS = (2, 8)
+RANK_TEXT_COLUMNS = (2, 8, 9)
+
+
+def rank_head(ranks: list[dict[str, Any]]) -> tuple[str, ...]:
+    """RANK_HEAD; its `container` column only where the ranks ran in different containers."""
+    return RANK_HEAD if len({r["container"] for r in ranks}) > 1 else RANK_HEAD[:-1]
 
 
 def rank_cells(ranks: list[dict[str, Any]]) -> list[list[str]]:
-    """The per-rank table's cells (columns RANK_HEAD) of the JSON `ranks`."""
+    """The per-rank table's cells (columns rank_head) of the JSON `ranks`."""
+    shown = len(rank_head(ranks))
     return [[str(r["rank"]), str(r["pid"]), r["node"] or "?", str(r["collectives"]),
              "-" if r["step_p50_ms"] is None else f"{r['step_p50_ms']:.1f} ms", f"{r['starved_s']:.2f} s",
-             f"{r['collective_wait_s']:.2f} s", f"{100 * (r['last_arrival_share'] or 0):.0f}%", r["top_category"] or "-"]
+             f"{r['collective_wait_s']:.2f} s", f"{100 * (r['last_arrival_share'] or 0):.0f}%", r["top_category"] or "-",
+             (r["container"] or "-")[:SHORT_ID_CHARS]][:shown]
             for r in ranks]
 
 
@@ -89,12 +99,12 @@ def rank_lines(report: dict[str, Any], meta: dict[str, Any]) -> list[str]:
                 "every rank)"]
     if not ranks:
         return []
-    rows = rank_cells(ranks)
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(RANK_HEAD)]
+    rows, head = rank_cells(ranks), rank_head(ranks)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     fmt = lambda row: "  ".join(c.ljust(w) if i in RANK_TEXT_COLUMNS else c.rjust(w)  # noqa: E731
                                 for i, (c, w) in enumerate(zip(row, widths)))
     lines = [f"  Ranks: {len(ranks)}, known by {ranks_known_by(ranks)}; steps are counted at collectives:",
-             "    " + fmt(RANK_HEAD)]
+             "    " + fmt(head)]
     lines += ["    " + fmt(row) for row in rows]
     lines.append("  Straggler: " + straggler_sentence(report.get("straggler")))
     return lines

@@ -15,6 +15,19 @@ NATIVE_STACK_KEYS = ("user_stack", "kernel_stack")
 NONE = "—"
 
 
+SHORT_ID_CHARS = 12  # a container id as `docker ps` shows it
+
+
+def container_words(container: dict[str, Any] | None) -> str | None:
+    """The report's `container` in words: "0123456789ab (containerd), pod UID"; None
+    for a process in none."""
+    if not container:
+        return None
+    runtime = f" ({container['runtime']})" if container["runtime"] else ""
+    pod = f", pod {container['pod_uid']}" if container["pod_uid"] else ""
+    return f"{container['id'][:SHORT_ID_CHARS]}{runtime}{pod}"
+
+
 def pct(share: float) -> str:
     """A share (0-1) as "12.3%"."""
     return f"{100.0 * share:.1f}%"

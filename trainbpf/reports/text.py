@@ -9,7 +9,7 @@ from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.pipeline import observed_ns
 from trainbpf.analyzers.vocab import STATES
 from trainbpf.reports.job import rank_lines
-from trainbpf.reports.present import culprit_lines, pct, size
+from trainbpf.reports.present import container_words, culprit_lines, pct, size
 from trainbpf.reports.python_frames import python_line, refused_note
 from trainbpf.trace.printable import printable
 
@@ -49,6 +49,8 @@ def render_text(rendered: Report) -> str:
     if report["ranks"]:
         who = f"a job of {len(report['ranks'])} ranks, one trainer each"
     lines.append(f"  duration {tr['duration_s']:.2f} s{where}; pid {tr['pid'] if tr['pid'] is not None else '?'}; {who}")
+    if report["container"]:
+        lines.append(f"  container: {container_words(report['container'])}; cgroup {report['container']['cgroup']}")
     if tr["lost_events"]:
         per = ""
         if analysis.lost:
