@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -118,3 +120,14 @@ def which_or_fail(exe: str, package: str) -> str:
     if path is None:
         missing(f"{exe} not installed (Debian package {package}; scripts/setup.sh --test installs it)")
     return path
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 15) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from kernel_env import stop_process
+
 NODE_ADDRESSES = ("10.200.0.1", "10.200.0.2")
 PREFIX = 30
 NODE_ADDRESSES_V6 = ("fd00:200::1", "fd00:200::2")  # with ipv6=True
@@ -134,9 +136,4 @@ def store_server(link: StoreLink, delay_ms: float) -> Iterator[str]:
             raise RuntimeError(f"the store did not start: {line!r} {proc.stderr.read()[-1000:]}")
         yield f"{link.node.address}:{STORE_PORT}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=10)

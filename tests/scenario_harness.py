@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kernel_env import stop_process
 from netns_env import STORE_ADDRESS, STORE_PORT, store_namespace, store_server
 from scenario_machine import MemoryCgroup, NeighbourMeter, ScenarioError, lowered_dirty_limits, memory_cgroup, wait_for_quiet
 from trainbpf.trace.spool import spool_path_for
@@ -254,16 +255,6 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
         if not sel.select(timeout):
             return f"(no line within {timeout} s)"
     return proc.stdout.readline().decode(errors="replace").strip()
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _tail(path: Path, n: int = 2000) -> str:

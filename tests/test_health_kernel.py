@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kernel_env import require_root, which_or_fail
+from kernel_env import require_root, stop_process, which_or_fail
 from test_health_outputs import parse_exposition
 from trainbpf.health.config import NODE_CHECKS, TEXTFILE_NAME
 
@@ -212,12 +212,7 @@ def node_exporter(node_run):
                 time.sleep(0.1)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=10)
 
 
 def test_node_exporter_serves_the_metrics(node_run, node_exporter):
