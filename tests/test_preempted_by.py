@@ -155,7 +155,9 @@ def test_cpu_contention_names_the_tasks_that_preempted_its_threads(tmp_path):
         {"kind": "process", "name": "pt_data_worker", "pid": WORKER, "tid": WORKER, "count": 10},
         {"kind": "process", "name": "short_lived", "pid": None, "tid": 5000, "count": 1}]
     text = run_analyze(path=path, fmt="text")
-    assert f"took the CPU: {HOG_COMM} (4240) 30 times, pt_data_worker ({WORKER}) 10 times, short_lived (tid 5000) 1 time" in text
+    # each task by its tid, as every line names a thread, and its process where that differs
+    assert (f"took the CPU: {HOG_COMM} (4242, pid 4240) 30 times, pt_data_worker ({WORKER}) 10 times, "
+            "short_lived (5000) 1 time") in text
     # Over the first 4.5 s: the flushes at 1..4 s.
     windowed = build_report(analyze(read_trace(path), window=Window(0, 4.5)))["findings"][0]["evidence"]
     assert [(p["tid"], p["preemptions"]) for p in windowed["preempted_by"]] == [(4242, 12), (WORKER, 4)]

@@ -27,7 +27,8 @@ def _thread_label(t: dict[str, Any]) -> str:
 
 def _process_label(c: dict[str, Any]) -> str:
     """A task that preempted the finding's threads: its name, process and preemptions."""
-    where = c["pid"] if c["pid"] is not None else f"tid {c['tid']}"
+    # (tid) as every other line names a thread; its process too where that differs
+    where = f"{c['tid']}" if c["pid"] in (None, c["tid"]) else f"{c['tid']}, pid {c['pid']}"
     return f"{c['name'] or '?'} ({where}) {c['count']} time{'s' if c['count'] != 1 else ''}"
 
 
