@@ -119,3 +119,16 @@ def test_a_truncated_or_malformed_elf_file_raises_elf_error_only(tmp_path):
             except Exception as exc:  # noqa: BLE001 - what the test looks for
                 escaped.append((i, len(data), type(exc).__name__, str(exc)[:60]))
     assert not escaped, escaped[:5]
+
+
+def test_unique_rows_is_numpys_unique_of_rows():
+    """futex_pairs' distinct (pid, address) rows by one sort, as np.unique(axis=0) gives
+    them: addresses with the top bit set (int64 negative) included."""
+    from trainbpf.tracer.symbols.addrs import unique_rows
+
+    rng = np.random.default_rng(7)
+    pairs = np.stack([rng.integers(1, 5, 400), rng.integers(-2**63, 2**63 - 1, 400, dtype=np.int64) % 9 - 4],
+                     axis=1).astype(np.int64)
+    pairs[:5, 1] = np.iinfo(np.int64).min
+    assert np.array_equal(unique_rows(pairs), np.unique(pairs, axis=0))
+    assert unique_rows(np.zeros((0, 2), np.int64)).shape == (0, 2)

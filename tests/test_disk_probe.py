@@ -151,12 +151,17 @@ def test_a_bucket_drained_while_counting_is_one_row_with_the_rest():
     counts = BucketCounts("disk_counts", 100, ("bucket", "dev", "tid", "direction"), ("bytes", "requests"))
     table[Key(9, 7, 5, 1)] = Leaf(4096, 1, 5, 0, b"kworker/u8:1")
     table[Key(10, 7, 5, 1)] = Leaf(8192, 2, 5, 0, b"kworker/u8:1")
-    assert counts.drain({"disk_counts": table}, 1050, final=False) == [(9, 7, 5, 1, 4096, 1, 5, "kworker/u8:1")]
+    def rows(now_ns: int, final: bool) -> list[tuple]:
+        columns = counts.drain({"disk_counts": table}, now_ns, final=final)
+        return list(zip(*(list(c) for c in columns.values())))
+
+    assert rows(1050, final=False) == [(9, 7, 5, 1, 4096, 1, 5, "kworker/u8:1")]
     assert not table.entries
     table[Key(10, 7, 5, 1)] = Leaf(4096, 1, 5, 0, b"kworker/u8:1")
-    assert counts.drain({"disk_counts": table}, 1150, final=False) == [(10, 7, 5, 1, 12288, 3, 5, "kworker/u8:1")]
+    table[Key(10, 8, 6, 0)] = Leaf(100, 1, 6, 0, b"other")  # another key in the same bucket
+    assert rows(1150, final=False) == [(10, 7, 5, 1, 12288, 3, 5, "kworker/u8:1"), (10, 8, 6, 0, 100, 1, 6, "other")]
     table[Key(11, 7, 5, 1)] = Leaf(512, 1, 5, 0, b"kworker/u8:1")
-    assert counts.drain({"disk_counts": table}, 1150, final=True) == [(11, 7, 5, 1, 512, 1, 5, "kworker/u8:1")]
+    assert rows(1150, final=True) == [(11, 7, 5, 1, 512, 1, 5, "kworker/u8:1")]
 
 
 def test_the_recorder_counts_none_of_its_own_io(disk):

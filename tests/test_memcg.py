@@ -127,3 +127,26 @@ def test_v2_mount_showing_a_subtree_and_a_process_in_the_root(tmp_path):
     rows = _rows(sampler, [40, 42])
     assert {k for (c, k) in rows if c == "/train.slice/job-1"} >= {"max", "usage", "file", "anon"}
     assert {k for (c, k) in rows if c == "/train.slice"} == {"version"}
+
+
+def test_a_cgroups_files_are_opened_once_and_read_afresh(tmp_path, monkeypatch):
+    """Sampled every 500 ms, a cgroup's files stay open and are re-read from the start
+    (an open, read and close each time cost twice as much), each read seeing the value
+    of the moment."""
+    import os
+
+    root, proc = _v2(tmp_path)
+    sampler = memcg.CgroupSampler(proc=proc)
+    opened: list[str] = []
+    real_os_open, real_open = os.open, open
+    monkeypatch.setattr(memcg.os, "open", lambda p, *a, **k: opened.append(str(p)) or real_os_open(p, *a, **k))
+    monkeypatch.setattr(memcg, "open", lambda p, *a, **k: opened.append(str(p)) or real_open(p, *a, **k),
+                        raising=False)
+    cg = "/train.slice/job-1"
+    assert _rows(sampler, [10])[(cg, "usage")] == (10, 200000)
+    (root / "train.slice" / "job-1" / "memory.current").write_text("300000\n")
+    assert _rows(sampler, [10])[(cg, "usage")] == (10, 300000)
+    assert sorted(p.rsplit("/", 1)[1] for p in opened if "/memory." in p) == [
+        "memory.current", "memory.high", "memory.max", "memory.stat"]
+    sampler.close()
+    assert not sampler.files.fds

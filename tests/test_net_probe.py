@@ -226,7 +226,11 @@ def test_an_unseen_users_packets_are_counted_unnamed():
     """Under sudo with hidepid: another user's sending task keeps its counts, not its name."""
     from trainbpf.tracer.collectors.net import device_batches
 
-    rows = [(10, "eth0", 1, 4242, 3000, 2, 4240, "upload"), (10, "eth0", 0, 0, 1500, 1, 0, "")]
+    import numpy as np
+
+    rows = {"bucket": np.array([10, 10]), "ifname": np.array(["eth0", "eth0"], dtype=object),
+            "direction": np.array([1, 0]), "tid": np.array([4242, 0]), "bytes": np.array([3000, 1500]),
+            "packets": np.array([2, 1]), "pid": np.array([4240, 0]), "comm": np.array(["upload", ""], dtype=object)}
     frame = device_batches(rows, 100_000_000, visible=lambda pid: False)[0].to_pandas()
     assert list(frame.tid) == [0, 0] and frame.pid.isna().all() and list(frame.comm) == ["", ""]
     assert list(frame["size"]) == [3000, 1500] and list(frame.state) == ["xmit", "recv"]

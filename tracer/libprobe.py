@@ -52,13 +52,18 @@ class LibraryCalls:
         return sorted((sym, self.base_name(sym)) for sym in by_addr.values())
 
 
-def _mapped_size(pid: int) -> bytes:
-    """The total size of a process's mappings (/proc/PID/statm's first field)."""
-    fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+def _code_size(pid: int) -> bytes:
+    """The size of a process's executable mappings outside its program (the VmLib line
+    of /proc/PID/status): it grows when a library is mapped, and, unlike the total size
+    of its mappings, stays put while the process maps and unmaps memory, as a trainer's
+    allocator does tens of thousands of times a second."""
+    fd = os.open(f"/proc/{pid}/status", os.O_RDONLY)
     try:
-        return os.read(fd, 128).split(b" ", 1)[0]
+        text = os.read(fd, 4096)
     finally:
         os.close(fd)
+    start = text.find(b"\nVmLib:")
+    return text[start:text.find(b"\n", start + 1)] if start >= 0 else b""  # a kernel thread maps nothing
 
 
 class LibraryCollector(Collector):
@@ -72,7 +77,7 @@ class LibraryCollector(Collector):
     def __init__(self, settings):
         super().__init__(settings)
         self.libraries: dict[tuple[str, int], dict] = {}  # (device, inode) -> metadata
-        self._size_seen: dict[int, bytes] = {}  # pid -> its mappings' total size when last scanned
+        self._size_seen: dict[int, bytes] = {}  # pid -> the size of its code mapped when last scanned
         self._pids: set[int] = set()
         self._held: list[int] = []  # descriptors of the files probed, whose /proc/self/fd names the probes hold
         self.threads = ThreadTable()  # the recorder's, from seeded()
@@ -97,11 +102,11 @@ class LibraryCollector(Collector):
         self._pids.update(self.threads.live().values())
         for pid in sorted(self._pids):
             try:
-                # A library mapped since changes the total size, and reading it costs
-                # ~20 us where the maps cost ~0.5 ms a process (docs/performance.md).
-                # Unless something else unmapped exactly as much meanwhile: then the
+                # A library mapped since changes the size of the code mapped, and reading
+                # it costs ~20 us where the maps cost ~0.5 ms a process (docs/performance.md).
+                # Unless other code was unmapped, exactly as much, meanwhile: then the
                 # library is found at the next change of size.
-                size = _mapped_size(pid)
+                size = _code_size(pid)
                 if self._size_seen.get(pid) == size:
                     continue
                 with open(f"/proc/{pid}/maps") as fh:

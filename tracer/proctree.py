@@ -49,11 +49,16 @@ def process_state(pid: int, tid: int | None = None) -> str | None:
 def tgid_of(tid: int) -> int:
     """The process (tgid) thread `tid` belongs to, any process's, from the head of
     /proc/TID/status (Tgid is its fourth line); -1 when the thread is gone."""
-    try:
-        with open(f"/proc/{tid}/status", "rb") as fh:
-            head = fh.read(STATUS_HEAD_BYTES)
+    try:  # a descriptor, not a file object: this runs for every new peer at every flush
+        fd = os.open(f"/proc/{tid}/status", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return -1
+    try:
+        head = os.read(fd, STATUS_HEAD_BYTES)
+    except OSError:
+        return -1
+    finally:
+        os.close(fd)
     at = head.find(b"\nTgid:")
     end = head.find(b"\n", at + 1)
     try:

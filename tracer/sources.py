@@ -8,7 +8,7 @@ import pyarrow as pa
 
 from trainbpf.tracer import loader
 from trainbpf.tracer.samplers import containers, jobenv, procfs, taskstats
-from trainbpf.tracer.samplers.memcg import CgroupSampler
+from trainbpf.tracer.samplers.memcg import CgroupSampler, cgroup_batch
 from trainbpf.tracer.samplers.files import FileNames
 from trainbpf.tracer.samplers.gpu import GpuSampler
 from trainbpf.tracer.source import Source
@@ -179,7 +179,7 @@ class MemoryCgroups(Source):
 
     def open(self, session) -> None:
         super().open(session)
-        self.taken: list[pa.RecordBatch] = []  # read since the last flush
+        self.taken: list[tuple] = []  # rows read since the last flush: one batch a flush, not one a sample
 
     def seed(self, walked: list) -> list[pa.RecordBatch]:
         self.sampler = CgroupSampler()
@@ -194,13 +194,17 @@ class MemoryCgroups(Source):
         if self.sampler is None or (now_ns < self.next_ns and not final):
             return
         self.next_ns = now_ns + self.session.settings.cgroup_sample_ns
-        self.taken += _present(self.sampler.take(now_ns, self.session.threads.tgids(), final=final))
+        self.taken += self.sampler.rows(now_ns, self.session.threads.tgids(), final=final)
 
     def flush(self, now_ns: int, *, final: bool) -> list[pa.RecordBatch]:
         if final:  # the cgroups as the recording ends
             self.sample(now_ns, final=True)
         taken, self.taken = self.taken, []
-        return taken
+        return _present(cgroup_batch(taken))
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
 
 
 class NumaPages(Source):

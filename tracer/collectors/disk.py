@@ -44,18 +44,18 @@ class DiskCollector(Collector):
         return disk_io_batches(self.counts.drain(bpf, now_ns, final=final), self.counts.width, self.visible)
 
 
-def disk_io_batches(rows: list[tuple], width: int,
+def disk_io_batches(counts: dict[str, np.ndarray], width: int,
                     visible: Callable[[int], bool] | None = None) -> list[pa.RecordBatch]:
-    """`disk_io` rows of BucketCounts rows (bucket, dev, tid, direction, bytes, requests,
-    pid, comm)."""
-    if not rows:
+    """`disk_io` rows of BucketCounts columns (bucket, dev, tid, direction, bytes,
+    requests, pid, comm)."""
+    if not len(counts["bucket"]):
         return []
-    bucket, dev, tid, direction, nbytes, requests, pid, comm = (list(col) for col in zip(*rows))
+    direction = counts["direction"]
     return [make_batch("disk_io", {
-        **bucket_span(bucket, width),
-        **issuers(tid, pid, comm, visible),
-        "device": [kernel_device(d) for d in dev],
-        "direction": [DIRECTIONS[d] if 0 <= d < len(DIRECTIONS) else "other" for d in direction],
-        "bytes": np.array(nbytes, dtype=np.int64),
-        "requests": np.array(requests, dtype=np.int64),
+        **bucket_span(counts["bucket"], width),
+        **issuers(counts["tid"], counts["pid"], counts["comm"], visible),
+        "device": [kernel_device(d) for d in counts["dev"].tolist()],
+        "direction": np.array(DIRECTIONS, dtype=object)[np.where(direction < len(DIRECTIONS), direction, 2)],
+        "bytes": counts["bytes"],
+        "requests": counts["requests"],
     })]

@@ -125,56 +125,54 @@ def interface_name(ifindex: int, pid: int) -> str:
         return ""
 
 
-def net_io_batches(rows: list[tuple], width: int) -> list[pa.RecordBatch]:
+def net_io_batches(counts: dict[str, np.ndarray], width: int) -> list[pa.RecordBatch]:
     """`net_io` rows, and `net_request` rows of the receives that answered a send, of
-    BucketCounts rows (bucket, tid, ino, direction, bytes, calls, requests, latency,
+    BucketCounts columns (bucket, tid, ino, direction, bytes, calls, requests, latency,
     max_latency, pid, comm)."""
-    if not rows:
+    if not len(counts["bucket"]):
         return []
-    bucket, tid, ino, direction, nbytes, calls, requests, latency, max_latency, pid, _ = (
-        np.array(col) for col in zip(*rows))
-    thread = {"tid": tid.astype(np.int32), "pid": pid.astype(np.int32), "socket": ino.astype(np.uint64)}
+    thread = {"tid": counts["tid"].astype(np.int32), "pid": counts["pid"].astype(np.int32),
+              "socket": counts["ino"].astype(np.uint64)}
     batches = [make_batch("net_io", {
-        **bucket_span(bucket.tolist(), width), **thread,
-        "direction": [DIRECTIONS[d] for d in direction],
-        "bytes": nbytes.astype(np.int64),
-        "calls": calls.astype(np.int64),
+        **bucket_span(counts["bucket"], width), **thread,
+        "direction": [DIRECTIONS[d] for d in counts["direction"].tolist()],
+        "bytes": counts["bytes"],
+        "calls": counts["calls"],
     })]
-    answered = requests > 0
+    answered = counts["requests"] > 0
     if answered.any():
         batches.append(make_batch("net_request", {
-            **bucket_span(bucket[answered].tolist(), width),
+            **bucket_span(counts["bucket"][answered], width),
             **{name: values[answered] for name, values in thread.items()},
-            "requests": requests[answered].astype(np.int64),
-            "latency_ns": latency[answered].astype(np.int64),
-            "max_latency_ns": max_latency[answered].astype(np.float64),
+            "requests": counts["requests"][answered],
+            "latency_ns": counts["latency"][answered],
+            "max_latency_ns": counts["max_latency"][answered].astype(np.float64),
         }))
     return batches
 
 
-def retransmit_batches(rows: list[tuple], width: int) -> list[pa.RecordBatch]:
-    """`retransmit` rows of BucketCounts rows (bucket, ino, count)."""
-    if not rows:
+def retransmit_batches(counts: dict[str, np.ndarray], width: int) -> list[pa.RecordBatch]:
+    """`retransmit` rows of BucketCounts columns (bucket, ino, count)."""
+    if not len(counts["bucket"]):
         return []
-    bucket, ino, count = (list(col) for col in zip(*rows))
-    return [make_batch("retransmit", {**bucket_span(bucket, width), "socket": np.array(ino, dtype=np.uint64),
-                                      "retransmits": np.array(count, dtype=np.int64)})]
+    return [make_batch("retransmit", {**bucket_span(counts["bucket"], width), "socket": counts["ino"].astype(np.uint64),
+                                      "retransmits": counts["count"]})]
 
 
-def device_batches(rows: list[tuple], width: int,
+def device_batches(counts: dict[str, np.ndarray], width: int,
                    visible: Callable[[int], bool] | None = None) -> list[pa.RecordBatch]:
-    """`net_device` rows of BucketCounts rows (bucket, ifname, direction, tid, bytes,
+    """`net_device` rows of BucketCounts columns (bucket, ifname, direction, tid, bytes,
     packets, pid, comm); a packet no task sent (tid 0) has no pid."""
-    if not rows:
+    if not len(counts["bucket"]):
         return []
-    bucket, ifname, direction, tid, nbytes, packets, pid, comm = (list(col) for col in zip(*rows))
-    task = issuers(tid, pid, comm, visible)
-    nobody = np.array(tid) == 0
-    task["pid"] = pa.array(np.array(pid, dtype=np.int32), mask=nobody | task["pid"].is_null().to_numpy(zero_copy_only=False))
+    tid, pid = counts["tid"], counts["pid"]
+    task = issuers(tid, pid, counts["comm"], visible)
+    nobody = tid == 0
+    task["pid"] = pa.array(pid.astype(np.int32), mask=nobody | task["pid"].is_null().to_numpy(zero_copy_only=False))
     return [make_batch("net_device", {
-        **bucket_span(bucket, width), **task,
-        "interface": ifname,
-        "direction": [DEVICE_DIRECTIONS[d] for d in direction],
-        "bytes": np.array(nbytes, dtype=np.int64),
-        "packets": np.array(packets, dtype=np.int64),
+        **bucket_span(counts["bucket"], width), **task,
+        "interface": counts["ifname"],
+        "direction": [DEVICE_DIRECTIONS[d] for d in counts["direction"].tolist()],
+        "bytes": counts["bytes"],
+        "packets": counts["packets"],
     })]

@@ -55,15 +55,18 @@ TASK_RINGBUF_PAGES = 64
 DIRECT_LOOKUPS = 2048
 
 
+_STATE_BITS = np.array(sorted(STATE_LETTERS), dtype=np.int64)
+_STATE_NAMES = np.array([STATE_LETTERS[b] for b in sorted(STATE_LETTERS)] + ["?"], dtype=object)
+
+
 def state_letters(raw: np.ndarray) -> np.ndarray:
-    """Map raw prev_state values to one letter; the lowest set bit wins (S|NOLOAD -> S)."""
+    """Map raw prev_state values to one letter; the lowest set bit wins (S|NOLOAD -> S).
+    One lookup of each value's lowest bit in the sorted table, not a pass per letter."""
     raw = raw.astype(np.int64)
-    low = raw & -raw  # lowest set bit
-    out = np.full(raw.shape, "?", dtype=object)
-    for bit, letter in STATE_LETTERS.items():
-        out[low == bit] = letter
-    out[(raw == 0) | (raw == STATE_PREEMPTED)] = "R"
-    return out
+    low = raw & -raw  # lowest set bit; 0 for 0 (running)
+    at = np.searchsorted(_STATE_BITS, low)
+    known = _STATE_BITS[np.minimum(at, len(_STATE_BITS) - 1)] == low
+    return _STATE_NAMES[np.where(known, at, len(_STATE_BITS))]
 
 
 def _insert(table, tid: int, leaf) -> None:

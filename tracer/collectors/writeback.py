@@ -68,19 +68,18 @@ class WritebackCollector(Collector):
                 for batch in inode_batches(kind, counts.drain(bpf, now_ns, final=final), counts.width, self.visible)]
 
 
-def inode_batches(kind: str, rows: list[tuple], width: int,
+def inode_batches(kind: str, counts: dict[str, np.ndarray], width: int,
                   visible: Callable[[int], bool] | None = None) -> list[pa.RecordBatch]:
     """`writeback_inode` (pages written back, as bytes) or `dirtied` (folios) rows of
-    BucketCounts rows (bucket, bdi, ino, tid, count, pid, comm)."""
-    if not rows:
+    BucketCounts columns (bucket, bdi, ino, tid, count, pid, comm)."""
+    if not len(counts["bucket"]):
         return []
-    bucket, bdi, ino, tid, count, pid, comm = (list(col) for col in zip(*rows))
-    counted = {"bytes": np.array(count, dtype=np.int64) * PAGE_SIZE} if kind == "writeback_inode" else \
-        {"folios": np.array(count, dtype=np.int64)}
+    count = counts["count"]
+    counted = {"bytes": count * PAGE_SIZE} if kind == "writeback_inode" else {"folios": count}
     return [make_batch(kind, {
-        **bucket_span(bucket, width),
-        **issuers(tid, pid, comm, visible),
-        "device": bdi,
-        "inode": np.array(ino, dtype=np.uint64),
+        **bucket_span(counts["bucket"], width),
+        **issuers(counts["tid"], counts["pid"], counts["comm"], visible),
+        "device": counts["bdi"],
+        "inode": counts["ino"].astype(np.uint64),
         **counted,
     })]

@@ -57,11 +57,12 @@ class FileNames(Source):
     def describe(self, rows: pa.RecordBatch, maps: ProcMaps) -> tuple[pa.RecordBatch, list[pa.RecordBatch]]:
         if not self.wanted:
             return rows, []
-        new = inode_keys(rows, self.session.threads.tgids()) - self.named - self.unnamed.keys()
+        rows_named = _of_kinds(rows, DEVICE_KINDS)  # once: the rows searched are among them
+        new = inode_keys(rows_named, self.session.threads.tgids()) - self.named - self.unnamed.keys()
         # Descriptors only while recording: a file is written through one; the mappings,
         # most of a search's cost, are read for what is still unnamed at the stop.
         batches = self.search(new | self.unnamed.keys(), None) if new else []
-        return rows, batches + self.device_rows(row_devices(rows) | {device for device, _ in new})
+        return rows, batches + self.device_rows(row_devices(rows_named) | {device for device, _ in new})
 
     def end(self, now_ns: int, ended: list[pa.RecordBatch], *, final: bool) -> list[pa.RecordBatch]:
         if not (final and self.wanted and self.unnamed):
@@ -167,5 +168,5 @@ def inode_keys(rows: pa.RecordBatch, traced: list[int]) -> set[Key]:
 
 
 def row_devices(rows: pa.RecordBatch) -> set[str]:
-    """The devices a flush's rows name."""
-    return set(_of_kinds(rows, DEVICE_KINDS).column("name").to_pylist()) - {None}
+    """The devices a flush's rows name, each once (a thousand rows name a few)."""
+    return set(pc.unique(_of_kinds(rows, DEVICE_KINDS).column("name")).to_pylist()) - {None}

