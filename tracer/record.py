@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import signal
@@ -110,12 +111,15 @@ class Recorder(DrainLoop):
             finally:
                 self.writer.release()  # the spool's lock, whatever happened
         finally:
-            for source in self.sources:
-                source.close()
-            if self.rings is not None:
-                self.rings.close()
-            if self.bpf is not None:
-                loader.detach(self.bpf)  # every program and perf event we attached
+            # Each runs even if one before it raises (which is then raised): a source that
+            # fails to close leaves no program attached and no other source open.
+            with contextlib.ExitStack() as closing:
+                if self.bpf is not None:
+                    closing.callback(loader.detach, self.bpf)  # every program and perf event we attached
+                if self.rings is not None:
+                    closing.callback(self.rings.close)
+                for source in reversed(self.sources):
+                    closing.callback(source.close)
 
     def _open(self) -> None:
         """Everything that can be refused before a probe is compiled (tracer/preflight.py:
