@@ -23,6 +23,7 @@ from trainbpf.analyzers.causes.attribution import (
 from trainbpf.analyzers.causes.chains import followed_waits, is_followed, wait_chains
 from trainbpf.analyzers.causes.evidence import EvidenceContext
 from trainbpf.analyzers.causes.host import HostSplit, host_labels
+from trainbpf.analyzers.causes.huge_pages import process_pages, thp_state
 from trainbpf.analyzers.causes.io_culprits import IO_KINDS
 from trainbpf.analyzers.causes.network import NET_KINDS
 from trainbpf.analyzers.causes.numa import gpu_node, memory_placement, thread_placement
@@ -114,6 +115,8 @@ class Shared:
     cuda: CudaTimeline | None
     churn: pd.DataFrame
     placement: pd.DataFrame
+    pages: pd.DataFrame  # huge_pages.PAGE_COLUMNS: each process's faults per MiB newly mapped
+    thp: dict[str, Any]  # huge_pages.thp_state
 
     def trainer_states(self, trainer: int | None) -> tuple[pd.DataFrame, np.ndarray]:
         """A trainer's state intervals (its slots are a slice: slots are sorted by tid),
@@ -167,7 +170,8 @@ def share(trace: Any, window: Window | None) -> Shared:
         trace=trace, meta=meta, span=span, win=win, base=base, slots=slots, futex_waits=futex_waits, stacks=stacks,
         pystacks=pystacks, frames=frames, samples=samples, run_split=run_split,
         n_cpus=cpus_used(offcpu_cpu=offcpu_cpu, samples=samples),
-        cuda=timeline(view("cuda_call"), view("cuda_launch"), window=win), churn=churn, placement=placement)
+        cuda=timeline(view("cuda_call"), view("cuda_launch"), window=win), churn=churn, placement=placement,
+        pages=process_pages(view("mm_syscall"), view("faults"), win), thp=thp_state(meta, view("vmstat"), win))
 
 
 @dataclass
@@ -226,7 +230,7 @@ def trainer_part(sh: Shared, threads: pd.DataFrame, trainer: int | None, states:
         window=win, threads=threads, slots=sh.slots, trainer_states=states, futex_waits=sh.futex_waits,
         stacks=sh.stacks, frames={**sh.frames, **{k: sh.trace.view(k) for k in ("faults", "mm_syscall", "preempted_by") + IO_KINDS + NET_KINDS}},
         churn=sh.churn, placement=sh.placement, memory_nodes=memory_placement(sh.trace.view("numa_maps"), topology),
-        gpu_node=gpu_node(topology), pystacks=sh.pystacks, samples=sh.samples,
+        gpu_node=gpu_node(topology), pystacks=sh.pystacks, samples=sh.samples, pages=sh.pages, thp=sh.thp,
     )
     return TrainerPart(trainer=trainer, states=states, gpu_windows=gpu_windows, starved=attribute(pieces),
                        chains=chains, chain_ends=chain_ends, ctx=ctx, uses_cuda=uses_cuda,

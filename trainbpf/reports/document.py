@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
+import pandas as pd
 
 from trainbpf.analyzers.causes.categories import BY_NAME
 from trainbpf.analyzers.causes.files import file_name
+from trainbpf.analyzers.causes.huge_pages import PAGE_COLUMNS
 from trainbpf.analyzers.causes.page_cache import refault_names
 from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.pipeline import Analysis
@@ -128,7 +130,21 @@ def build_report(analysis: Analysis) -> dict[str, Any]:
         "cuda": cuda_section(analysis),
         "traces": None,
         "container": None if analysis.containers is None else container_of(analysis.containers, pid),
+        "memory": memory_section(analysis),
     }
+
+
+def memory_section(analysis: Analysis) -> dict[str, Any]:
+    """The report's `memory` section: the THP mode and counters, and each process's
+    faults per MiB newly mapped (analyzers/causes/huge_pages.py)."""
+    pages = analysis.pages if analysis.pages is not None else pd.DataFrame(columns=list(PAGE_COLUMNS))
+    return {
+        "thp": dict(analysis.thp or {"enabled": None, "defrag": None}),
+        "processes": [{"pid": int(r.pid), "mapped_bytes": int(r.mapped_bytes), "faults": int(r.faults),
+                       "faults_per_mib": round(float(r.faults_per_mib), 2), "huge_pages": bool(r.huge_pages),
+                       "faults_with_huge_pages": int(r.faults_with_huge_pages)} for r in pages.itertuples(index=False)],
+    }
+
 
 
 def _ms(seconds: float | None) -> float | None:

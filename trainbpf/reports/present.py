@@ -160,3 +160,17 @@ def _file_amounts(c: dict[str, Any]) -> str:
     if c.get("write_paths"):
         said.append(f"written {'/'.join(_PATH_WORDS.get(p, p) for p in c['write_paths'])}")
     return ", ".join(said)
+
+
+def memory_sentences(memory: dict[str, Any]) -> list[str]:
+    """The `memory` section in words: the THP mode, then one sentence per process."""
+    thp = memory["thp"]
+    if not memory["processes"] and thp.get("enabled") is None:
+        return []
+    out = [f"Transparent huge pages: {thp.get('enabled') or 'unknown'} (defrag {thp.get('defrag') or 'unknown'})"]
+    for p in memory["processes"]:
+        pages = "huge pages (2 MiB) used" if p["huge_pages"] else \
+            f"4 KiB pages: huge pages would take {p['faults_with_huge_pages']:,} faults"
+        out.append(f"process {p['pid']}: {p['faults_per_mib']:.1f} faults per MiB newly mapped "
+                   f"({p['faults']:,} faults over {size(p['mapped_bytes'])}); {pages}")
+    return out
