@@ -22,6 +22,7 @@ from trainbpf.analyzers.causes.stack_reading import (
     merged_excerpt,
     stack_excerpt,
 )
+from trainbpf.analyzers.causes.tlb import CALL_COLUMNS, CHARGE_COLUMNS, shootdown_evidence
 from trainbpf.analyzers.intervals import NS_PER_S, Span, as_int64, pair_ids, thread_ranges
 from trainbpf.analyzers.threads.states import PART_CODES, SLOT_EDGES, clipped_lengths
 from trainbpf.analyzers.vocab import FUTEX_CODE, STATE_CODE, codes
@@ -52,6 +53,8 @@ class EvidenceContext:
     # Each process's faults per MiB newly mapped (huge_pages.process_pages) and the THP state.
     pages: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(PAGE_COLUMNS)))
     thp: dict[str, Any] = field(default_factory=dict)
+    shootdowns: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(CHARGE_COLUMNS)))
+    mm_calls: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(CALL_COLUMNS)))
     _ranges: dict[int, tuple[int, int]] | None = field(default=None, repr=False)
     _slot_columns: tuple[np.ndarray, list[np.ndarray]] | None = field(default=None, repr=False)
     _named: dict[int, dict[str, Any]] | None = field(default=None, repr=False)
@@ -295,7 +298,15 @@ def allocator_churn(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]
 def _huge_pages(ctx: EvidenceContext, roots: list[int]) -> dict[str, Any]:
     """Whether the processes of `roots` got their fresh memory in huge pages (huge_pages.page_evidence)."""
     pids = ctx.threads.loc[ctx.threads["tid"].isin(roots), "pid"].unique().tolist() if len(ctx.threads) else []
-    return page_evidence(ctx.pages, pids, ctx.thp)
+    return {**page_evidence(ctx.pages, pids, ctx.thp), **_shootdowns(ctx, roots)}
+
+
+def _shootdowns(ctx: EvidenceContext, roots: list[int]) -> dict[str, Any]:
+    """The TLB shootdowns that interrupted the finding's threads and the trainer, and the
+    threads whose unmaps sent them (tlb.shootdown_evidence)."""
+    tids = sorted(set(roots) | set(ctx.trainer_states["tid"].unique().tolist() if len(ctx.trainer_states) else []))
+    names = dict(zip(ctx.threads["tid"].tolist(), ctx.threads["comm"].astype(str).tolist())) if len(ctx.threads) else {}
+    return shootdown_evidence(ctx.shootdowns, tids, names, ctx.mm_calls)
 
 
 def page_faults(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
