@@ -46,6 +46,7 @@ struct tlb_count {
 /* Drained whole at every flush (tracer/collectors/tlb.py); past it, counted as lost. */
 BPF_HASH(tlb_counts, struct tlb_key, struct tlb_count, TLB_ENTRIES);
 
+#ifdef HAVE_TP_TLB_TLB_FLUSH
 TRACEPOINT_PROBE(tlb, tlb_flush)
 {
     u32 side;
@@ -76,3 +77,4 @@ TRACEPOINT_PROBE(tlb, tlb_flush)
     c->cpu = bpf_get_smp_processor_id();
     return 0;
 }
+#endif

@@ -26,7 +26,8 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 class TlbCollector(Collector):
     name = "tlb"
     source = "tlb.bpf.c"
-    tracepoints = ("tlb:tlb_flush",)
+    # x86 only (arm64 and others flush without it): without it the probe counts nothing
+    optional_tracepoints = ("tlb:tlb_flush",)
 
     def __init__(self, settings):
         super().__init__(settings)
