@@ -68,6 +68,10 @@ class Analysis:
     job: JobResult | None = None  # a job of several ranks (analyzers/job/rank_analysis.py); None: one trainer
     traffic: pd.DataFrame | None = None  # network.TRAFFIC_COLUMNS: each thread's socket bytes in the window
     containers: pd.DataFrame | None = None  # containers.CONTAINER_COLUMNS: the traced processes' containers
+    pages: pd.DataFrame | None = None  # huge_pages.PAGE_COLUMNS: each process's faults per MiB newly mapped
+    thp: dict[str, Any] | None = None  # huge_pages.thp_state: the THP mode and counters
+    shootdowns: pd.DataFrame | None = None  # tlb.CHARGE_COLUMNS: TLB shootdowns each thread received, by sender
+    mm_calls: pd.DataFrame | None = None  # tlb.CALL_COLUMNS: each thread's mm syscalls in the window
     _states: pd.DataFrame | None = field(default=None, repr=False)
 
     @property
@@ -218,7 +222,8 @@ def _analysis(sh: Shared, threads: pd.DataFrame, part: TrainerPart, starved: pd.
         lost=lost_counts(sh.meta, trace.view("lost")), idle_fraction=gpu_idle, uses_cuda=part.uses_cuda,
         cuda_steps=step_summary(part.step_rows) if len(part.step_rows) else None, cuda=sh.cuda,
         pystacks=sh.pystacks, job=job, traffic=thread_traffic(trace.view("net_io"), sh.win.start_ns, sh.win.end_ns),
-        containers=process_containers(trace.view("container")),
+        containers=process_containers(trace.view("container")), pages=sh.pages, thp=sh.thp,
+        shootdowns=sh.shootdowns, mm_calls=sh.mm_calls,
     )
 
 

@@ -23,10 +23,12 @@ from trainbpf.analyzers.causes.attribution import (
 from trainbpf.analyzers.causes.chains import followed_waits, is_followed, wait_chains
 from trainbpf.analyzers.causes.evidence import EvidenceContext
 from trainbpf.analyzers.causes.host import HostSplit, host_labels
+from trainbpf.analyzers.causes.huge_pages import process_pages, thp_state
 from trainbpf.analyzers.causes.io_culprits import IO_KINDS
 from trainbpf.analyzers.causes.network import NET_KINDS
 from trainbpf.analyzers.causes.numa import gpu_node, memory_placement, thread_placement
 from trainbpf.analyzers.causes.stack_reading import classify_stacks, python_stacks
+from trainbpf.analyzers.causes.tlb import mm_call_counts, shootdown_charges
 from trainbpf.analyzers.findings.ranking import attribute_starved
 from trainbpf.analyzers.intervals import Span, as_int64, dense_rank, resolve_window, trace_span
 from trainbpf.analyzers.options import Window
@@ -114,6 +116,10 @@ class Shared:
     cuda: CudaTimeline | None
     churn: pd.DataFrame
     placement: pd.DataFrame
+    pages: pd.DataFrame  # huge_pages.PAGE_COLUMNS: each process's faults per MiB newly mapped
+    thp: dict[str, Any]  # huge_pages.thp_state
+    shootdowns: pd.DataFrame  # tlb.CHARGE_COLUMNS: TLB shootdowns each thread received, by sender
+    mm_calls: pd.DataFrame  # tlb.CALL_COLUMNS: each thread's mm syscalls in the window
 
     def trainer_states(self, trainer: int | None) -> tuple[pd.DataFrame, np.ndarray]:
         """A trainer's state intervals (its slots are a slice: slots are sorted by tid),
@@ -167,7 +173,9 @@ def share(trace: Any, window: Window | None) -> Shared:
         trace=trace, meta=meta, span=span, win=win, base=base, slots=slots, futex_waits=futex_waits, stacks=stacks,
         pystacks=pystacks, frames=frames, samples=samples, run_split=run_split,
         n_cpus=cpus_used(offcpu_cpu=offcpu_cpu, samples=samples),
-        cuda=timeline(view("cuda_call"), view("cuda_launch"), window=win), churn=churn, placement=placement)
+        cuda=timeline(view("cuda_call"), view("cuda_launch"), window=win), churn=churn, placement=placement,
+        pages=process_pages(view("mm_syscall"), view("faults"), win), thp=thp_state(meta, view("vmstat"), win),
+        shootdowns=shootdown_charges(view("tlb_flush"), win), mm_calls=mm_call_counts(view("mm_syscall"), win))
 
 
 @dataclass
@@ -226,7 +234,8 @@ def trainer_part(sh: Shared, threads: pd.DataFrame, trainer: int | None, states:
         window=win, threads=threads, slots=sh.slots, trainer_states=states, futex_waits=sh.futex_waits,
         stacks=sh.stacks, frames={**sh.frames, **{k: sh.trace.view(k) for k in ("faults", "mm_syscall", "preempted_by") + IO_KINDS + NET_KINDS}},
         churn=sh.churn, placement=sh.placement, memory_nodes=memory_placement(sh.trace.view("numa_maps"), topology),
-        gpu_node=gpu_node(topology), pystacks=sh.pystacks, samples=sh.samples,
+        gpu_node=gpu_node(topology), pystacks=sh.pystacks, samples=sh.samples, pages=sh.pages, thp=sh.thp,
+        shootdowns=sh.shootdowns, mm_calls=sh.mm_calls,
     )
     return TrainerPart(trainer=trainer, states=states, gpu_windows=gpu_windows, starved=attribute(pieces),
                        chains=chains, chain_ends=chain_ends, ctx=ctx, uses_cuda=uses_cuda,

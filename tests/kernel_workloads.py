@@ -328,6 +328,7 @@ def wait_for_uprobes(lib: ctypes.CDLL, names: list[str], timeout: float = 10.0) 
 
 CUDA_LAUNCHES = {"runtime": 300, "runtime_ptsz": 200, "driver_thread": 250, "child": 150}
 CUDA_WAIT_MS = (2, 5, 8, 12, 20)
+CUDA_FREE_MS = 15  # the copy a cudaFree waits for
 
 
 def cuda_fake(runtime: str) -> dict:
@@ -376,7 +377,10 @@ def cuda_fake(runtime: str) -> dict:
     out["malloc"] = rt.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(1 << 20))
     rt.cudaMemcpy(ptr, None, ctypes.c_size_t(20_000_000), 1)  # 2 ms at the stand-in's 10 GB/s
     rt.cudaMemcpyAsync_ptsz(ptr, None, ctypes.c_size_t(1 << 20), 1, stream)
-    rt.cudaFree(ptr)
+    drv.cuMemcpyAsync(ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_size_t(CUDA_FREE_MS * 10_000_000), stream)
+    t0 = time.monotonic_ns()
+    rt.cudaFree(ptr)  # waits for the copy queued before it
+    out["free"] = [t0, time.monotonic_ns()]
     return out
 
 

@@ -9,7 +9,7 @@ from trainbpf.analyzers.causes.categories import CATEGORIES
 from trainbpf.analyzers.vocab import ROLES, STATES
 
 TOP_KEYS = {"schema", "trace", "gpu", "starved_s", "host_bound_s", "ranks", "straggler", "findings", "threads", "cuda",
-            "traces", "container"}
+            "traces", "container", "memory"}
 CONTAINER_KEYS = {"id", "runtime", "pod_uid", "cgroup"}
 TRACE_KEYS = {"path", "duration_s", "pid", "lost_events"}
 GPU_KEYS = {"source", "samples", "idle_fraction"}
@@ -88,7 +88,8 @@ def validate_report(doc: dict[str, Any]) -> None:
                 assert set(c) == {"kind", "name", "pid", "tid", "count"}, c
                 assert type(c["tid"]) is int and type(c["count"]) is int and c["count"] > 0, c
                 assert c["pid"] is None or type(c["pid"]) is int, c
-        own = [c["tid"] for c in f["culprits"] if c["kind"] == "thread" and not c.get("holder")]
+        own = [c["tid"] for c in f["culprits"]
+               if c["kind"] == "thread" and not c.get("holder") and not c.get("shootdown_sender")]
         assert own == [t["tid"] for t in f["threads"]]
         assert isinstance(f["summary"], str) and f["summary"]
         assert isinstance(f["evidence"], dict)
@@ -111,6 +112,21 @@ def validate_report(doc: dict[str, Any]) -> None:
     assert len({t["tid"] for t in doc["threads"]}) == len(doc["threads"])
     if doc["cuda"] is not None:
         _validate_cuda(doc["cuda"])
+    if doc["memory"] is not None:
+        _validate_memory(doc["memory"])
+
+
+def _validate_memory(memory: dict[str, Any]) -> None:
+    """The `memory` section: the THP mode and each process's faults per MiB newly mapped."""
+    assert set(memory) == {"thp", "processes", "tlb_shootdowns"}
+    assert {"enabled", "defrag"} <= set(memory["thp"])
+    for p in memory["processes"]:
+        assert set(p) == {"pid", "mapped_bytes", "faults", "faults_per_mib", "huge_pages", "faults_with_huge_pages"}
+        assert type(p["pid"]) is int and p["mapped_bytes"] > 0 and p["faults"] >= 0
+        _nonneg_float(p["faults_per_mib"])
+        assert type(p["huge_pages"]) is bool
+    for t in memory["tlb_shootdowns"]:
+        assert t["received"] > 0 and t["received"] >= sum(s["shootdowns"] for s in t["senders"]), t
 
 
 def _nonneg_float(value: Any, nullable: bool = False) -> None:

@@ -87,6 +87,17 @@ def test_nested_runtime_and_driver_calls_count_once():
     assert (waits["tid"] == 7).all() and (waits["pid"] == 7).all()
 
 
+def test_synchronous_frees_are_waits_and_async_frees_are_not():
+    frame = calls(
+        (7, 10, 5, "cudaFree", "free", 0), (7, 10.01, 4.9, "cuMemFree", "free", 1),  # runtime over driver
+        (7, 20, 2, "cuMemFreeHost", "free", 0), (7, 30, 3, "cuMemFreeAsync", "free", 0),
+        (7, 40, 1, "cudaFreeAsync", "free", 0), (7, 50, 4, "cuMemFree", "free", 0),
+    )
+    waits = gpu_waits(frame)
+    assert list(waits["name"]) == ["cudaFree", "cuMemFreeHost", "cuMemFree"], "synchronous frees must be GPU waits"
+    assert (waits["end_ns"] - waits["start_ns"]).sum() == (5 + 2 + 4) * MS
+
+
 def test_partly_overlapping_calls_keep_the_later_part():
     waits = gpu_waits(calls((3, 10, 5, "cudaDeviceSynchronize", "wait", 0), (3, 12, 6, "cuEventSynchronize", "wait", 1)))
     assert list(zip(waits.start_ns, waits.end_ns)) == [(10 * MS, 15 * MS), (15 * MS, 18 * MS)]

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from kernel_env import require_root
-from kernel_workloads import CUDA_LAUNCHES, CUDA_WAIT_MS
+from kernel_workloads import CUDA_FREE_MS, CUDA_LAUNCHES, CUDA_WAIT_MS
 from recording import record_cli, record_workload
 from standins import build_standin
+from trainbpf.analyzers.timeline.cuda_calls import gpu_waits
 from trainbpf.tracer.settings import Settings
 
 pytestmark = pytest.mark.kernel
@@ -122,6 +123,16 @@ def test_copies_and_allocations(fake):
                              ("cudaMemcpyAsync", "addr", 0x5757), ("cuMemAlloc", "size", 1 << 20)):
         assert (main.loc[main.name == name, col].astype("int64") == value).all(), name
     assert (main.ustack_id >= 0).all()
+
+
+def test_cuda_free_waits_for_the_device_and_counts_as_a_gpu_wait(fake):
+    t0, t1 = fake.tids["free"]
+    assert t1 - t0 >= CUDA_FREE_MS * 1e6 * 0.9  # the stand-in's cudaFree drained the queued copy
+    waits = gpu_waits(fake.trace.view("cuda_call"), tids=[fake.tids["main"]])
+    free = waits[waits["name"] == "cudaFree"]
+    assert len(free) == 1, waits
+    dur = int(free["end_ns"].iloc[0] - free["start_ns"].iloc[0])
+    assert 0.9 * CUDA_FREE_MS * 1e6 <= dur <= t1 - t0
 
 
 def test_no_ring_buffer_traffic_for_launches(fake):

@@ -83,6 +83,22 @@ def test_steps_of_a_traced_trainer_through_the_analysis(tmp_path):
     assert "step 50 ms p50, 50 ms p99, 20 steps/s, 40% host-bound" in render_summary(result)
 
 
+def test_faults_per_step_of_a_traced_trainer(tmp_path):
+    s = cuda_trainer()
+    steps = 0
+    x = 0.01
+    while x + STEP_S < 10.0 - 0.01:  # 512 faults (2 MiB of 4 KiB pages) a step, read every step
+        s.add("faults", ts_ns=t(x), dur_ns=d(STEP_S), tid=WORKER, pid=TRAINER, count=512)
+        x += STEP_S
+        steps += 1
+    result = _assess(tmp_path, s)
+    got = result.targets[0].steps
+    assert got.faults_per_step == pytest.approx(512 * steps / got.steps, rel=0.02), got
+    values = parse_exposition(render_textfile(result))
+    assert values[("trainbpf_target_faults_per_step", (("pid", "100"),))] == pytest.approx(got.faults_per_step)
+    assert health_document(result)["steps"]["faults_per_step"] == pytest.approx(got.faults_per_step)
+
+
 def test_untraced_trainer_says_so_and_writes_no_step_values(tmp_path):
     result = _assess(tmp_path, healthy())
     assert result.targets[0].steps == StepMetrics(False)
@@ -91,7 +107,7 @@ def test_untraced_trainer_says_so_and_writes_no_step_values(tmp_path):
     assert not [k for k in values if k[0] in STEP_METRICS.values()]
     doc = health_document(result)
     assert doc["targets"][0]["steps"] == {"traced": False, "steps": None, "steps_per_s": None, "step_p50_s": None,
-                                          "step_p99_s": None, "host_bound_share": None}
+                                          "step_p99_s": None, "host_bound_share": None, "faults_per_step": None}
     assert "CUDA not traced" in render_summary(result)
 
 

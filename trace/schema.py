@@ -160,6 +160,13 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # on kernels before 6.5).  Under sudo with /proc mounted hidepid, another user's
     # task is unnamed: tid 0, pid null, comm "".  Recorders before 2026-12-07 wrote none.
     "disk_io": ("ts_ns", "dur_ns", "tid", "pid", "comm", "name", "state", "size", "count"),
+    # TLB shootdowns of a traced thread, counted in the kernel per (bucket of
+    # thresholds.disk_bucket_ns, thread, side) from tlb:tlb_flush: state = "sent" (the
+    # thread changed a mapping and sent other CPUs the flush IPI: reason "remote IPI
+    # send", in its context) or "received" (the IPI interrupted the thread: reason
+    # "remote shootdown", on its CPU), count = flushes, size = bytes named (pages * page
+    # size; a full flush names none), cpu = the CPU of the bucket's last one.
+    "tlb_flush": ("ts_ns", "dur_ns", "tid", "pid", "cpu", "state", "size", "count"),
     # Bytes written back per inode (writeback:writeback_single_inode: pages written *
     # page size), every inode on the machine, counted in the kernel per (bucket, device,
     # inode, task): tid/pid/comm = the task that wrote it back (a flusher, or a thread in
@@ -330,6 +337,7 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "dirty_pause": {"count": "dirty_pages", "size": "limit_pages", "name": "device"},
     "block_rq": {"size": "bytes", "name": "rwbs", "op": "dev", "addr": "sector"},
     "disk_io": {"name": "device", "state": "direction", "size": "bytes", "count": "requests"},
+    "tlb_flush": {"state": "side", "size": "bytes", "count": "flushes"},
     "writeback_inode": {"name": "device", "addr": "inode", "size": "bytes"},
     "dirtied": {"name": "device", "addr": "inode", "count": "folios"},
     "file": {"state": "device", "addr": "inode", "name": "path"},

@@ -38,6 +38,7 @@ PROBE_IDS = {
     "pagecache": 11,
     "disk": 12,
     "net": 13,
+    "tlb": 14,
 }
 
 

@@ -36,6 +36,7 @@ from trainbpf.tracer.collectors.net import NetCollector
 from trainbpf.tracer.collectors.oncpu import OnCpuCollector
 from trainbpf.tracer.collectors.pagecache import PageCacheCollector
 from trainbpf.tracer.collectors.sched import SchedCollector
+from trainbpf.tracer.collectors.tlb import TlbCollector
 from trainbpf.tracer.collectors.writeback import WritebackCollector
 from trainbpf.tracer.collectors.writepath import WritePathCollector
 from trainbpf.tracer.kheaders import use_headers
@@ -45,7 +46,7 @@ from trainbpf.tracer.symbols import pystacks
 ALL_COLLECTORS: tuple[type[Collector], ...] = (
     SchedCollector, FutexCollector, FaultsCollector, OnCpuCollector, MmCollector,
     WritebackCollector, BlockCollector, DiskCollector, CudaCollector, NcclCollector, WritePathCollector,
-    PageCacheCollector, NetCollector,
+    PageCacheCollector, NetCollector, TlbCollector,
 )
 PROBE_NAMES = tuple(c.name for c in ALL_COLLECTORS)
 TRACEFS = Path(os.environ.get("TRAINBPF_TRACEFS", "/sys/kernel/tracing"))  # where tracefs lives or is mounted

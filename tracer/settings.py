@@ -126,7 +126,7 @@ class Settings:
     # how often the traced processes' memory cgroups are read (tracer/samplers/memcg.py)
     cgroup_sample_ns: int = _number(500_000_000)
     # block requests, writeback, dirtied folios, traced threads' writes and page cache
-    # changes counted per bucket this wide (disk, writeback, writepath, pagecache probes)
+    # changes counted per bucket this wide (disk, writeback, writepath, pagecache, tlb probes)
     disk_bucket_ns: int = _number(100_000_000, "DISK_BUCKET_NS")
     # traced threads' socket bytes and requests, retransmits and every interface's packets
     # counted per bucket this wide (net probe)

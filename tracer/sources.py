@@ -158,6 +158,9 @@ class ProcSamples(Source):
     name = "proc"
     sampler: procfs.ProcSampler | None = None
 
+    def start(self) -> dict:
+        return {"thp": procfs.thp_mode()}  # what faults per MiB are judged against
+
     def seed(self, walked: list) -> list[pa.RecordBatch]:
         self.sampler = procfs.ProcSampler(interval_ns=int(PROC_SAMPLE_S * 1e9))  # starts within the trace
         return []

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.causes.attribution import address_names
+from trainbpf.analyzers.causes.huge_pages import PAGE_COLUMNS, page_evidence
 from trainbpf.analyzers.causes.io_culprits import io_culprits
 from trainbpf.analyzers.causes.locks import holder_frames, lock_identity
 from trainbpf.analyzers.causes.numa import REMOTE_MIN_FRACTION
@@ -21,6 +22,7 @@ from trainbpf.analyzers.causes.stack_reading import (
     merged_excerpt,
     stack_excerpt,
 )
+from trainbpf.analyzers.causes.tlb import CALL_COLUMNS, CHARGE_COLUMNS, shootdown_evidence
 from trainbpf.analyzers.intervals import NS_PER_S, Span, as_int64, pair_ids, thread_ranges
 from trainbpf.analyzers.threads.states import PART_CODES, SLOT_EDGES, clipped_lengths
 from trainbpf.analyzers.vocab import FUTEX_CODE, STATE_CODE, codes
@@ -48,6 +50,11 @@ class EvidenceContext:
     # (attribution.SAMPLE_COLUMNS) their ids are looked up for.
     pystacks: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(PYTHON_STACK_COLUMNS)))
     samples: pd.DataFrame | None = None
+    # Each process's faults per MiB newly mapped (huge_pages.process_pages) and the THP state.
+    pages: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(PAGE_COLUMNS)))
+    thp: dict[str, Any] = field(default_factory=dict)
+    shootdowns: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(CHARGE_COLUMNS)))
+    mm_calls: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(CALL_COLUMNS)))
     _ranges: dict[int, tuple[int, int]] | None = field(default=None, repr=False)
     _slot_columns: tuple[np.ndarray, list[np.ndarray]] | None = field(default=None, repr=False)
     _named: dict[int, dict[str, Any]] | None = field(default=None, repr=False)
@@ -284,7 +291,22 @@ def allocator_churn(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]
         "median_size_bytes": float(churn["median_size"].median()) if len(churn) else 0.0,
         "faults": int(churn["faults"].sum()),
         "faults_per_s": float(churn["faults_per_s"].sum()),
+        **_huge_pages(ctx, roots),
     }
+
+
+def _huge_pages(ctx: EvidenceContext, roots: list[int]) -> dict[str, Any]:
+    """Whether the processes of `roots` got their fresh memory in huge pages (huge_pages.page_evidence)."""
+    pids = ctx.threads.loc[ctx.threads["tid"].isin(roots), "pid"].unique().tolist() if len(ctx.threads) else []
+    return {**page_evidence(ctx.pages, pids, ctx.thp), **_shootdowns(ctx, roots)}
+
+
+def _shootdowns(ctx: EvidenceContext, roots: list[int]) -> dict[str, Any]:
+    """The TLB shootdowns that interrupted the finding's threads and the trainer, and the
+    threads whose unmaps sent them (tlb.shootdown_evidence)."""
+    tids = sorted(set(roots) | set(ctx.trainer_states["tid"].unique().tolist() if len(ctx.trainer_states) else []))
+    names = dict(zip(ctx.threads["tid"].tolist(), ctx.threads["comm"].astype(str).tolist())) if len(ctx.threads) else {}
+    return shootdown_evidence(ctx.shootdowns, tids, names, ctx.mm_calls)
 
 
 def page_faults(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) -> dict[str, Any]:
@@ -298,6 +320,7 @@ def page_faults(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]) ->
         "blocked_in_fault_path_s": float(sum(int(ns.sum()) for *_, ns in blocked)) / NS_PER_S,
         "running_in_fault_path_s": float(pieces.loc[pieces["state"] == "running", "ns"].sum()) / NS_PER_S,
         "kernel_stack": _top_stack(ctx, ctx.slots["kstack_id"].to_numpy()[slots]),
+        **_huge_pages(ctx, roots),
     }
 
 

@@ -3,8 +3,9 @@ calls"): when each thread waited for the GPU, when it launched work, the launch 
 between, and the training steps that the wait/launch rhythm shows.
 
 - `gpu_waits(cuda_call)`: the intervals a thread was blocked on the GPU: synchronisations
-  (`state == "wait"`) and synchronous copies (cudaMemcpy, cuMemcpy, cuMemcpyHtoD,
-  cuMemcpyDtoH).  A runtime call and the driver call it makes (`op == 1`) overlap; only
+  (`state == "wait"`), synchronous copies (cudaMemcpy, cuMemcpy, cuMemcpyHtoD,
+  cuMemcpyDtoH) and synchronous frees (cudaFree, cuMemFree, cudaFreeHost, cuMemFreeHost:
+  they wait for the device to go idle first; cudaFreeAsync/cuMemFreeAsync do not).  A runtime call and the driver call it makes (`op == 1`) overlap; only
   the outermost counts, so nothing is counted twice.
 - `launch_bursts(cuda_launch)`: the launches each thread issued (`nested == 0` rows) as
   bursts.  A row's [ts_ns, ts_ns + dur_ns] runs from its 10 ms bucket's first launch
@@ -44,6 +45,9 @@ from trainbpf.analyzers.intervals import NS_PER_S, Span, as_int64, intersect, me
 # Copies that block the calling thread until the GPU has done them (the Async ones and
 # device-to-device copies return at once).
 SYNC_COPIES = frozenset({"cudaMemcpy", "cuMemcpy", "cuMemcpyHtoD", "cuMemcpyDtoH"})
+# Frees that synchronise the device before they release the memory (the stream-ordered
+# cudaFreeAsync/cuMemFreeAsync return at once): the thread waits for all queued work.
+SYNC_FREES = frozenset({"cudaFree", "cuMemFree", "cudaFreeHost", "cuMemFreeHost"})
 # One row per wait, disjoint per thread: `name` the outermost call.
 WAIT_COLUMNS = ("tid", "pid", "start_ns", "end_ns", "name")
 # One row per burst of launches of one thread: [start_ns, end_ns] the span of its launches.
@@ -91,6 +95,7 @@ def gpu_waits(cuda_call: pd.DataFrame, *, tids: Iterable[int] | None = None) -> 
     overlap an earlier one keep the part after it."""
     state, name = _text(cuda_call, "state"), _text(cuda_call, "name")
     pick = (state == "wait") | ((state == "copy") & np.isin(name, list(SYNC_COPIES)))
+    pick |= (state == "free") & np.isin(name, list(SYNC_FREES))
     pick &= _select_tids(cuda_call, tids)
     rows = np.flatnonzero(pick)
     tid, pid = _col(cuda_call, "tid")[rows], _col(cuda_call, "pid")[rows]

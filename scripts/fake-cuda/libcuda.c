@@ -170,4 +170,5 @@ NOINLINE CUresult cuMemcpyAsync_ptsz(CUdeviceptr d, CUdeviceptr s, size_t n, CUs
     return 0;
 }
 NOINLINE CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return alloc(p, n); }
-NOINLINE CUresult cuMemFree_v2(CUdeviceptr p) { (void)p; return 0; }
+/* As the real one: a free waits for the device to finish the work queued before it. */
+NOINLINE CUresult cuMemFree_v2(CUdeviceptr p) { (void)p; return drain_queue(); }

@@ -193,6 +193,24 @@ def topology(gpus: list[dict], declared: dict | None) -> dict:
     }
 
 
+THP_SETTINGS = ("enabled", "defrag")
+
+
+def thp_mode(root: Path = Path("/sys/kernel/mm/transparent_hugepage")) -> dict[str, str | None]:
+    """The transparent huge page settings, each the bracketed choice of its file
+    ("always [madvise] never" -> "madvise"); None where the file is missing."""
+    out: dict[str, str | None] = {}
+    for name in THP_SETTINGS:
+        try:
+            text = (root / name).read_text()
+        except OSError:
+            out[name] = None
+            continue
+        chosen = text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
+        out[name] = chosen or None
+    return out
+
+
 def kernel_hz() -> int:
     """CONFIG_HZ: from the kernel config when readable, else measured from jiffies."""
     for path in (Path("/proc/config.gz"), Path(f"/boot/config-{_release()}")):

@@ -46,6 +46,7 @@ METRICS: dict[str, str] = {
     "trainbpf_target_step_p50_seconds": "Median training step time.",
     "trainbpf_target_step_p99_seconds": "99th percentile of the training step time.",
     "trainbpf_target_host_bound_ratio": "Share of the step time from the end of a GPU wait to the next kernel launch (the host preparing work; reported, not graded).",
+    "trainbpf_target_faults_per_step": "Page faults the target's threads took per training step (about 256 per MiB of fresh memory with 4 KiB pages, 0.5 with 2 MiB huge pages).",
     "trainbpf_thread_state_seconds": "Seconds the target's threads of one role spent in one state, summed over those threads.",
     "trainbpf_rank_starved_seconds": "Seconds one rank's trainer was starved (stalled while its GPU idled; without GPU samples, while it was not running), its waits for late ranks included.",
     "trainbpf_rank_collective_wait_seconds": "Seconds one rank's trainer waited inside collectives for the other ranks.",
@@ -67,7 +68,8 @@ METRICS: dict[str, str] = {
 # StepMetrics field -> metric; written only for a target whose CUDA calls were traced.
 STEP_METRICS = {"steps": "trainbpf_target_steps", "steps_per_s": "trainbpf_target_steps_per_second",
                 "step_p50_s": "trainbpf_target_step_p50_seconds", "step_p99_s": "trainbpf_target_step_p99_seconds",
-                "host_bound_share": "trainbpf_target_host_bound_ratio"}
+                "host_bound_share": "trainbpf_target_host_bound_ratio",
+                "faults_per_step": "trainbpf_target_faults_per_step"}
 
 Sample = tuple[str, dict[str, str], float]
 

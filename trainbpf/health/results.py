@@ -51,8 +51,9 @@ class StepMetrics:
     step_p50_s: float | None = None
     step_p99_s: float | None = None
     host_bound_share: float | None = None  # launch-gap time / step time
+    faults_per_step: float | None = None  # page faults of the target's threads / steps
 
-    FIELDS = ("steps", "steps_per_s", "step_p50_s", "step_p99_s", "host_bound_share")
+    FIELDS = ("steps", "steps_per_s", "step_p50_s", "step_p99_s", "host_bound_share", "faults_per_step")
 
     def as_dict(self) -> dict[str, Any]:
         return {"traced": self.traced, **{k: getattr(self, k) for k in self.FIELDS}}
@@ -62,14 +63,17 @@ def _finite(value: Any) -> float | None:
     return float(value) if value is not None and math.isfinite(float(value)) else None
 
 
-def step_metrics(uses_cuda: bool, summary: Mapping[str, Any] | None) -> StepMetrics:
-    """StepMetrics of an Analysis's `uses_cuda` and `cuda_steps`."""
+def step_metrics(uses_cuda: bool, summary: Mapping[str, Any] | None, *, faults: int | None = None) -> StepMetrics:
+    """StepMetrics of an Analysis's `uses_cuda` and `cuda_steps`; `faults`: the page
+    faults the target's threads took in the analysed window (None: not known)."""
     if not uses_cuda:
         return StepMetrics(False)
     if not summary or not summary.get("steps"):
         return StepMetrics(True, steps=0)
-    return StepMetrics(True, int(summary["steps"]), _finite(summary.get("steps_per_s")), _finite(summary.get("step_p50_s")),
-                       _finite(summary.get("step_p99_s")), _finite(summary.get("host_bound_share")))
+    steps = int(summary["steps"])
+    return StepMetrics(True, steps, _finite(summary.get("steps_per_s")), _finite(summary.get("step_p50_s")),
+                       _finite(summary.get("step_p99_s")), _finite(summary.get("host_bound_share")),
+                       None if faults is None else faults / steps)
 
 
 @dataclass

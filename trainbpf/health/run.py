@@ -110,7 +110,13 @@ def analyze_target(*, trace: Any, target: Target, tids: set[int], thresholds: Ma
     except Exception as exc:  # a crash in analysis is "could not check", never "healthy"
         return TargetResult(target, error=_analysis_error(f"pid {target.pid}", exc))
     return grade_report(target, report.doc, tids=tids, thresholds=thresholds,
-                        steps=step_metrics(report.analysis.uses_cuda, report.analysis.cuda_steps))
+                        steps=step_metrics(report.analysis.uses_cuda, report.analysis.cuda_steps,
+                                           faults=_tree_faults(report.analysis.churn, tids)))
+
+
+def _tree_faults(churn: Any, tids: set[int]) -> int:
+    """Page faults the threads `tids` took in the analysed window (the churn table's)."""
+    return int(churn.loc[churn["tid"].isin(list(tids)), "faults"].sum())
 
 
 def assess(*, trace_path: Path, targets: list[Target], trees: Mapping[int, tuple[set[int], set[int]]],

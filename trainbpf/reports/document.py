@@ -12,9 +12,12 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
+import pandas as pd
 
 from trainbpf.analyzers.causes.categories import BY_NAME
 from trainbpf.analyzers.causes.files import file_name
+from trainbpf.analyzers.causes.huge_pages import PAGE_COLUMNS
+from trainbpf.analyzers.causes.tlb import CALL_COLUMNS, CHARGE_COLUMNS, shootdown_evidence
 from trainbpf.analyzers.causes.page_cache import refault_names
 from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.pipeline import Analysis
@@ -128,7 +131,27 @@ def build_report(analysis: Analysis) -> dict[str, Any]:
         "cuda": cuda_section(analysis),
         "traces": None,
         "container": None if analysis.containers is None else container_of(analysis.containers, pid),
+        "memory": memory_section(analysis),
     }
+
+
+def memory_section(analysis: Analysis) -> dict[str, Any]:
+    """The report's `memory` section: the THP mode and counters, and each process's
+    faults per MiB newly mapped (analyzers/causes/huge_pages.py)."""
+    pages = analysis.pages if analysis.pages is not None else pd.DataFrame(columns=list(PAGE_COLUMNS))
+    charges = analysis.shootdowns if analysis.shootdowns is not None else pd.DataFrame(columns=list(CHARGE_COLUMNS))
+    names = dict(zip(analysis.threads["tid"].tolist(), analysis.threads["comm"].astype(str).tolist()))
+    mm_calls = analysis.mm_calls if analysis.mm_calls is not None else pd.DataFrame(columns=list(CALL_COLUMNS))
+    return {
+        "thp": dict(analysis.thp or {"enabled": None, "defrag": None}),
+        "processes": [{"pid": int(r.pid), "mapped_bytes": int(r.mapped_bytes), "faults": int(r.faults),
+                       "faults_per_mib": round(float(r.faults_per_mib), 2), "huge_pages": bool(r.huge_pages),
+                       "faults_with_huge_pages": int(r.faults_with_huge_pages)} for r in pages.itertuples(index=False)],
+        "tlb_shootdowns": [{"tid": int(tid), "comm": names.get(int(tid), ""),
+                            **shootdown_evidence(charges, [int(tid)], names, mm_calls)["tlb_shootdowns"]}
+                           for tid in sorted(set(charges.loc[charges["shootdowns"] > 0, "tid"].tolist()))],
+    }
+
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -185,7 +208,15 @@ def culprits(category: str, threads: list[dict[str, Any]], evidence: dict[str, A
             row.setdefault("seconds", _seconds(sum(f["seconds"] for f in own["functions"])))
         out.append(row)
     return (out + _preempting(evidence) + _lock_culprits(evidence, pids) + _io_culprits(evidence)
-            + _memory_culprits(evidence) + network_culprits(evidence) + rank_culprits(evidence))
+            + _memory_culprits(evidence) + _shootdown_senders(evidence) + network_culprits(evidence)
+            + rank_culprits(evidence))
+
+
+def _shootdown_senders(evidence: dict[str, Any]) -> list[dict[str, Any]]:
+    """A memory finding's threads whose unmaps sent the TLB shootdowns that interrupted
+    the trainer (its evidence's `tlb_shootdowns`), each with the shootdowns charged."""
+    return [{"kind": "thread", "name": s["comm"], "tid": s["tid"], "pid": s["pid"], "shootdown_sender": True,
+             "count": s["shootdowns"]} for s in (evidence.get("tlb_shootdowns") or {}).get("senders", [])]
 
 
 def _memory_culprits(evidence: dict[str, Any]) -> list[dict[str, Any]]:

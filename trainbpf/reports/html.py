@@ -23,7 +23,7 @@ from trainbpf.reports.html_timeline import (
     esc,
     timeline,
 )
-from trainbpf.reports.present import container_words, culprit_lines, evidence_lines, pct
+from trainbpf.reports.present import container_words, culprit_lines, evidence_lines, memory_sentences, pct
 from trainbpf.reports.python_frames import python_line
 
 if TYPE_CHECKING:
@@ -74,6 +74,12 @@ def _cuda_section(analysis: Analysis, report: dict[str, Any]) -> list[str]:
         parts.append('<table class="num"><tr><th>tid</th><th>comm</th><th class="n">launches</th><th class="n">GPU waits</th>'
                      f'<th class="n">wait s</th><th class="n">launch gap s</th></tr>{rows}</table>')
     return parts
+
+
+def _memory_section(report: dict[str, Any]) -> list[str]:
+    """The THP mode and each process's faults per MiB newly mapped; nothing when unknown."""
+    sentences = memory_sentences(report["memory"])
+    return ["<h2>Memory</h2>", *(f'<p class="meta">{esc(s)}</p>' for s in sentences)] if sentences else []
 
 
 def _legend(colors: dict[str, str], names: Iterable[str]) -> str:
@@ -201,6 +207,7 @@ def render_html(rendered: Report, *, gpu_idle_threshold: float = GPU_IDLE_THRESH
         _legend(STATE_COLORS, STATES),
         *rank_section(report),
         *_cuda_section(analysis, report),
+        *_memory_section(report),
         "<h2>Findings</h2>",
         _findings(report),
         "<h2>Threads</h2>",

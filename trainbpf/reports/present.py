@@ -160,3 +160,26 @@ def _file_amounts(c: dict[str, Any]) -> str:
     if c.get("write_paths"):
         said.append(f"written {'/'.join(_PATH_WORDS.get(p, p) for p in c['write_paths'])}")
     return ", ".join(said)
+
+
+def memory_sentences(memory: dict[str, Any]) -> list[str]:
+    """The `memory` section in words: the THP mode, then one sentence per process."""
+    thp = memory["thp"]
+    out = [] if not memory["processes"] and thp.get("enabled") is None else \
+        [f"Transparent huge pages: {thp.get('enabled') or 'unknown'} (defrag {thp.get('defrag') or 'unknown'})"]
+    for p in memory["processes"]:
+        pages = "huge pages (2 MiB) used" if p["huge_pages"] else \
+            f"4 KiB pages: huge pages would take {p['faults_with_huge_pages']:,} faults"
+        out.append(f"process {p['pid']}: {p['faults_per_mib']:.1f} faults per MiB newly mapped "
+                   f"({p['faults']:,} faults over {size(p['mapped_bytes'])}); {pages}")
+    for t in memory.get("tlb_shootdowns", []):
+        out.append(f"{t['comm'] or '?'} ({t['tid']}) was interrupted by {t['received']:,} TLB shootdowns"
+                   + "".join(f"; {shootdown_sender(s)}" for s in t["senders"]))
+    return out
+
+
+def shootdown_sender(s: dict[str, Any]) -> str:
+    """A thread whose mapping changes sent TLB shootdowns: "tb_unmapper (12) sent 181
+    with its unmaps (munmap 266, mmap 266)"."""
+    calls = ", ".join(f"{name} {n:,}" for name, n in s["mm_calls"].items())
+    return f"{s['comm'] or '?'} ({s['tid']}) sent {s['shootdowns']:,} with its unmaps" + (f" ({calls})" if calls else "")

@@ -42,6 +42,7 @@ def build_traces_report(found: JobTraces) -> dict[str, Any]:
                     "ranks": [int(r) for r in t.ranks], "residual_offset_ms": round(t.residual_ns / 1e6, 3),
                     "aligned_by": t.aligned_by} for t in found.traces.itertuples(index=False)],
         "container": None,  # each rank's is in `ranks`
+        "memory": None,  # each trace's own report has it
     }
 
 
