@@ -44,17 +44,16 @@ class TlbCollector(Collector):
         return tlb_batches(self.counts.drain(bpf, now_ns, final=final), self.counts.width)
 
 
-def tlb_batches(rows: list[tuple], width: int) -> list[pa.RecordBatch]:
-    """`tlb_flush` rows of BucketCounts rows (bucket, tid, side, flushes, pages, pid, cpu)."""
-    if not rows:
+def tlb_batches(counts: dict[str, np.ndarray], width: int) -> list[pa.RecordBatch]:
+    """`tlb_flush` rows of BucketCounts columns (bucket, tid, side, flushes, pages, pid, cpu)."""
+    if not len(counts["bucket"]):
         return []
-    bucket, tid, side, flushes, pages, pid, cpu = (list(col) for col in zip(*rows))
     return [make_batch("tlb_flush", {
-        **bucket_span(bucket, width),
-        "tid": np.array(tid, dtype=np.int32),
-        "pid": np.array(pid, dtype=np.int32),
-        "cpu": np.array(cpu, dtype=np.int32),
-        "side": [SIDES[s] if 0 <= s < len(SIDES) else "?" for s in side],
-        "bytes": np.array(pages, dtype=np.int64) * PAGE_SIZE,
-        "flushes": np.array(flushes, dtype=np.int64),
+        **bucket_span(counts["bucket"], width),
+        "tid": counts["tid"].astype(np.int32),
+        "pid": counts["pid"].astype(np.int32),
+        "cpu": counts["cpu"].astype(np.int32),
+        "side": [SIDES[s] if 0 <= s < len(SIDES) else "?" for s in counts["side"].tolist()],
+        "bytes": counts["pages"] * PAGE_SIZE,
+        "flushes": counts["flushes"],
     })]
