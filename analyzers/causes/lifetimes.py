@@ -1,0 +1,145 @@
+"""Buffer lifetimes: every mapping paired with its unmapping, and per size class how long
+buffers live, how many are alive at once and how many faults a step they cost.
+
+- `buffers(mm_syscall)`: one row per mapping (mmap, or the new end of an mremap) with
+  the unmapping that ended it (munmap of its start address, or an mremap moving it
+  away); -1 where the trace ends first.  brk moves the heap's end, not a buffer: left out.
+- `lifetimes(buffers, faults, step_starts, span)`: per power-of-two size class,
+  LIFETIME_COLUMNS, in steps where `step_starts` (the steps' start times) are known.
+
+CUDA allocations are not paired: the CUDA probe records an allocation's size, not the
+pointer it returns, so a free cannot be matched to its allocation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from trainbpf.analyzers.intervals import NS_PER_S, Span, as_int64
+
+BUFFER_COLUMNS = ("pid", "addr", "size", "size_class", "map_tid", "map_ns", "unmap_tid", "unmap_ns")
+LIFETIME_COLUMNS = (
+    "size_class",  # bytes: the largest power of two <= the buffer's length
+    "buffers",  # mapped in the window
+    "freed",  # of them, unmapped before the trace ended
+    "alive_at_once",  # buffers of the class alive just after each mapping: median (the pipeline's depth)
+    "alive_max",
+    "lifetime_s",  # median, of the freed ones
+    "lifetime_steps",  # median steps a freed buffer was alive in, 1: the step that mapped it (NaN: no steps known)
+    "maps_per_step",  # NaN: no steps known
+    "faults_per_step",  # the mapping threads' faults, shared among classes by bytes mapped (NaN: no steps)
+    "faults_per_s",
+    "map_tid",  # the thread that mapped most of them
+    "unmap_tid",  # the thread that unmapped most of them (-1: none)
+)
+# Buffers smaller than this are malloc's and the interpreter's own small mappings.
+MIN_BUFFER_BYTES = 256 << 10
+
+
+def _events(mm: pd.DataFrame) -> pd.DataFrame:
+    """Mappings (+1) and unmappings (-1) by start address: mmap's returned address,
+    munmap's address, an mremap's old address (-1) and new one (+1)."""
+    name = mm["syscall"].astype(str).to_numpy()
+    ts, dur = as_int64(mm["ts_ns"], 0), np.maximum(as_int64(mm["dur_ns"], 0), 0)
+    addr, ret, size = as_int64(mm["addr"], 0), as_int64(mm["ret"], -1), as_int64(mm["length"], 0)
+    tid, pid = as_int64(mm["tid"]), as_int64(mm["pid"])
+    ok_map = ret > 0  # a failed mmap returns -errno; 0 is never a user mapping
+    parts = []
+    for pick, at, sign, when in (
+        ((name == "mmap") & ok_map, ret, 1, ts + dur),
+        ((name == "mremap") & ok_map, ret, 1, ts + dur),
+        ((name == "mremap") & ok_map, addr, -1, ts),
+        ((name == "munmap") & (ret == 0), addr, -1, ts),
+    ):
+        parts.append(pd.DataFrame({"pid": pid[pick], "addr": at[pick], "size": size[pick], "tid": tid[pick],
+                                   "ts_ns": when[pick], "sign": np.full(int(pick.sum()), sign, np.int8)}))
+    return pd.concat(parts, ignore_index=True)
+
+
+def buffers(mm_syscall: pd.DataFrame) -> pd.DataFrame:
+    """BUFFER_COLUMNS, one row per mapping of the trace, ordered by its time."""
+    if not len(mm_syscall):
+        return pd.DataFrame({c: np.zeros(0, np.int64) for c in BUFFER_COLUMNS})
+    ev = _events(mm_syscall).sort_values(["pid", "addr", "ts_ns", "sign"], kind="stable", ignore_index=True)
+    # A mapping ends at the next event at its address if that is an unmapping.
+    same = (ev["pid"].shift(-1) == ev["pid"]) & (ev["addr"].shift(-1) == ev["addr"])
+    ended = same & (ev["sign"].shift(-1) == -1)
+    maps = ev["sign"].to_numpy() == 1
+    nxt_tid = ev["tid"].shift(-1).fillna(-1).to_numpy(np.int64)
+    nxt_ts = ev["ts_ns"].shift(-1).fillna(-1).to_numpy(np.int64)
+    end = ended.to_numpy()[maps]
+    size = ev["size"].to_numpy(np.int64)[maps]
+    out = pd.DataFrame({
+        "pid": ev["pid"].to_numpy(np.int64)[maps], "addr": ev["addr"].to_numpy(np.int64)[maps], "size": size,
+        "size_class": size_class(size), "map_tid": ev["tid"].to_numpy(np.int64)[maps],
+        "map_ns": ev["ts_ns"].to_numpy(np.int64)[maps],
+        "unmap_tid": np.where(end, nxt_tid[maps], -1), "unmap_ns": np.where(end, nxt_ts[maps], -1),
+    })
+    return out.sort_values("map_ns", kind="stable", ignore_index=True)[list(BUFFER_COLUMNS)]
+
+
+def size_class(size: np.ndarray) -> np.ndarray:
+    """The largest power of two <= each size (0 for sizes < 1)."""
+    size = np.asarray(size, dtype=np.int64)
+    exp = np.floor(np.log2(np.maximum(size, 1))).astype(np.int64)
+    return np.where(size >= 1, np.left_shift(np.int64(1), exp), 0)
+
+
+def _alive_after_maps(cls_rows: pd.DataFrame, end_ns: int) -> np.ndarray:
+    """How many buffers of one class are alive just after each of its mappings."""
+    unmap = cls_rows["unmap_ns"].to_numpy(np.int64)
+    t = np.concatenate([cls_rows["map_ns"].to_numpy(np.int64), np.where(unmap >= 0, unmap, end_ns)])
+    d = np.concatenate([np.ones(len(cls_rows), np.int64), -np.ones(len(cls_rows), np.int64)])
+    order = np.lexsort((-d, t))  # at the same instant, the mapping first: a handover counts both
+    alive = np.cumsum(d[order])
+    return alive[np.argsort(order)[:len(cls_rows)]]
+
+
+def _most(values: np.ndarray) -> int:
+    values = values[values >= 0]
+    return int(pd.Series(values).value_counts().idxmax()) if len(values) else -1
+
+
+def lifetimes(bufs: pd.DataFrame, faults: pd.DataFrame, step_starts: np.ndarray | None, span: Span) -> pd.DataFrame:
+    """LIFETIME_COLUMNS per size class of the buffers (BUFFER_COLUMNS, >= MIN_BUFFER_BYTES)
+    mapped inside `span`, largest class first.  `faults`: the trace's faults rows (per
+    thread); `step_starts`: the steps' start times (None or empty: unknown)."""
+    keep = ((bufs["map_ns"] >= span.start_ns) & (bufs["map_ns"] < span.end_ns)
+            & (bufs["size"] >= MIN_BUFFER_BYTES)).to_numpy()
+    b = bufs[keep]
+    steps = np.sort(np.asarray(step_starts if step_starts is not None else [], dtype=np.int64))
+    steps = steps[(steps >= span.start_ns) & (steps < span.end_ns)]
+    n_steps = len(steps)
+    seconds = max(span.seconds, 1e-9)
+    fl = faults[(as_int64(faults["ts_ns"]) >= span.start_ns) & (as_int64(faults["ts_ns"]) < span.end_ns)] \
+        if len(faults) else faults
+    per_thread = pd.Series(np.maximum(as_int64(fl["faults"], 0), 0) if len(fl) else [],
+                           index=as_int64(fl["tid"]) if len(fl) else [], dtype=np.int64).groupby(level=0).sum()
+    # A thread's faults, shared among the classes it maps by the bytes it maps of each.
+    share = b.groupby(["map_tid", "size_class"])["size"].sum()
+    share = share / share.groupby(level=0).transform("sum")
+    class_faults = (share * per_thread.reindex(share.index.get_level_values(0)).fillna(0).to_numpy()).groupby(
+        level=1).sum() if len(share) else pd.Series(dtype=np.float64)
+    rows = []
+    for cls, rows_of in b.groupby("size_class", sort=True):
+        freed = rows_of[rows_of["unmap_ns"] >= 0]
+        life_ns = (freed["unmap_ns"] - freed["map_ns"]).to_numpy(np.int64)
+        crossed = 1 + (np.searchsorted(steps, freed["unmap_ns"].to_numpy(np.int64), side="right")
+                   - np.searchsorted(steps, freed["map_ns"].to_numpy(np.int64), side="right"))
+        alive = _alive_after_maps(rows_of, span.end_ns)
+        n_faults = float(class_faults.get(cls, 0.0))
+        rows.append({
+            "size_class": int(cls), "buffers": len(rows_of), "freed": len(freed),
+            "alive_at_once": float(np.median(alive)), "alive_max": int(alive.max()),
+            "lifetime_s": float(np.median(life_ns)) / NS_PER_S if len(freed) else np.nan,
+            "lifetime_steps": float(np.median(crossed)) if n_steps and len(freed) else np.nan,
+            "maps_per_step": len(rows_of) / n_steps if n_steps else np.nan,
+            "faults_per_step": n_faults / n_steps if n_steps else np.nan,
+            "faults_per_s": n_faults / seconds,
+            "map_tid": _most(rows_of["map_tid"].to_numpy(np.int64)),
+            "unmap_tid": _most(freed["unmap_tid"].to_numpy(np.int64)),
+        })
+    out = pd.DataFrame(rows, columns=list(LIFETIME_COLUMNS))
+    return out.sort_values("size_class", ascending=False, ignore_index=True).astype({
+        c: np.int64 for c in ("size_class", "buffers", "freed", "alive_max", "map_tid", "unmap_tid")})
