@@ -68,6 +68,7 @@ class Analysis:
     job: JobResult | None = None  # a job of several ranks (analyzers/job/rank_analysis.py); None: one trainer
     traffic: pd.DataFrame | None = None  # network.TRAFFIC_COLUMNS: each thread's socket bytes in the window
     containers: pd.DataFrame | None = None  # containers.CONTAINER_COLUMNS: the traced processes' containers
+    lifetimes: pd.DataFrame | None = None  # lifetimes.LIFETIME_COLUMNS: the trainer's buffers per size class
     _states: pd.DataFrame | None = field(default=None, repr=False)
 
     @property
@@ -218,7 +219,7 @@ def _analysis(sh: Shared, threads: pd.DataFrame, part: TrainerPart, starved: pd.
         lost=lost_counts(sh.meta, trace.view("lost")), idle_fraction=gpu_idle, uses_cuda=part.uses_cuda,
         cuda_steps=step_summary(part.step_rows) if len(part.step_rows) else None, cuda=sh.cuda,
         pystacks=sh.pystacks, job=job, traffic=thread_traffic(trace.view("net_io"), sh.win.start_ns, sh.win.end_ns),
-        containers=process_containers(trace.view("container")),
+        containers=process_containers(trace.view("container")), lifetimes=part.ctx.lifetimes,
     )
 
 

@@ -24,6 +24,7 @@ from trainbpf.analyzers.causes.chains import followed_waits, is_followed, wait_c
 from trainbpf.analyzers.causes.evidence import EvidenceContext
 from trainbpf.analyzers.causes.host import HostSplit, host_labels
 from trainbpf.analyzers.causes.io_culprits import IO_KINDS
+from trainbpf.analyzers.causes.lifetimes import buffers, lifetimes
 from trainbpf.analyzers.causes.network import NET_KINDS
 from trainbpf.analyzers.causes.numa import gpu_node, memory_placement, thread_placement
 from trainbpf.analyzers.causes.stack_reading import classify_stacks, python_stacks
@@ -114,6 +115,7 @@ class Shared:
     cuda: CudaTimeline | None
     churn: pd.DataFrame
     placement: pd.DataFrame
+    buffers: pd.DataFrame  # lifetimes.BUFFER_COLUMNS: every mapping paired with its unmapping
 
     def trainer_states(self, trainer: int | None) -> tuple[pd.DataFrame, np.ndarray]:
         """A trainer's state intervals (its slots are a slice: slots are sorted by tid),
@@ -161,13 +163,14 @@ def share(trace: Any, window: Window | None) -> Shared:
     del oncpu
     run_split = RunSplit(samples, exact={kind: frames[kind] for kind, _ in EXACT_RUN_KINDS})
     churn = churn_threads(view("mm_syscall"), view("faults"), win)
+    bufs = buffers(view("mm_syscall"))
     placement = thread_placement(samples[(samples["ts_ns"] >= win.start_ns) & (samples["ts_ns"] < win.end_ns)],
                                  view("numa_move"), meta.get("topology") or {})
     return Shared(
         trace=trace, meta=meta, span=span, win=win, base=base, slots=slots, futex_waits=futex_waits, stacks=stacks,
         pystacks=pystacks, frames=frames, samples=samples, run_split=run_split,
         n_cpus=cpus_used(offcpu_cpu=offcpu_cpu, samples=samples),
-        cuda=timeline(view("cuda_call"), view("cuda_launch"), window=win), churn=churn, placement=placement)
+        cuda=timeline(view("cuda_call"), view("cuda_launch"), window=win), churn=churn, placement=placement, buffers=bufs)
 
 
 @dataclass
@@ -222,15 +225,18 @@ def trainer_part(sh: Shared, threads: pd.DataFrame, trainer: int | None, states:
         return attribute_starved(p, states, chain_ends, trainer_tid=trainer, churn=sh.churn, placement=sh.placement)
 
     topology = sh.meta.get("topology") or {}
+    step_rows = steps(cuda_waits, launches, window=win)
+    # Lifetimes in the trainer's steps where its CUDA calls show them, else in seconds.
+    buffer_lifetimes = lifetimes(sh.buffers, sh.trace.view("faults"), step_rows["start_ns"].to_numpy(np.int64), win)
     ctx = EvidenceContext(
         window=win, threads=threads, slots=sh.slots, trainer_states=states, futex_waits=sh.futex_waits,
         stacks=sh.stacks, frames={**sh.frames, **{k: sh.trace.view(k) for k in ("faults", "mm_syscall", "preempted_by") + IO_KINDS + NET_KINDS}},
         churn=sh.churn, placement=sh.placement, memory_nodes=memory_placement(sh.trace.view("numa_maps"), topology),
-        gpu_node=gpu_node(topology), pystacks=sh.pystacks, samples=sh.samples,
+        gpu_node=gpu_node(topology), pystacks=sh.pystacks, samples=sh.samples, lifetimes=buffer_lifetimes,
     )
     return TrainerPart(trainer=trainer, states=states, gpu_windows=gpu_windows, starved=attribute(pieces),
                        chains=chains, chain_ends=chain_ends, ctx=ctx, uses_cuda=uses_cuda,
-                       step_rows=steps(cuda_waits, launches, window=win), gaps=gaps,
+                       step_rows=step_rows, gaps=gaps,
                        timeline=None if every is None else attribute(every))
 
 

@@ -9,7 +9,9 @@ from trainbpf.analyzers.causes.categories import CATEGORIES
 from trainbpf.analyzers.vocab import ROLES, STATES
 
 TOP_KEYS = {"schema", "trace", "gpu", "starved_s", "host_bound_s", "ranks", "straggler", "findings", "threads", "cuda",
-            "traces", "container"}
+            "traces", "container", "buffers"}
+BUFFER_CLASS_KEYS = {"size_class_bytes", "buffers", "freed", "alive_at_once", "alive_max", "lifetime_s",
+                     "lifetime_steps", "maps_per_step", "faults_per_step", "faults_per_s", "map_tid", "unmap_tid"}
 CONTAINER_KEYS = {"id", "runtime", "pod_uid", "cgroup"}
 TRACE_KEYS = {"path", "duration_s", "pid", "lost_events"}
 GPU_KEYS = {"source", "samples", "idle_fraction"}
@@ -111,6 +113,21 @@ def validate_report(doc: dict[str, Any]) -> None:
     assert len({t["tid"] for t in doc["threads"]}) == len(doc["threads"])
     if doc["cuda"] is not None:
         _validate_cuda(doc["cuda"])
+    if doc["buffers"] is not None:
+        _validate_buffers(doc["buffers"])
+
+
+def _validate_buffers(section: dict[str, Any]) -> None:
+    """The `buffers` section: the lifetime table, a row per size class, largest first."""
+    assert set(section) == {"unit", "size_classes"} and section["unit"] in ("steps", "seconds"), section
+    sizes = [c["size_class_bytes"] for c in section["size_classes"]]
+    assert sizes == sorted(sizes, reverse=True) and all(s & (s - 1) == 0 for s in sizes), sizes
+    for c in section["size_classes"]:
+        assert set(c) == BUFFER_CLASS_KEYS, set(c) ^ BUFFER_CLASS_KEYS
+        assert 0 <= c["freed"] <= c["buffers"] and 1 <= c["alive_at_once"] <= c["alive_max"], c
+        for key in ("lifetime_steps", "maps_per_step", "faults_per_step"):
+            _nonneg_float(c[key], nullable=section["unit"] == "seconds" or (key == "lifetime_steps" and not c["freed"]))
+        _nonneg_float(c["lifetime_s"], nullable=not c["freed"])
 
 
 def _nonneg_float(value: Any, nullable: bool = False) -> None:

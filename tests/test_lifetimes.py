@@ -7,9 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from synth import NS, START_NS, Synth
+from report_contract import validate_report
+from synth import FAULT_STACK, NS, START_NS, Synth
 from trainbpf.analyzers.causes.lifetimes import LIFETIME_COLUMNS, buffers, lifetimes
 from trainbpf.analyzers.intervals import Span
+from trainbpf.analyzers.pipeline import analyze
+from trainbpf.reports.buffers import buffer_culprits
+from trainbpf.reports.document import Report
+from trainbpf.reports.html import render_html
+from trainbpf.reports.text import render_text
 
 LOADER, TRAINER = 200, 100
 BATCH = 8 << 20
@@ -86,3 +92,64 @@ def test_empty_trace_gives_an_empty_table(tmp_path):
     trace = s.read(tmp_path)
     table = lifetimes(buffers(trace.view("mm_syscall")), trace.view("faults"), None, Span(START_NS, START_NS + NS))
     assert list(table.columns) == list(LIFETIME_COLUMNS) and not len(table)
+
+
+def analysed(tmp_path, depth: int):
+    """The trainer's own pipeline of `depth` analysed and reported: it maps, faults in (60%
+    of its samples in the fault path) and unmaps its batches itself."""
+    s = Synth(duration_s=6)
+    s.thread(TRAINER, "python")
+    s.thread(LOADER, "loader", pid=TRAINER)
+    s.oncpu_every(TRAINER, 0.0, 5.0, hz=100, kstack=lambda ts: FAULT_STACK if (ts * 100) % 10 < 6 else None,
+                  pystack=("load_batch (/srv/data.py:31)", "<module> (/srv/train.py:9)"))
+    for i in range(50):
+        x = i * STEP_S
+        addr = BASE + (i % (depth + 1)) * (BATCH + 4096)
+        s.mm_syscall(TRAINER, x, 0.0001, "mmap", BATCH, addr=0, ret=addr)
+        s.faults(TRAINER, x, STEP_S, 2048)
+        if depth == 0:
+            s.mm_syscall(TRAINER, x + 0.05, 0.0001, "munmap", BATCH, addr=addr)
+        elif i >= depth:
+            s.mm_syscall(TRAINER, x + 0.001, 0.0001, "munmap", BATCH, addr=BASE + ((i - depth) % (depth + 1)) * (BATCH + 4096))
+    s.gpu_series(lambda ts: 3.0)
+    report = Report.of(analyze(s.read(tmp_path)))
+    validate_report(report.doc)
+    return report
+
+
+def test_held_batches_are_a_freed_late_finding(tmp_path):
+    report = analysed(tmp_path, depth=8)
+    [f] = [f for f in report.doc["findings"] if f["category"] == "allocator_churn"]
+    assert f["evidence"]["case"] == "freed_late", f["evidence"]
+    held = f["evidence"]["held_buffers"]
+    assert held["size_class"] == BATCH and held["alive_at_once"] == 9 and held["map_tid"] == TRAINER
+    assert "fresh 8 MiB buffers: each lives 0.80 s (9 alive at once)" in f["summary"], f["summary"]
+    assert ("mapped by python (100) in load_batch (/srv/data.py:31), unmapped by python (100) in load_batch "
+            "(/srv/data.py:31)") in f["summary"], f["summary"]
+    assert "keep a pool of 9 buffers" in f["recommendation"] and "explicit stream sync" in f["recommendation"]
+    [culprit] = [c for c in f["culprits"] if c["kind"] == "thread"]
+    assert culprit["tid"] == TRAINER and culprit["mapper"] and culprit["unmapper"], f["culprits"]
+    assert culprit["function"] == "load_batch (/srv/data.py:31)", culprit
+    [row] = report.doc["buffers"]["size_classes"]
+    assert report.doc["buffers"]["unit"] == "seconds" and row["alive_at_once"] == 9 and row["unmap_tid"] == TRAINER
+    text = render_text(report)
+    assert "Buffer lifetimes" in text and "8 MiB" in text and "9 (max 9)" in text, text
+    html = render_html(report)
+    assert "<h2>Buffer lifetimes</h2>" in html and "<td>9 (max 9)</td>" in html
+
+
+def test_batches_freed_at_once_are_no_freed_late_finding(tmp_path):
+    report = analysed(tmp_path, depth=0)
+    [f] = [f for f in report.doc["findings"] if f["category"] == "allocator_churn"]
+    assert "case" not in f["evidence"] and "held_buffers" not in f["evidence"], f["evidence"]
+    assert report.doc["buffers"]["size_classes"][0]["alive_max"] == 1
+
+
+def test_a_mapping_thread_outside_the_finding_is_named_as_holder():
+    evidence = {"case": "freed_late", "mapper": {"tid": 100, "comm": "python", "role": "trainer", "function": ""},
+                "unmapper": {"tid": 200, "comm": "loader", "role": "dataloader", "function": "free (/srv/d.py:3)"}}
+    rows = buffer_culprits([{"kind": "thread", "name": "python", "tid": 100, "pid": 100}], evidence, {200: 100})
+    assert rows == [{"kind": "thread", "name": "python", "tid": 100, "pid": 100, "mapper": True},
+                    {"kind": "thread", "name": "loader", "tid": 200, "pid": 100, "holder": True, "unmapper": True,
+                     "function": "free (/srv/d.py:3)"}]
+    assert buffer_culprits([], {}, {}) == []

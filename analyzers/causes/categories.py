@@ -103,7 +103,16 @@ REGISTRY: tuple[Category, ...] = (
         "Memory is mapped and unmapped over and over, and every fresh page faults: pool and reuse buffers "
         "(size-class pools, caching allocators), raise the mmap threshold (MALLOC_MMAP_THRESHOLD_/"
         "MALLOC_TRIM_THRESHOLD_, or tcmalloc/jemalloc), and use huge pages.",
-        "#b15928", run_class="allocator_churn"),
+        "#b15928", run_class="allocator_churn", cases={
+            "freed_late": (
+                "{who} lost {s:.2f} s to faults on fresh {size_class} buffers: each lives {lifetime} "
+                "({alive} alive at once), a fresh one is mapped every time and none is reused, so every {per_unit} "
+                "pays {faults} faults; mapped by {mapper}, unmapped by {unmapper}",
+                "{size_class} buffers are held {lifetime} and then unmapped, while a fresh one is mapped and faulted "
+                "in each time: release each at the step boundary after an explicit stream sync (or event "
+                "synchronize) instead of holding it, and keep a pool of {alive} buffers (the pipeline's depth) that "
+                "are reused rather than mapped afresh; that saves {faults} faults {per}."),
+        }),
     Category(
         "page_faults", ev.page_faults, "{who} lost {s:.2f} s in the page-fault path",
         "Time goes to page faults: pre-fault or pin buffers once (MAP_POPULATE, mlock, touching them at start), "

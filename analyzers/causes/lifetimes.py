@@ -86,6 +86,14 @@ def size_class(size: np.ndarray) -> np.ndarray:
     return np.where(size >= 1, np.left_shift(np.int64(1), exp), 0)
 
 
+def class_label(size_class: int) -> str:
+    """A power-of-two size class in binary units: "8 MiB"."""
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if size_class >= 1 << shift:
+            return f"{size_class / (1 << shift):g} {unit}"
+    return f"{size_class} B"
+
+
 def _alive_after_maps(cls_rows: pd.DataFrame, end_ns: int) -> np.ndarray:
     """How many buffers of one class are alive just after each of its mappings."""
     unmap = cls_rows["unmap_ns"].to_numpy(np.int64)
@@ -143,3 +151,25 @@ def lifetimes(bufs: pd.DataFrame, faults: pd.DataFrame, step_starts: np.ndarray 
     out = pd.DataFrame(rows, columns=list(LIFETIME_COLUMNS))
     return out.sort_values("size_class", ascending=False, ignore_index=True).astype({
         c: np.int64 for c in ("size_class", "buffers", "freed", "alive_max", "map_tid", "unmap_tid")})
+
+
+# Batch-sized buffers held late: at least this large, mapped afresh at least this often,
+# at least this many alive at once (each mapping while earlier ones still wait), and
+# most of them freed within the trace (a pool that is kept is not churn).
+HELD_MIN_BYTES = 1 << 20
+HELD_MIN_BUFFERS = 8
+HELD_MIN_ALIVE = 2.0
+HELD_MIN_FREED = 0.5
+
+
+def held_class(table: pd.DataFrame, tids: list[int] | None = None) -> pd.Series | None:
+    """The size class (a LIFETIME_COLUMNS row) whose buffers are freed late, mapped or
+    unmapped by `tids` where one such class is, the most bytes mapped first; None: none."""
+    held = table[(table["size_class"] >= HELD_MIN_BYTES) & (table["buffers"] >= HELD_MIN_BUFFERS)
+                 & (table["alive_at_once"] >= HELD_MIN_ALIVE) & (table["freed"] >= HELD_MIN_FREED * table["buffers"])]
+    if tids:
+        theirs = held[held["map_tid"].isin(tids) | held["unmap_tid"].isin(tids)]
+        held = theirs if len(theirs) else held
+    if not len(held):
+        return None
+    return held.loc[(held["size_class"] * held["buffers"]).idxmax()]
