@@ -377,6 +377,11 @@ def cuda_fake(runtime: str) -> dict:
     rt.cudaMemcpy(ptr, None, ctypes.c_size_t(20_000_000), 1)  # 2 ms at the stand-in's 10 GB/s
     rt.cudaMemcpyAsync_ptsz(ptr, None, ctypes.c_size_t(1 << 20), 1, stream)
     rt.cudaFree(ptr)
+    wait_for_uprobes(rt, ["cudaHostAlloc", "cudaFreeHost"])
+    host = ctypes.c_void_p()
+    rt.cudaHostAlloc(ctypes.byref(host), ctypes.c_size_t(1 << 20), 0)
+    out["host_ptr"] = host.value
+    rt.cudaFreeHost(host)
     return out
 
 

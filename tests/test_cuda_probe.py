@@ -124,6 +124,21 @@ def test_copies_and_allocations(fake):
     assert (main.ustack_id >= 0).all()
 
 
+def test_pinned_host_allocations_and_frees(fake):
+    """cudaHostAlloc (through the driver's cuMemHostAlloc) and cudaFreeHost are probed:
+    an allocation with its size, a free with its pointer."""
+    rt, drv = ({Path(lib["path"]).name: lib for lib in fake.trace.meta["cuda"]["libraries"]}[name]["symbols"]
+               for name in ("libcudart.so.12", "libcuda.so.1"))
+    assert {"cudaHostAlloc", "cudaMallocHost", "cudaFreeHost", "cudaMallocAsync", "cudaFreeAsync"} <= set(rt), rt
+    assert "cuMemHostAlloc" in drv, drv
+    calls = fake.trace.frame("cuda_call")
+    main = calls[calls.tid == fake.tids["main"]].set_index("name")
+    assert main.loc["cudaHostAlloc", "state"] == "alloc" and int(main.loc["cudaHostAlloc", "size"]) == 1 << 20
+    assert main.loc["cuMemHostAlloc", "state"] == "alloc" and int(main.loc["cuMemHostAlloc", "op"]) == 1
+    assert main.loc["cudaFreeHost", "state"] == "free"
+    assert int(main.loc["cudaFreeHost", "addr"]) == fake.tids["host_ptr"]
+
+
 def test_no_ring_buffer_traffic_for_launches(fake):
     """Launch counting goes through the hash only: every cuda_call row is a wait/copy."""
     calls = fake.trace.frame("cuda_call")

@@ -47,6 +47,9 @@ CALLS: tuple[CudaCall, ...] = tuple(CudaCall(*call) for call in (
     ("cuMemAlloc", 1, 3, 0, 2), ("cuMemAllocAsync", 1, 3, 3, 2), ("cuMemAllocHost", 1, 3, 0, 2),
     ("cuMemAllocManaged", 1, 3, 0, 2),
     ("cuMemFree", 1, 4, 1, 0), ("cuMemFreeHost", 1, 4, 1, 0), ("cuMemFreeAsync", 1, 4, 2, 0),
+    # Pinned host memory and stream-ordered allocations.
+    ("cudaHostAlloc", 0, 3, 0, 2), ("cudaMallocHost", 0, 3, 0, 2), ("cudaMallocAsync", 0, 3, 3, 2),
+    ("cudaFreeHost", 0, 4, 1, 0), ("cudaFreeAsync", 0, 4, 2, 0), ("cuMemHostAlloc", 1, 3, 0, 2),
 ))
 # The slots of a thread's current bucket in the probe (cuda_thread): (name, layer, nested).
 LAUNCH_SLOTS = (("runtime", 0, 0), ("driver", 1, 0), ("nested", 1, 1))
