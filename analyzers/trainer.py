@@ -24,7 +24,7 @@ from trainbpf.analyzers.causes.chains import followed_waits, is_followed, wait_c
 from trainbpf.analyzers.causes.evidence import EvidenceContext
 from trainbpf.analyzers.causes.host import HostSplit, host_labels
 from trainbpf.analyzers.causes.io_culprits import IO_KINDS
-from trainbpf.analyzers.causes.lifetimes import buffers, lifetimes
+from trainbpf.analyzers.causes.lifetimes import buffers, busy_period_starts, lifetimes
 from trainbpf.analyzers.causes.network import NET_KINDS
 from trainbpf.analyzers.causes.numa import gpu_node, memory_placement, thread_placement
 from trainbpf.analyzers.causes.stack_reading import classify_stacks, python_stacks
@@ -226,8 +226,10 @@ def trainer_part(sh: Shared, threads: pd.DataFrame, trainer: int | None, states:
 
     topology = sh.meta.get("topology") or {}
     step_rows = steps(cuda_waits, launches, window=win)
-    # Lifetimes in the trainer's steps where its CUDA calls show them, else in seconds.
-    buffer_lifetimes = lifetimes(sh.buffers, sh.trace.view("faults"), step_rows["start_ns"].to_numpy(np.int64), win)
+    # Lifetimes in the trainer's steps where its CUDA calls show them, else in the GPU's
+    # busy periods, else in seconds.
+    step_starts = step_rows["start_ns"].to_numpy(np.int64) if len(step_rows) else busy_period_starts(windows)
+    buffer_lifetimes = lifetimes(sh.buffers, sh.trace.view("faults"), step_starts, win)
     ctx = EvidenceContext(
         window=win, threads=threads, slots=sh.slots, trainer_states=states, futex_waits=sh.futex_waits,
         stacks=sh.stacks, frames={**sh.frames, **{k: sh.trace.view(k) for k in ("faults", "mm_syscall", "preempted_by") + IO_KINDS + NET_KINDS}},

@@ -5,11 +5,12 @@ faults a step, on synthetic traces."""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from report_contract import validate_report
 from synth import FAULT_STACK, NS, START_NS, Synth
-from trainbpf.analyzers.causes.lifetimes import LIFETIME_COLUMNS, buffers, lifetimes
+from trainbpf.analyzers.causes.lifetimes import LIFETIME_COLUMNS, buffers, busy_period_starts, lifetimes
 from trainbpf.analyzers.intervals import Span
 from trainbpf.analyzers.pipeline import analyze
 from trainbpf.reports.buffers import buffer_culprits
@@ -94,7 +95,7 @@ def test_empty_trace_gives_an_empty_table(tmp_path):
     assert list(table.columns) == list(LIFETIME_COLUMNS) and not len(table)
 
 
-def analysed(tmp_path, depth: int):
+def analysed(tmp_path, depth: int, gpu=lambda ts: 3.0):
     """The trainer's own pipeline of `depth` analysed and reported: it maps, faults in (60%
     of its samples in the fault path) and unmaps its batches itself."""
     s = Synth(duration_s=6)
@@ -111,7 +112,7 @@ def analysed(tmp_path, depth: int):
             s.mm_syscall(TRAINER, x + 0.05, 0.0001, "munmap", BATCH, addr=addr)
         elif i >= depth:
             s.mm_syscall(TRAINER, x + 0.001, 0.0001, "munmap", BATCH, addr=BASE + ((i - depth) % (depth + 1)) * (BATCH + 4096))
-    s.gpu_series(lambda ts: 3.0)
+    s.gpu_series(gpu, period=0.05)
     report = Report.of(analyze(s.read(tmp_path)))
     validate_report(report.doc)
     return report
@@ -153,3 +154,22 @@ def test_a_mapping_thread_outside_the_finding_is_named_as_holder():
                     {"kind": "thread", "name": "loader", "tid": 200, "pid": 100, "holder": True, "unmapper": True,
                      "function": "free (/srv/d.py:3)"}]
     assert buffer_culprits([], {}, {}) == []
+
+
+def test_gpu_busy_periods_are_the_steps_without_cuda(tmp_path):
+    """A GPU busy for the first half of every 0.1 s step: a buffer freed 8 steps after
+    it was mapped lived in 9 of them, and each step pays its batch's faults."""
+    report = analysed(tmp_path, depth=8, gpu=lambda ts: 90.0 if ts < 5 and round(ts / 0.05) % 2 == 0 else 0.0)
+    [row] = report.doc["buffers"]["size_classes"]
+    assert report.doc["buffers"]["unit"] == "steps", report.doc["buffers"]
+    assert row["lifetime_steps"] == 9 and row["maps_per_step"] == pytest.approx(1.0, abs=0.05), row
+    [f] = [f for f in report.doc["findings"] if f["category"] == "allocator_churn"]
+    assert "each lives 9 steps (9 alive at once)" in f["summary"] and "every step pays 2," in f["summary"], f["summary"]
+
+
+def test_busy_period_starts():
+    w = pd.DataFrame({"gpu": ["a"] * 6 + ["b"], "start_ns": [0, 10, 20, 30, 40, 50, 0], "end_ns": [10, 20, 30, 40, 50, 60, 10],
+                      "idle_ns": [1.0, 2.0, 9.0, 0.0, 10.0, 3.0, 0.0]})
+    assert busy_period_starts(w).tolist() == [0, 30, 50]
+    assert busy_period_starts(w.assign(idle_ns=0.0)).tolist() == []  # always busy: no rhythm
+    assert busy_period_starts(w.iloc[:0]).tolist() == []

@@ -5,7 +5,8 @@ buffers live, how many are alive at once and how many faults a step they cost.
   the unmapping that ended it (munmap of its start address, or an mremap moving it
   away); -1 where the trace ends first.  brk moves the heap's end, not a buffer: left out.
 - `lifetimes(buffers, faults, step_starts, span)`: per power-of-two size class,
-  LIFETIME_COLUMNS, in steps where `step_starts` (the steps' start times) are known.
+  LIFETIME_COLUMNS, in steps where `step_starts` (the steps' start times: the trainer's
+  CUDA steps, else `busy_period_starts` of the GPU's samples) are known.
 
 CUDA allocations are not paired: the CUDA probe records an allocation's size, not the
 pointer it returns, so a free cannot be matched to its allocation.
@@ -84,6 +85,21 @@ def size_class(size: np.ndarray) -> np.ndarray:
     size = np.asarray(size, dtype=np.int64)
     exp = np.floor(np.log2(np.maximum(size, 1))).astype(np.int64)
     return np.where(size >= 1, np.left_shift(np.int64(1), exp), 0)
+
+
+def busy_period_starts(windows: pd.DataFrame) -> np.ndarray:
+    """Where the GPU's busy periods start, as steps where CUDA calls show none: each run
+    of sample windows (gpu, start_ns, end_ns, idle_ns) busy at least half their length,
+    on the first GPU; none when no window is idle or none busy (no rhythm to count)."""
+    if not len(windows):
+        return np.zeros(0, np.int64)
+    w = windows[windows["gpu"].to_numpy(dtype=object) == windows["gpu"].iloc[0]].sort_values("start_ns")
+    length = (w["end_ns"] - w["start_ns"]).to_numpy(np.float64)
+    busy = w["idle_ns"].to_numpy(np.float64) < 0.5 * length
+    if busy.all() or not busy.any():
+        return np.zeros(0, np.int64)
+    rising = busy & ~np.concatenate([[False], busy[:-1]])
+    return w["start_ns"].to_numpy(np.int64)[rising]
 
 
 def class_label(size_class: int) -> str:
