@@ -126,7 +126,7 @@ def test_copies_and_allocations(fake):
 
 def test_pinned_host_allocations_and_frees(fake):
     """cudaHostAlloc (through the driver's cuMemHostAlloc) and cudaFreeHost are probed:
-    an allocation with its size, a free with its pointer."""
+    an allocation with its size and the pointer it returned, a free with its pointer."""
     rt, drv = ({Path(lib["path"]).name: lib for lib in fake.trace.meta["cuda"]["libraries"]}[name]["symbols"]
                for name in ("libcudart.so.12", "libcuda.so.1"))
     assert {"cudaHostAlloc", "cudaMallocHost", "cudaFreeHost", "cudaMallocAsync", "cudaFreeAsync"} <= set(rt), rt
@@ -137,6 +137,7 @@ def test_pinned_host_allocations_and_frees(fake):
     assert main.loc["cuMemHostAlloc", "state"] == "alloc" and int(main.loc["cuMemHostAlloc", "op"]) == 1
     assert main.loc["cudaFreeHost", "state"] == "free"
     assert int(main.loc["cudaFreeHost", "addr"]) == fake.tids["host_ptr"]
+    assert int(main.loc["cudaHostAlloc", "addr"]) == int(main.loc["cuMemHostAlloc", "addr"]) == fake.tids["host_ptr"]
 
 
 def test_no_ring_buffer_traffic_for_launches(fake):
