@@ -163,7 +163,7 @@ def share(trace: Any, window: Window | None) -> Shared:
     del oncpu
     run_split = RunSplit(samples, exact={kind: frames[kind] for kind, _ in EXACT_RUN_KINDS})
     churn = churn_threads(view("mm_syscall"), view("faults"), win)
-    bufs = buffers(view("mm_syscall"))
+    bufs = buffers(view("mm_syscall"), view("cuda_call"))
     placement = thread_placement(samples[(samples["ts_ns"] >= win.start_ns) & (samples["ts_ns"] < win.end_ns)],
                                  view("numa_move"), meta.get("topology") or {})
     return Shared(

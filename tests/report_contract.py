@@ -6,11 +6,12 @@ import json
 from typing import Any
 
 from trainbpf.analyzers.causes.categories import CATEGORIES
+from trainbpf.analyzers.causes.lifetimes import MEMORY
 from trainbpf.analyzers.vocab import ROLES, STATES
 
 TOP_KEYS = {"schema", "trace", "gpu", "starved_s", "host_bound_s", "ranks", "straggler", "findings", "threads", "cuda",
             "traces", "container", "buffers"}
-BUFFER_CLASS_KEYS = {"size_class_bytes", "buffers", "freed", "alive_at_once", "alive_max", "lifetime_s",
+BUFFER_CLASS_KEYS = {"memory", "size_class_bytes", "buffers", "freed", "alive_at_once", "alive_max", "lifetime_s",
                      "lifetime_steps", "maps_per_step", "faults_per_step", "faults_per_s", "map_tid", "unmap_tid"}
 CONTAINER_KEYS = {"id", "runtime", "pod_uid", "cgroup"}
 TRACE_KEYS = {"path", "duration_s", "pid", "lost_events"}
@@ -120,8 +121,9 @@ def validate_report(doc: dict[str, Any]) -> None:
 def _validate_buffers(section: dict[str, Any]) -> None:
     """The `buffers` section: the lifetime table, a row per size class, largest first."""
     assert set(section) == {"unit", "size_classes"} and section["unit"] in ("steps", "seconds"), section
-    sizes = [c["size_class_bytes"] for c in section["size_classes"]]
-    assert sizes == sorted(sizes, reverse=True) and all(s & (s - 1) == 0 for s in sizes), sizes
+    order = [(MEMORY.index(c["memory"]), -c["size_class_bytes"]) for c in section["size_classes"]]
+    assert order == sorted(order) and all(c["size_class_bytes"] & (c["size_class_bytes"] - 1) == 0
+                                          for c in section["size_classes"]), order
     for c in section["size_classes"]:
         assert set(c) == BUFFER_CLASS_KEYS, set(c) ^ BUFFER_CLASS_KEYS
         assert 0 <= c["freed"] <= c["buffers"] and 1 <= c["alive_at_once"] <= c["alive_max"], c

@@ -10,7 +10,7 @@ import pytest
 
 from report_contract import validate_report
 from synth import FAULT_STACK, NS, START_NS, Synth
-from trainbpf.analyzers.causes.lifetimes import LIFETIME_COLUMNS, buffers, busy_period_starts, lifetimes
+from trainbpf.analyzers.causes.lifetimes import LIFETIME_COLUMNS, buffers, busy_period_starts, held_class, lifetimes
 from trainbpf.analyzers.intervals import Span
 from trainbpf.analyzers.pipeline import analyze
 from trainbpf.reports.buffers import buffer_culprits
@@ -173,3 +173,37 @@ def test_busy_period_starts():
     assert busy_period_starts(w).tolist() == [0, 30, 50]
     assert busy_period_starts(w.assign(idle_ns=0.0)).tolist() == []  # always busy: no rhythm
     assert busy_period_starts(w.iloc[:0]).tolist() == []
+
+
+def cuda_call(s: Synth, tid: int, ts: float, name: str, state: str, ptr: int, size: int = 0, *, nested: int = 0,
+              dur: float = 0.0002, ret: int = 0) -> None:
+    s.add("cuda_call", ts_ns=START_NS + int(ts * NS), dur_ns=int(dur * NS), tid=tid, pid=TRAINER, name=name,
+          state=state, op=nested, addr=ptr, size=size, count=ret, ustack_id=-1)
+
+
+def test_cuda_allocations_are_paired_with_their_frees(tmp_path):
+    """Pinned host batches held 4 deep and device buffers freed at once, each paired by
+    pointer; the driver's nested call and a failed allocation are no buffers; CUDA's
+    buffers take none of the host's faults and are no freed_late case of the faults."""
+    s = Synth(duration_s=3)
+    s.thread(TRAINER, "python")
+    s.faults(TRAINER, 0.0, 2.0, 5000)
+    host, dev = 0x7F1000000000, 0x700000000000
+    for i in range(20):
+        x = i * STEP_S
+        cuda_call(s, TRAINER, x, "cudaHostAlloc", "alloc", host + (i % 5) * BATCH, BATCH)
+        cuda_call(s, TRAINER, x, "cuMemHostAlloc", "alloc", host + (i % 5) * BATCH, BATCH, nested=1)
+        if i >= 4:
+            cuda_call(s, TRAINER, x + 0.01, "cudaFreeHost", "free", host + ((i - 4) % 5) * BATCH)
+        cuda_call(s, TRAINER, x + 0.02, "cudaMalloc", "alloc", dev + i * (1 << 20), 1 << 20)
+        cuda_call(s, TRAINER, x + 0.03, "cudaFree", "free", dev + i * (1 << 20))
+    cuda_call(s, TRAINER, 2.5, "cudaMalloc", "alloc", 0, 1 << 20, ret=2)  # out of memory
+    trace = s.read(tmp_path)
+    bufs = buffers(trace.view("mm_syscall"), trace.view("cuda_call"))
+    assert len(bufs) == 40 and set(bufs["memory"]) == {"cuda_host", "cuda_device"}
+    table = lifetimes(bufs, trace.view("faults"), None, Span(START_NS, START_NS + 2 * NS))
+    assert table[["memory", "size_class", "buffers", "freed", "alive_max"]].values.tolist() == [
+        ["cuda_device", 1 << 20, 20, 20, 1], ["cuda_host", BATCH, 20, 16, 5]]
+    assert table["alive_at_once"].tolist() == [1.0, 5.0] and (table["faults_per_s"] == 0).all()
+    assert table["lifetime_s"].round(2).tolist() == [0.01, 0.41]
+    assert held_class(table) is None

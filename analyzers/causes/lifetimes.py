@@ -1,26 +1,34 @@
 """Buffer lifetimes: every mapping paired with its unmapping, and per size class how long
 buffers live, how many are alive at once and how many faults a step they cost.
 
-- `buffers(mm_syscall)`: one row per mapping (mmap, or the new end of an mremap) with
-  the unmapping that ended it (munmap of its start address, or an mremap moving it
-  away); -1 where the trace ends first.  brk moves the heap's end, not a buffer: left out.
+- `buffers(mm_syscall, cuda_call)`: one row per mapping (mmap, or the new end of an
+  mremap) with the unmapping that ended it (munmap of its start address, or an mremap
+  moving it away), and per CUDA allocation the probe saw with the free of its pointer;
+  -1 where the trace ends first.  brk moves the heap's end, not a buffer: left out.
 - `lifetimes(buffers, faults, step_starts, span)`: per power-of-two size class,
   LIFETIME_COLUMNS, in steps where `step_starts` (the steps' start times: the trainer's
   CUDA steps, else `busy_period_starts` of the GPU's samples) are known.
 
-CUDA allocations are not paired: the CUDA probe records an allocation's size, not the
-pointer it returns, so a free cannot be matched to its allocation.
+CUDA allocations and frees shorter than the recorder's min_cuda_ns have no row: such a
+buffer is unpaired (never freed, or a free without its allocation, left out).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.intervals import NS_PER_S, Span, as_int64
 
-BUFFER_COLUMNS = ("pid", "addr", "size", "size_class", "map_tid", "map_ns", "unmap_tid", "unmap_ns")
+BUFFER_COLUMNS = ("memory", "pid", "addr", "size", "size_class", "map_tid", "map_ns", "unmap_tid", "unmap_ns")
+# What a buffer is: mapped by mmap/mremap, or allocated by CUDA on the device or as
+# pinned host memory (CUDA_HOST_CALLS).
+MEMORY = ("mapped", "cuda_device", "cuda_host")
+CUDA_HOST_CALLS = ("cudaHostAlloc", "cudaMallocHost", "cuMemHostAlloc", "cuMemAllocHost")
 LIFETIME_COLUMNS = (
+    "memory",  # MEMORY
     "size_class",  # bytes: the largest power of two <= the buffer's length
     "buffers",  # mapped in the window
     "freed",  # of them, unmapped before the trace ended
@@ -29,7 +37,7 @@ LIFETIME_COLUMNS = (
     "lifetime_s",  # median, of the freed ones
     "lifetime_steps",  # median steps a freed buffer was alive in, 1: the step that mapped it (NaN: no steps known)
     "maps_per_step",  # NaN: no steps known
-    "faults_per_step",  # the mapping threads' faults, shared among classes by bytes mapped (NaN: no steps)
+    "faults_per_step",  # the mapping threads' faults, shared among mapped classes by bytes (NaN: no steps)
     "faults_per_s",
     "map_tid",  # the thread that mapped most of them
     "unmap_tid",  # the thread that unmapped most of them (-1: none)
@@ -53,18 +61,44 @@ def _events(mm: pd.DataFrame) -> pd.DataFrame:
         ((name == "mremap") & ok_map, addr, -1, ts),
         ((name == "munmap") & (ret == 0), addr, -1, ts),
     ):
-        parts.append(pd.DataFrame({"pid": pid[pick], "addr": at[pick], "size": size[pick], "tid": tid[pick],
-                                   "ts_ns": when[pick], "sign": np.full(int(pick.sum()), sign, np.int8)}))
+        parts.append(_event_rows(pick, "mapped", pid, at, size, tid, when, sign))
     return pd.concat(parts, ignore_index=True)
 
 
-def buffers(mm_syscall: pd.DataFrame) -> pd.DataFrame:
-    """BUFFER_COLUMNS, one row per mapping of the trace, ordered by its time."""
-    if not len(mm_syscall):
-        return pd.DataFrame({c: np.zeros(0, np.int64) for c in BUFFER_COLUMNS})
-    ev = _events(mm_syscall).sort_values(["pid", "addr", "ts_ns", "sign"], kind="stable", ignore_index=True)
-    # A mapping ends at the next event at its address if that is an unmapping.
-    same = (ev["pid"].shift(-1) == ev["pid"]) & (ev["addr"].shift(-1) == ev["addr"])
+def _event_rows(pick: np.ndarray, memory: Any, pid: np.ndarray, at: np.ndarray, size: np.ndarray, tid: np.ndarray,
+                when: np.ndarray, sign: int) -> pd.DataFrame:
+    n = int(pick.sum())
+    return pd.DataFrame({"memory": np.broadcast_to(np.asarray(memory, dtype=object), pick.shape)[pick],
+                         "space": np.full(n, memory == "mapped" if isinstance(memory, str) else False),
+                         "pid": pid[pick], "addr": at[pick], "size": size[pick], "tid": tid[pick],
+                         "ts_ns": when[pick], "sign": np.full(n, sign, np.int8)})
+
+
+def _cuda_events(calls: pd.DataFrame) -> pd.DataFrame:
+    """CUDA allocations (+1, at their return, by the pointer they returned) and frees (-1)
+    that succeeded; a driver call inside a runtime call is the runtime call's own."""
+    state = calls["state"].astype(str).to_numpy()
+    ts, dur = as_int64(calls["ts_ns"], 0), np.maximum(as_int64(calls["dur_ns"], 0), 0)
+    ok = (as_int64(calls["ret"], -1) == 0) & (as_int64(calls["nested"], 0) == 0) & (as_int64(calls["addr"], 0) > 0)
+    memory = np.where(np.isin(calls["name"].astype(str).to_numpy(), CUDA_HOST_CALLS), "cuda_host", "cuda_device")
+    cols = (as_int64(calls["pid"]), as_int64(calls["addr"], 0), as_int64(calls["bytes"], 0), as_int64(calls["tid"]))
+    return pd.concat([_event_rows(ok & (state == "alloc"), memory.astype(object), *cols, ts + dur, 1),
+                      _event_rows(ok & (state == "free"), memory.astype(object), *cols, ts, -1)], ignore_index=True)
+
+
+def buffers(mm_syscall: pd.DataFrame, cuda_call: pd.DataFrame | None = None) -> pd.DataFrame:
+    """BUFFER_COLUMNS, one row per mapping or CUDA allocation of the trace, ordered by its
+    time."""
+    parts = ([_events(mm_syscall)] if len(mm_syscall) else []) + (
+        [_cuda_events(cuda_call)] if cuda_call is not None and len(cuda_call) else [])
+    if not parts:
+        return pd.DataFrame({c: np.zeros(0, object if c == "memory" else np.int64) for c in BUFFER_COLUMNS})
+    ev = pd.concat(parts, ignore_index=True).sort_values(
+        ["space", "pid", "addr", "ts_ns", "sign"], kind="stable", ignore_index=True)
+    # A mapping ends at the next event at its address (mappings and CUDA's pointers
+    # apart: the driver maps pinned memory too) if that is an unmapping.
+    same = ((ev["space"].shift(-1) == ev["space"]) & (ev["pid"].shift(-1) == ev["pid"])
+            & (ev["addr"].shift(-1) == ev["addr"]))
     ended = same & (ev["sign"].shift(-1) == -1)
     maps = ev["sign"].to_numpy() == 1
     nxt_tid = ev["tid"].shift(-1).fillna(-1).to_numpy(np.int64)
@@ -72,7 +106,7 @@ def buffers(mm_syscall: pd.DataFrame) -> pd.DataFrame:
     end = ended.to_numpy()[maps]
     size = ev["size"].to_numpy(np.int64)[maps]
     out = pd.DataFrame({
-        "pid": ev["pid"].to_numpy(np.int64)[maps], "addr": ev["addr"].to_numpy(np.int64)[maps], "size": size,
+        "memory": ev["memory"].to_numpy(dtype=object)[maps], "pid": ev["pid"].to_numpy(np.int64)[maps], "addr": ev["addr"].to_numpy(np.int64)[maps], "size": size,
         "size_class": size_class(size), "map_tid": ev["tid"].to_numpy(np.int64)[maps],
         "map_ns": ev["ts_ns"].to_numpy(np.int64)[maps],
         "unmap_tid": np.where(end, nxt_tid[maps], -1), "unmap_ns": np.where(end, nxt_ts[maps], -1),
@@ -126,8 +160,8 @@ def _most(values: np.ndarray) -> int:
 
 
 def lifetimes(bufs: pd.DataFrame, faults: pd.DataFrame, step_starts: np.ndarray | None, span: Span) -> pd.DataFrame:
-    """LIFETIME_COLUMNS per size class of the buffers (BUFFER_COLUMNS, >= MIN_BUFFER_BYTES)
-    mapped inside `span`, largest class first.  `faults`: the trace's faults rows (per
+    """LIFETIME_COLUMNS per memory and size class of the buffers (BUFFER_COLUMNS, >=
+    MIN_BUFFER_BYTES) mapped inside `span`, by MEMORY, largest class first.  `faults`: the trace's faults rows (per
     thread); `step_starts`: the steps' start times (None or empty: unknown)."""
     keep = ((bufs["map_ns"] >= span.start_ns) & (bufs["map_ns"] < span.end_ns)
             & (bufs["size"] >= MIN_BUFFER_BYTES)).to_numpy()
@@ -140,21 +174,23 @@ def lifetimes(bufs: pd.DataFrame, faults: pd.DataFrame, step_starts: np.ndarray 
         if len(faults) else faults
     per_thread = pd.Series(np.maximum(as_int64(fl["faults"], 0), 0) if len(fl) else [],
                            index=as_int64(fl["tid"]) if len(fl) else [], dtype=np.int64).groupby(level=0).sum()
-    # A thread's faults, shared among the classes it maps by the bytes it maps of each.
-    share = b.groupby(["map_tid", "size_class"])["size"].sum()
+    # A thread's faults, shared among the classes it maps by the bytes it maps of each
+    # (CUDA's device memory does not fault on the host; pinned memory faults in the
+    # driver's own mappings).
+    share = b[b["memory"] == "mapped"].groupby(["map_tid", "size_class"])["size"].sum()
     share = share / share.groupby(level=0).transform("sum")
     class_faults = (share * per_thread.reindex(share.index.get_level_values(0)).fillna(0).to_numpy()).groupby(
         level=1).sum() if len(share) else pd.Series(dtype=np.float64)
     rows = []
-    for cls, rows_of in b.groupby("size_class", sort=True):
+    for (memory, cls), rows_of in b.groupby(["memory", "size_class"], sort=True):
         freed = rows_of[rows_of["unmap_ns"] >= 0]
         life_ns = (freed["unmap_ns"] - freed["map_ns"]).to_numpy(np.int64)
         crossed = 1 + (np.searchsorted(steps, freed["unmap_ns"].to_numpy(np.int64), side="right")
                    - np.searchsorted(steps, freed["map_ns"].to_numpy(np.int64), side="right"))
         alive = _alive_after_maps(rows_of, span.end_ns)
-        n_faults = float(class_faults.get(cls, 0.0))
+        n_faults = float(class_faults.get(cls, 0.0)) if memory == "mapped" else 0.0
         rows.append({
-            "size_class": int(cls), "buffers": len(rows_of), "freed": len(freed),
+            "memory": memory, "size_class": int(cls), "buffers": len(rows_of), "freed": len(freed),
             "alive_at_once": float(np.median(alive)), "alive_max": int(alive.max()),
             "lifetime_s": float(np.median(life_ns)) / NS_PER_S if len(freed) else np.nan,
             "lifetime_steps": float(np.median(crossed)) if n_steps and len(freed) else np.nan,
@@ -165,7 +201,9 @@ def lifetimes(bufs: pd.DataFrame, faults: pd.DataFrame, step_starts: np.ndarray 
             "unmap_tid": _most(freed["unmap_tid"].to_numpy(np.int64)),
         })
     out = pd.DataFrame(rows, columns=list(LIFETIME_COLUMNS))
-    return out.sort_values("size_class", ascending=False, ignore_index=True).astype({
+    order = out["memory"].map({m: i for i, m in enumerate(MEMORY)})
+    out = out.assign(order=order).sort_values(["order", "size_class"], ascending=[True, False], ignore_index=True)
+    return out.drop(columns="order").astype({
         c: np.int64 for c in ("size_class", "buffers", "freed", "alive_max", "map_tid", "unmap_tid")})
 
 
@@ -181,7 +219,7 @@ HELD_MIN_FREED = 0.5
 def held_class(table: pd.DataFrame, tids: list[int] | None = None) -> pd.Series | None:
     """The size class (a LIFETIME_COLUMNS row) whose buffers are freed late, mapped or
     unmapped by `tids` where one such class is, the most bytes mapped first; None: none."""
-    held = table[(table["size_class"] >= HELD_MIN_BYTES) & (table["buffers"] >= HELD_MIN_BUFFERS)
+    held = table[(table["memory"] == "mapped") & (table["size_class"] >= HELD_MIN_BYTES) & (table["buffers"] >= HELD_MIN_BUFFERS)
                  & (table["alive_at_once"] >= HELD_MIN_ALIVE) & (table["freed"] >= HELD_MIN_FREED * table["buffers"])]
     if tids:
         theirs = held[held["map_tid"].isin(tids) | held["unmap_tid"].isin(tids)]

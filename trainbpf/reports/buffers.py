@@ -20,15 +20,16 @@ def _number(value: Any) -> float | None:
 
 
 def buffers_section(lifetimes: Any) -> dict[str, Any] | None:
-    """The report's `buffers` section: `unit` "steps" (the trainer's CUDA steps) or
-    "seconds", and per size class (largest first) buffers mapped and freed, alive at
+    """The report's `buffers` section: `unit` "steps" (the trainer's CUDA steps or the
+    GPU's busy periods) or "seconds", and per memory ("mapped", "cuda_device",
+    "cuda_host") and size class (largest first) buffers mapped and freed, alive at
     once (median, max), lifetime, maps and faults a step or a second, the threads that
     mapped and unmapped most; None without buffers."""
     if lifetimes is None or not len(lifetimes):
         return None
     in_steps = bool(lifetimes["lifetime_steps"].notna().any())
     return {"unit": "steps" if in_steps else "seconds", "size_classes": [{
-        "size_class_bytes": int(r.size_class), "buffers": int(r.buffers), "freed": int(r.freed),
+        "memory": str(r.memory), "size_class_bytes": int(r.size_class), "buffers": int(r.buffers), "freed": int(r.freed),
         "alive_at_once": float(r.alive_at_once), "alive_max": int(r.alive_max),
         "lifetime_s": _number(r.lifetime_s), "lifetime_steps": _number(r.lifetime_steps),
         "maps_per_step": _number(r.maps_per_step), "faults_per_step": _number(r.faults_per_step),
@@ -41,14 +42,14 @@ def _cells(section: dict[str, Any], c: dict[str, Any]) -> tuple[str, ...]:
     steps = section["unit"] == "steps"
     life = c["lifetime_steps"] if steps else c["lifetime_s"]
     faults = c["faults_per_step"] if steps else c["faults_per_s"]
-    return (class_label(c["size_class_bytes"]), f"{c['buffers']} ({c['freed']} freed)",
+    return (c["memory"], class_label(c["size_class_bytes"]), f"{c['buffers']} ({c['freed']} freed)",
             f"{c['alive_at_once']:g} (max {c['alive_max']})", "-" if life is None else f"{life:.3g}",
             f"{faults:,.0f}", str(c["map_tid"]), "-" if c["unmap_tid"] is None else str(c["unmap_tid"]))
 
 
 def _headings(section: dict[str, Any]) -> tuple[str, ...]:
     unit = "step" if section["unit"] == "steps" else "s"
-    return ("size class", "buffers", "alive at once", f"lifetime ({'steps' if unit == 'step' else 's'})",
+    return ("memory", "size class", "buffers", "alive at once", f"lifetime ({'steps' if unit == 'step' else 's'})",
             f"faults / {unit}", "mapped by", "unmapped by")
 
 
