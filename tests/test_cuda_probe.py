@@ -16,6 +16,7 @@ from kernel_env import require_root
 from kernel_workloads import CUDA_LAUNCHES, CUDA_WAIT_MS
 from recording import record_cli, record_workload
 from standins import build_standin
+from trainbpf.analyzers.pipeline import analyze
 from trainbpf.tracer.settings import Settings
 
 pytestmark = pytest.mark.kernel
@@ -138,6 +139,15 @@ def test_pinned_host_allocations_and_frees(fake):
     assert main.loc["cudaFreeHost", "state"] == "free"
     assert int(main.loc["cudaFreeHost", "addr"]) == fake.tids["host_ptr"]
     assert int(main.loc["cudaHostAlloc", "addr"]) == int(main.loc["cuMemHostAlloc", "addr"]) == fake.tids["host_ptr"]
+
+
+def test_pinned_buffer_paired_with_its_free(fake):
+    """The analysis pairs the recorded cudaHostAlloc with the cudaFreeHost of its pointer:
+    one pinned 1 MiB buffer, allocated and freed by the main thread."""
+    table = analyze(fake.trace).lifetimes
+    [row] = table[table["memory"] == "cuda_host"].itertuples()
+    assert (row.size_class, row.buffers, row.freed, row.alive_max) == (1 << 20, 1, 1, 1), table
+    assert row.map_tid == row.unmap_tid == fake.tids["main"] and 0 < row.lifetime_s < 0.1, table
 
 
 def test_no_ring_buffer_traffic_for_launches(fake):
