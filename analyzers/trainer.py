@@ -24,7 +24,7 @@ from trainbpf.analyzers.causes.chains import followed_waits, is_followed, wait_c
 from trainbpf.analyzers.causes.evidence import EvidenceContext
 from trainbpf.analyzers.causes.host import HostSplit, host_labels
 from trainbpf.analyzers.causes.io_culprits import IO_KINDS
-from trainbpf.analyzers.causes.lifetimes import buffers, busy_period_starts, lifetimes
+from trainbpf.analyzers.causes.lifetimes import buffers, busy_period_starts, freed_by_others, lifetimes
 from trainbpf.analyzers.causes.network import NET_KINDS
 from trainbpf.analyzers.causes.numa import gpu_node, memory_placement, thread_placement
 from trainbpf.analyzers.causes.stack_reading import classify_stacks, python_stacks
@@ -162,8 +162,9 @@ def share(trace: Any, window: Window | None) -> Shared:
     samples = sample_classes(oncpu, stacks)
     del oncpu
     run_split = RunSplit(samples, exact={kind: frames[kind] for kind, _ in EXACT_RUN_KINDS})
-    churn = churn_threads(view("mm_syscall"), view("faults"), win)
     bufs = buffers(view("mm_syscall"), view("cuda_call"))
+    # A thread's mappings that another unmapped are given back too (a loader's batches the trainer frees).
+    churn = churn_threads(view("mm_syscall"), view("faults"), win, freed_by_others(bufs, win))
     placement = thread_placement(samples[(samples["ts_ns"] >= win.start_ns) & (samples["ts_ns"] < win.end_ns)],
                                  view("numa_move"), meta.get("topology") or {})
     return Shared(

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from report_contract import validate_report
-from synth import FAULT_STACK, NS, START_NS, Synth
+from synth import FAULT_STACK, FUTEX_STACK, NS, START_NS, Synth
 from trainbpf.analyzers.causes.lifetimes import LIFETIME_COLUMNS, buffers, busy_period_starts, held_class, lifetimes
 from trainbpf.analyzers.intervals import Span
 from trainbpf.analyzers.pipeline import analyze
@@ -207,3 +207,29 @@ def test_cuda_allocations_are_paired_with_their_frees(tmp_path):
     assert table["alive_at_once"].tolist() == [1.0, 5.0] and (table["faults_per_s"] == 0).all()
     assert table["lifetime_s"].round(2).tolist() == [0.01, 0.41]
     assert held_class(table) is None
+
+
+def test_a_loader_whose_batches_the_trainer_unmaps_churns(tmp_path):
+    """A loader maps and faults in each batch, the trainer unmaps it 8 steps later while
+    it waits for the next: the loader's churn, freed late, is named with both threads."""
+    s = Synth(duration_s=6)
+    s.thread(TRAINER, "python")
+    s.thread(LOADER, "loader", pid=TRAINER)
+    s.oncpu_every(LOADER, 0.0, 5.0, hz=100, kstack=FAULT_STACK, pystack=("load_batch (/srv/data.py:31)",))
+    for i in range(50):
+        x = i * STEP_S
+        addr = BASE + (i % 9) * (BATCH + 4096)
+        s.mm_syscall(LOADER, x, 0.0001, "mmap", BATCH, addr=0, ret=addr)
+        s.faults(LOADER, x, STEP_S, 2048)
+        s.offcpu(TRAINER, x + 0.002, 0.097, waker=LOADER, kstack=FUTEX_STACK)
+        s.futex(TRAINER, x + 0.002, 0.097, 0xABC0)
+        if i >= 8:
+            s.mm_syscall(TRAINER, x + 0.001, 0.0001, "munmap", BATCH, addr=BASE + ((i - 8) % 9) * (BATCH + 4096))
+    s.gpu_series(lambda ts: 3.0, period=0.05)
+    report = Report.of(analyze(s.read(tmp_path)))
+    validate_report(report.doc)
+    [f] = [f for f in report.doc["findings"] if f["category"] == "allocator_churn"]
+    assert f["evidence"]["case"] == "freed_late", f["evidence"]
+    assert "mapped by loader (200) in load_batch (/srv/data.py:31), unmapped by python (100)" in f["summary"], f["summary"]
+    by_tid = {c["tid"]: c for c in f["culprits"] if c["kind"] == "thread"}
+    assert by_tid[LOADER]["mapper"] and by_tid[TRAINER]["unmapper"], f["culprits"]

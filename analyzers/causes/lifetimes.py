@@ -114,6 +114,14 @@ def buffers(mm_syscall: pd.DataFrame, cuda_call: pd.DataFrame | None = None) -> 
     return out.sort_values("map_ns", kind="stable", ignore_index=True)[list(BUFFER_COLUMNS)]
 
 
+def freed_by_others(bufs: pd.DataFrame, span: Span) -> pd.Series:
+    """Per mapping thread, the bytes of its mappings inside `span` that another thread
+    unmapped (a loader mapping batches the trainer frees gives them back all the same)."""
+    m = ((bufs["memory"] == "mapped") & (bufs["map_ns"] >= span.start_ns) & (bufs["map_ns"] < span.end_ns)
+         & (bufs["unmap_tid"] >= 0) & (bufs["unmap_tid"] != bufs["map_tid"])).to_numpy()
+    return bufs[m].groupby("map_tid")["size"].sum().astype(np.float64)
+
+
 def size_class(size: np.ndarray) -> np.ndarray:
     """The largest power of two <= each size (0 for sizes < 1)."""
     size = np.asarray(size, dtype=np.int64)
