@@ -46,70 +46,67 @@ LIFETIME_COLUMNS = (
 MIN_BUFFER_BYTES = 256 << 10
 
 
-def _events(mm: pd.DataFrame) -> pd.DataFrame:
+def _event_rows(pick: np.ndarray, memory: Any, pid: np.ndarray, at: np.ndarray, size: np.ndarray, tid: np.ndarray,
+                when: np.ndarray, sign: int) -> list[np.ndarray]:
+    """The picked events as arrays: memory code (MEMORY), pid, address, size, tid, time,
+    sign (+1 a mapping or allocation, -1 an unmapping or free)."""
+    memory = np.broadcast_to(np.asarray(memory, dtype=np.int8), pick.shape)
+    return [memory[pick], pid[pick], at[pick], size[pick], tid[pick], when[pick], np.full(int(pick.sum()), sign, np.int8)]
+
+
+def _events(mm: pd.DataFrame) -> list[list[np.ndarray]]:
     """Mappings (+1) and unmappings (-1) by start address: mmap's returned address,
     munmap's address, an mremap's old address (-1) and new one (+1)."""
-    name = mm["syscall"].astype(str).to_numpy()
+    code, names = pd.factorize(mm["syscall"])  # a few syscall names, decoded once each
+
+    def named(syscall: str) -> np.ndarray:
+        return np.append(np.asarray(names, dtype=object) == syscall, False)[code]
+
     ts, dur = as_int64(mm["ts_ns"], 0), np.maximum(as_int64(mm["dur_ns"], 0), 0)
     addr, ret, size = as_int64(mm["addr"], 0), as_int64(mm["ret"], -1), as_int64(mm["length"], 0)
     tid, pid = as_int64(mm["tid"]), as_int64(mm["pid"])
     ok_map = ret > 0  # a failed mmap returns -errno; 0 is never a user mapping
-    parts = []
-    for pick, at, sign, when in (
-        ((name == "mmap") & ok_map, ret, 1, ts + dur),
-        ((name == "mremap") & ok_map, ret, 1, ts + dur),
-        ((name == "mremap") & ok_map, addr, -1, ts),
-        ((name == "munmap") & (ret == 0), addr, -1, ts),
-    ):
-        parts.append(_event_rows(pick, "mapped", pid, at, size, tid, when, sign))
-    return pd.concat(parts, ignore_index=True)
+    mremap = named("mremap") & ok_map
+    return [_event_rows(pick, 0, pid, at, size, tid, when, sign) for pick, at, sign, when in (
+        (named("mmap") & ok_map, ret, 1, ts + dur), (mremap, ret, 1, ts + dur), (mremap, addr, -1, ts),
+        (named("munmap") & (ret == 0), addr, -1, ts))]
 
 
-def _event_rows(pick: np.ndarray, memory: Any, pid: np.ndarray, at: np.ndarray, size: np.ndarray, tid: np.ndarray,
-                when: np.ndarray, sign: int) -> pd.DataFrame:
-    n = int(pick.sum())
-    return pd.DataFrame({"memory": np.broadcast_to(np.asarray(memory, dtype=object), pick.shape)[pick],
-                         "space": np.full(n, memory == "mapped" if isinstance(memory, str) else False),
-                         "pid": pid[pick], "addr": at[pick], "size": size[pick], "tid": tid[pick],
-                         "ts_ns": when[pick], "sign": np.full(n, sign, np.int8)})
-
-
-def _cuda_events(calls: pd.DataFrame) -> pd.DataFrame:
+def _cuda_events(calls: pd.DataFrame) -> list[list[np.ndarray]]:
     """CUDA allocations (+1, at their return, by the pointer they returned) and frees (-1)
     that succeeded; a driver call inside a runtime call is the runtime call's own."""
     state = calls["state"].astype(str).to_numpy()
     ts, dur = as_int64(calls["ts_ns"], 0), np.maximum(as_int64(calls["dur_ns"], 0), 0)
     ok = (as_int64(calls["ret"], -1) == 0) & (as_int64(calls["nested"], 0) == 0) & (as_int64(calls["addr"], 0) > 0)
-    memory = np.where(np.isin(calls["name"].astype(str).to_numpy(), CUDA_HOST_CALLS), "cuda_host", "cuda_device")
+    host = np.isin(calls["name"].astype(str).to_numpy(), CUDA_HOST_CALLS)
+    memory = np.where(host, MEMORY.index("cuda_host"), MEMORY.index("cuda_device"))
     cols = (as_int64(calls["pid"]), as_int64(calls["addr"], 0), as_int64(calls["bytes"], 0), as_int64(calls["tid"]))
-    return pd.concat([_event_rows(ok & (state == "alloc"), memory.astype(object), *cols, ts + dur, 1),
-                      _event_rows(ok & (state == "free"), memory.astype(object), *cols, ts, -1)], ignore_index=True)
+    return [_event_rows(ok & (state == "alloc"), memory, *cols, ts + dur, 1),
+            _event_rows(ok & (state == "free"), memory, *cols, ts, -1)]
 
 
 def buffers(mm_syscall: pd.DataFrame, cuda_call: pd.DataFrame | None = None) -> pd.DataFrame:
     """BUFFER_COLUMNS, one row per mapping or CUDA allocation of the trace, ordered by its
     time."""
-    parts = ([_events(mm_syscall)] if len(mm_syscall) else []) + (
-        [_cuda_events(cuda_call)] if cuda_call is not None and len(cuda_call) else [])
+    parts = (_events(mm_syscall) if len(mm_syscall) else []) + (
+        _cuda_events(cuda_call) if cuda_call is not None and len(cuda_call) else [])
     if not parts:
         return pd.DataFrame({c: np.zeros(0, object if c == "memory" else np.int64) for c in BUFFER_COLUMNS})
-    ev = pd.concat(parts, ignore_index=True).sort_values(
-        ["space", "pid", "addr", "ts_ns", "sign"], kind="stable", ignore_index=True)
-    # A mapping ends at the next event at its address (mappings and CUDA's pointers
-    # apart: the driver maps pinned memory too) if that is an unmapping.
-    same = ((ev["space"].shift(-1) == ev["space"]) & (ev["pid"].shift(-1) == ev["pid"])
-            & (ev["addr"].shift(-1) == ev["addr"]))
-    ended = same & (ev["sign"].shift(-1) == -1)
-    maps = ev["sign"].to_numpy() == 1
-    nxt_tid = ev["tid"].shift(-1).fillna(-1).to_numpy(np.int64)
-    nxt_ts = ev["ts_ns"].shift(-1).fillna(-1).to_numpy(np.int64)
-    end = ended.to_numpy()[maps]
-    size = ev["size"].to_numpy(np.int64)[maps]
+    memory, pid, addr, size, tid, ts, sign = (np.concatenate(col) for col in zip(*parts))
+    # Mappings and CUDA's pointers apart (the driver maps pinned memory too): a mapping
+    # ends at the next event at its address if that is an unmapping.
+    space = memory > 0
+    order = np.lexsort((sign, ts, addr, pid, space))
+    memory, pid, addr, size, tid, ts, sign, space = (a[order] for a in (memory, pid, addr, size, tid, ts, sign, space))
+    ended = np.append((space[1:] == space[:-1]) & (pid[1:] == pid[:-1]) & (addr[1:] == addr[:-1]) & (sign[1:] == -1),
+                      False)
+    maps = np.flatnonzero(sign == 1)
+    end = ended[maps]
+    nxt = np.minimum(maps + 1, len(sign) - 1)
     out = pd.DataFrame({
-        "memory": ev["memory"].to_numpy(dtype=object)[maps], "pid": ev["pid"].to_numpy(np.int64)[maps], "addr": ev["addr"].to_numpy(np.int64)[maps], "size": size,
-        "size_class": size_class(size), "map_tid": ev["tid"].to_numpy(np.int64)[maps],
-        "map_ns": ev["ts_ns"].to_numpy(np.int64)[maps],
-        "unmap_tid": np.where(end, nxt_tid[maps], -1), "unmap_ns": np.where(end, nxt_ts[maps], -1),
+        "memory": np.asarray(MEMORY, dtype=object)[memory[maps]], "pid": pid[maps], "addr": addr[maps],
+        "size": size[maps], "size_class": size_class(size[maps]), "map_tid": tid[maps], "map_ns": ts[maps],
+        "unmap_tid": np.where(end, tid[nxt], -1), "unmap_ns": np.where(end, ts[nxt], -1),
     })
     return out.sort_values("map_ns", kind="stable", ignore_index=True)[list(BUFFER_COLUMNS)]
 
