@@ -72,6 +72,7 @@ class Analysis:
     thp: dict[str, Any] | None = None  # huge_pages.thp_state: the THP mode and counters
     shootdowns: pd.DataFrame | None = None  # tlb.CHARGE_COLUMNS: TLB shootdowns each thread received, by sender
     mm_calls: pd.DataFrame | None = None  # tlb.CALL_COLUMNS: each thread's mm syscalls in the window
+    lifetimes: pd.DataFrame | None = None  # lifetimes.LIFETIME_COLUMNS: the trainer's buffers per size class
     _states: pd.DataFrame | None = field(default=None, repr=False)
 
     @property
@@ -223,7 +224,7 @@ def _analysis(sh: Shared, threads: pd.DataFrame, part: TrainerPart, starved: pd.
         cuda_steps=step_summary(part.step_rows) if len(part.step_rows) else None, cuda=sh.cuda,
         pystacks=sh.pystacks, job=job, traffic=thread_traffic(trace.view("net_io"), sh.win.start_ns, sh.win.end_ns),
         containers=process_containers(trace.view("container")), pages=sh.pages, thp=sh.thp,
-        shootdowns=sh.shootdowns, mm_calls=sh.mm_calls,
+        shootdowns=sh.shootdowns, mm_calls=sh.mm_calls, lifetimes=part.ctx.lifetimes,
     )
 
 

@@ -25,6 +25,7 @@ from trainbpf.analyzers.causes.evidence import EvidenceContext
 from trainbpf.analyzers.causes.host import HostSplit, host_labels
 from trainbpf.analyzers.causes.huge_pages import process_pages, thp_state
 from trainbpf.analyzers.causes.io_culprits import IO_KINDS
+from trainbpf.analyzers.causes.lifetimes import buffers, busy_period_starts, freed_by_others, lifetimes
 from trainbpf.analyzers.causes.network import NET_KINDS
 from trainbpf.analyzers.causes.numa import gpu_node, memory_placement, thread_placement
 from trainbpf.analyzers.causes.stack_reading import classify_stacks, python_stacks
@@ -120,6 +121,7 @@ class Shared:
     thp: dict[str, Any]  # huge_pages.thp_state
     shootdowns: pd.DataFrame  # tlb.CHARGE_COLUMNS: TLB shootdowns each thread received, by sender
     mm_calls: pd.DataFrame  # tlb.CALL_COLUMNS: each thread's mm syscalls in the window
+    buffers: pd.DataFrame  # lifetimes.BUFFER_COLUMNS: every mapping paired with its unmapping
 
     def trainer_states(self, trainer: int | None) -> tuple[pd.DataFrame, np.ndarray]:
         """A trainer's state intervals (its slots are a slice: slots are sorted by tid),
@@ -166,7 +168,9 @@ def share(trace: Any, window: Window | None) -> Shared:
     samples = sample_classes(oncpu, stacks)
     del oncpu
     run_split = RunSplit(samples, exact={kind: frames[kind] for kind, _ in EXACT_RUN_KINDS})
-    churn = churn_threads(view("mm_syscall"), view("faults"), win)
+    bufs = buffers(view("mm_syscall"), view("cuda_call"))
+    # A thread's mappings that another unmapped are given back too (a loader's batches the trainer frees).
+    churn = churn_threads(view("mm_syscall"), view("faults"), win, freed_by_others(bufs, win))
     placement = thread_placement(samples[(samples["ts_ns"] >= win.start_ns) & (samples["ts_ns"] < win.end_ns)],
                                  view("numa_move"), meta.get("topology") or {})
     return Shared(
@@ -175,7 +179,7 @@ def share(trace: Any, window: Window | None) -> Shared:
         n_cpus=cpus_used(offcpu_cpu=offcpu_cpu, samples=samples),
         cuda=timeline(view("cuda_call"), view("cuda_launch"), window=win), churn=churn, placement=placement,
         pages=process_pages(view("mm_syscall"), view("faults"), win), thp=thp_state(meta, view("vmstat"), win),
-        shootdowns=shootdown_charges(view("tlb_flush"), win), mm_calls=mm_call_counts(view("mm_syscall"), win))
+        shootdowns=shootdown_charges(view("tlb_flush"), win), mm_calls=mm_call_counts(view("mm_syscall"), win), buffers=bufs)
 
 
 @dataclass
@@ -230,16 +234,21 @@ def trainer_part(sh: Shared, threads: pd.DataFrame, trainer: int | None, states:
         return attribute_starved(p, states, chain_ends, trainer_tid=trainer, churn=sh.churn, placement=sh.placement)
 
     topology = sh.meta.get("topology") or {}
+    step_rows = steps(cuda_waits, launches, window=win)
+    # Lifetimes in the trainer's steps where its CUDA calls show them, else in the GPU's
+    # busy periods, else in seconds.
+    step_starts = step_rows["start_ns"].to_numpy(np.int64) if len(step_rows) else busy_period_starts(windows)
+    buffer_lifetimes = lifetimes(sh.buffers, sh.trace.view("faults"), step_starts, win)
     ctx = EvidenceContext(
         window=win, threads=threads, slots=sh.slots, trainer_states=states, futex_waits=sh.futex_waits,
         stacks=sh.stacks, frames={**sh.frames, **{k: sh.trace.view(k) for k in ("faults", "mm_syscall", "preempted_by") + IO_KINDS + NET_KINDS}},
         churn=sh.churn, placement=sh.placement, memory_nodes=memory_placement(sh.trace.view("numa_maps"), topology),
         gpu_node=gpu_node(topology), pystacks=sh.pystacks, samples=sh.samples, pages=sh.pages, thp=sh.thp,
-        shootdowns=sh.shootdowns, mm_calls=sh.mm_calls,
+        shootdowns=sh.shootdowns, mm_calls=sh.mm_calls, lifetimes=buffer_lifetimes,
     )
     return TrainerPart(trainer=trainer, states=states, gpu_windows=gpu_windows, starved=attribute(pieces),
                        chains=chains, chain_ends=chain_ends, ctx=ctx, uses_cuda=uses_cuda,
-                       step_rows=steps(cuda_waits, launches, window=win), gaps=gaps,
+                       step_rows=step_rows, gaps=gaps,
                        timeline=None if every is None else attribute(every))
 
 

@@ -41,6 +41,9 @@
 #ifndef CUDA_LAUNCH
 #error "CUDA_LAUNCH must be defined by the loader"
 #endif
+#ifndef CUDA_ALLOC
+#error "CUDA_ALLOC must be defined by the loader"
+#endif
 #ifndef CUDA_CALLS
 #error "CUDA_CALLS must be defined by the loader"
 #endif
@@ -62,7 +65,7 @@
 struct cuda_event {
     u64 ts_ns;
     u64 dur_ns;
-    u64 addr; /* the stream (event for event waits, pointer for frees), 0 when none */
+    u64 addr; /* the stream (event for event waits, pointer for frees and allocations), 0 when none */
     u64 bytes;
     s64 ret;
     u32 tid;
@@ -219,7 +222,7 @@ static __always_inline int cuda_enter(struct pt_regs *ctx, u32 call, u32 layer, 
     return 0;
 }
 
-static __always_inline int cuda_return(struct pt_regs *ctx, u32 layer)
+static __always_inline int cuda_return(struct pt_regs *ctx, u32 layer, u32 kind)
 {
     struct cuda_key key = {.tid = current_tid(), .layer = layer};
     struct cuda_call *found = cuda_calls.lookup(&key);
@@ -238,6 +241,11 @@ static __always_inline int cuda_return(struct pt_regs *ctx, u32 layer)
     e->ts_ns = c.ts_ns;
     e->dur_ns = dur;
     e->addr = c.arg;
+    if (kind == CUDA_ALLOC) { /* the new pointer, written where the first argument points */
+        e->addr = 0;
+        if (c.arg)
+            bpf_probe_read_user(&e->addr, sizeof(e->addr), (void *)c.arg);
+    }
     e->bytes = c.bytes;
     e->ret = (s32)PT_REGS_RC(ctx); /* cudaError_t / CUresult: a C enum */
     e->tid = key.tid;
@@ -258,6 +266,6 @@ static __always_inline int cuda_return(struct pt_regs *ctx, u32 layer)
     {                                                                                          \
         return cuda_enter(ctx, call, layer, kind, uprobe_arg(ctx, arg_n), uprobe_arg(ctx, bytes_n)); \
     }                                                                                          \
-    int return_##sym(struct pt_regs *ctx) { return cuda_return(ctx, layer); }
+    int return_##sym(struct pt_regs *ctx) { return cuda_return(ctx, layer, kind); }
 
 CUDA_CALLS

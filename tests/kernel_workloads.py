@@ -381,6 +381,11 @@ def cuda_fake(runtime: str) -> dict:
     t0 = time.monotonic_ns()
     rt.cudaFree(ptr)  # waits for the copy queued before it
     out["free"] = [t0, time.monotonic_ns()]
+    wait_for_uprobes(rt, ["cudaHostAlloc", "cudaFreeHost"])
+    host = ctypes.c_void_p()
+    rt.cudaHostAlloc(ctypes.byref(host), ctypes.c_size_t(1 << 20), 0)
+    out["host_ptr"] = host.value
+    rt.cudaFreeHost(host)
     return out
 
 
@@ -401,7 +406,30 @@ def cuda_real(runtime: str) -> dict:
     }
 
 
-WORKLOADS = {"basic": basic, "dirty": dirty, "reclaim": reclaim, "sleeper": sleeper, "cuda_fake": cuda_fake,
+def fill_batch(size: int) -> mmap.mmap:
+    """A fresh anonymous batch buffer, every 4 KiB page faulted in."""
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_NOHUGEPAGE)
+    for off in range(0, size, 4096):
+        m[off] = 1
+    return m
+
+
+def held_batches(depth: int, seconds: str) -> dict:
+    """A step loop that maps a fresh 8 MiB batch each step and keeps the last `depth`
+    (0: unmaps each at once): the oldest is unmapped just before the next is mapped."""
+    set_thread_name("tb_holder")
+    held: list[mmap.mmap] = []
+    end = time.perf_counter() + float(seconds)
+    while time.perf_counter() < end:
+        if len(held) >= max(depth, 1):
+            held.pop(0).close()
+        held.append(fill_batch(8 << 20))
+        spin(0.005)  # the step's own work
+    return {"holder": threading.get_native_id()}
+
+
+WORKLOADS = {"basic": basic, "held_batches": held_batches, "dirty": dirty, "reclaim": reclaim, "sleeper": sleeper, "cuda_fake": cuda_fake,
              "cuda_real": cuda_real, "forked_worker": forked_worker, "short_threads": short_threads,
              "bursts": bursts, "write_paths": write_paths, "page_cache": page_cache}
 

@@ -6,10 +6,13 @@ import json
 from typing import Any
 
 from trainbpf.analyzers.causes.categories import CATEGORIES
+from trainbpf.analyzers.causes.lifetimes import MEMORY
 from trainbpf.analyzers.vocab import ROLES, STATES
 
 TOP_KEYS = {"schema", "trace", "gpu", "starved_s", "host_bound_s", "ranks", "straggler", "findings", "threads", "cuda",
-            "traces", "container", "memory"}
+            "traces", "container", "memory", "buffers"}
+BUFFER_CLASS_KEYS = {"memory", "size_class_bytes", "buffers", "freed", "alive_at_once", "alive_max", "lifetime_s",
+                     "lifetime_steps", "maps_per_step", "faults_per_step", "faults_per_s", "map_tid", "unmap_tid"}
 CONTAINER_KEYS = {"id", "runtime", "pod_uid", "cgroup"}
 TRACE_KEYS = {"path", "duration_s", "pid", "lost_events"}
 GPU_KEYS = {"source", "samples", "idle_fraction"}
@@ -114,6 +117,8 @@ def validate_report(doc: dict[str, Any]) -> None:
         _validate_cuda(doc["cuda"])
     if doc["memory"] is not None:
         _validate_memory(doc["memory"])
+    if doc["buffers"] is not None:
+        _validate_buffers(doc["buffers"])
 
 
 def _validate_memory(memory: dict[str, Any]) -> None:
@@ -127,6 +132,20 @@ def _validate_memory(memory: dict[str, Any]) -> None:
         assert type(p["huge_pages"]) is bool
     for t in memory["tlb_shootdowns"]:
         assert t["received"] > 0 and t["received"] >= sum(s["shootdowns"] for s in t["senders"]), t
+
+
+def _validate_buffers(section: dict[str, Any]) -> None:
+    """The `buffers` section: the lifetime table, a row per size class, largest first."""
+    assert set(section) == {"unit", "size_classes"} and section["unit"] in ("steps", "seconds"), section
+    order = [(MEMORY.index(c["memory"]), -c["size_class_bytes"]) for c in section["size_classes"]]
+    assert order == sorted(order) and all(c["size_class_bytes"] & (c["size_class_bytes"] - 1) == 0
+                                          for c in section["size_classes"]), order
+    for c in section["size_classes"]:
+        assert set(c) == BUFFER_CLASS_KEYS, set(c) ^ BUFFER_CLASS_KEYS
+        assert 0 <= c["freed"] <= c["buffers"] and 1 <= c["alive_at_once"] <= c["alive_max"], c
+        for key in ("lifetime_steps", "maps_per_step", "faults_per_step"):
+            _nonneg_float(c[key], nullable=section["unit"] == "seconds" or (key == "lifetime_steps" and not c["freed"]))
+        _nonneg_float(c["lifetime_s"], nullable=not c["freed"])
 
 
 def _nonneg_float(value: Any, nullable: bool = False) -> None:

@@ -171,10 +171,10 @@ class Synth:
         self.add("compaction", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), op=status)
 
     def mm_syscall(self, tid: int, ts: float, dur: float, name: str, size: int, addr: int = 0x7F0000000000,
-                   flags: int = 0) -> None:
-        """`flags`: mmap's flags, madvise's advice."""
+                   flags: int = 0, ret: int = 0) -> None:
+        """`flags`: mmap's flags, madvise's advice; `ret`: the return value (mmap's address)."""
         self.add("mm_syscall", ts_ns=t(ts), dur_ns=d(dur), tid=tid, pid=self._pid(tid, None), name=name, addr=addr,
-                 size=size, op=flags, count=0)
+                 size=size, op=flags, count=ret)
 
     def numa_move(self, tid: int, ts: float, *, cpu: int, src: int, dst: int) -> None:
         self.add("numa_move", ts_ns=t(ts), tid=tid, pid=self._pid(tid, None), cpu=cpu, op=src, node=dst, name="move")

@@ -181,8 +181,8 @@ def test_doctor_pid_lists_cuda_libraries_per_process(tmp_path):
         assert listed[at].endswith(")"), listed[at]  # libraries follow, indented
         libs = [ln.strip() for ln in listed[at + 1:]]
         rt = next(ln for ln in libs if ln.startswith(str(runtime)))
-        assert ": 12 probed symbols (9 of the 32 calls):" in rt, rt
-        assert any("cuda_driver/lib/libcuda.so.1: 14 probed symbols" in ln for ln in libs), libs
+        assert ": 17 probed symbols (14 of the 38 calls):" in rt, rt
+        assert any("cuda_driver/lib/libcuda.so.1: 16 probed symbols" in ln for ln in libs), libs
         symbols = " ".join(libs)
         for sym in ("cudaLaunchKernel,", "cudaLaunchKernel_ptsz,", "cudaStreamSynchronize_ptsz", "cuMemAlloc_v2,"):
             assert sym in symbols, symbols

@@ -17,6 +17,7 @@ from kernel_workloads import CUDA_FREE_MS, CUDA_LAUNCHES, CUDA_WAIT_MS
 from recording import record_cli, record_workload
 from standins import build_standin
 from trainbpf.analyzers.timeline.cuda_calls import gpu_waits
+from trainbpf.analyzers.pipeline import analyze
 from trainbpf.tracer.settings import Settings
 
 pytestmark = pytest.mark.kernel
@@ -133,6 +134,31 @@ def test_cuda_free_waits_for_the_device_and_counts_as_a_gpu_wait(fake):
     assert len(free) == 1, waits
     dur = int(free["end_ns"].iloc[0] - free["start_ns"].iloc[0])
     assert 0.9 * CUDA_FREE_MS * 1e6 <= dur <= t1 - t0
+
+
+def test_pinned_host_allocations_and_frees(fake):
+    """cudaHostAlloc (through the driver's cuMemHostAlloc) and cudaFreeHost are probed:
+    an allocation with its size and the pointer it returned, a free with its pointer."""
+    rt, drv = ({Path(lib["path"]).name: lib for lib in fake.trace.meta["cuda"]["libraries"]}[name]["symbols"]
+               for name in ("libcudart.so.12", "libcuda.so.1"))
+    assert {"cudaHostAlloc", "cudaMallocHost", "cudaFreeHost", "cudaMallocAsync", "cudaFreeAsync"} <= set(rt), rt
+    assert "cuMemHostAlloc" in drv, drv
+    calls = fake.trace.frame("cuda_call")
+    main = calls[calls.tid == fake.tids["main"]].set_index("name")
+    assert main.loc["cudaHostAlloc", "state"] == "alloc" and int(main.loc["cudaHostAlloc", "size"]) == 1 << 20
+    assert main.loc["cuMemHostAlloc", "state"] == "alloc" and int(main.loc["cuMemHostAlloc", "op"]) == 1
+    assert main.loc["cudaFreeHost", "state"] == "free"
+    assert int(main.loc["cudaFreeHost", "addr"]) == fake.tids["host_ptr"]
+    assert int(main.loc["cudaHostAlloc", "addr"]) == int(main.loc["cuMemHostAlloc", "addr"]) == fake.tids["host_ptr"]
+
+
+def test_pinned_buffer_paired_with_its_free(fake):
+    """The analysis pairs the recorded cudaHostAlloc with the cudaFreeHost of its pointer:
+    one pinned 1 MiB buffer, allocated and freed by the main thread."""
+    table = analyze(fake.trace).lifetimes
+    [row] = table[table["memory"] == "cuda_host"].itertuples()
+    assert (row.size_class, row.buffers, row.freed, row.alive_max) == (1 << 20, 1, 1, 1), table
+    assert row.map_tid == row.unmap_tid == fake.tids["main"] and 0 < row.lifetime_s < 0.1, table
 
 
 def test_no_ring_buffer_traffic_for_launches(fake):

@@ -31,7 +31,8 @@ def test_aliases_map_to_their_base_call():
     assert base_name("cuMemcpyHtoDAsync_v2") == "cuMemcpyHtoDAsync"
     assert base_name("cuStreamSynchronize_ptsz") == "cuStreamSynchronize"
     assert base_name("cudaGetDeviceCount") is None
-    assert base_name("cudaMallocHost") is None  # not cudaMalloc with a suffix
+    assert base_name("cudaMallocPitch") is None  # not cudaMalloc with a suffix
+    assert base_name("cudaMallocHost") == "cudaMallocHost"
 
 
 def test_libraries_found_in_maps_once_per_file():

@@ -198,8 +198,9 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # A CUDA wait, copy, allocation or free >= thresholds.min_cuda_ns: name = the call's
     # base name ("cudaStreamSynchronize", "cuMemAlloc"; aliases map to it; layer runtime
     # for cuda*, driver for cu*), state = "wait"/"copy"/"alloc"/"free", op = 1 for a
-    # driver call inside a runtime call, addr = the stream argument (the event for event
-    # waits, the pointer for frees without a stream; 0 where the call has none),
+    # driver call inside a runtime call, addr = the stream argument of waits and copies
+    # (the event for event waits), the pointer freed (frees) or allocated (allocations:
+    # read at the return; 0 where the call failed to write it); 0 where the call has none,
     # size = bytes for copies and allocations, count = return value (cudaError_t /
     # CUresult, 0 = success), ustack_id = caller's user stack.
     "cuda_call": ("ts_ns", "dur_ns", "tid", "pid", "name", "state", "op", "addr", "size", "count", "ustack_id"),

@@ -379,10 +379,12 @@ class RunSplit:
 MADV_GIVE_BACK = (4, 8, 9, 24)
 
 
-def churn_threads(mm_syscall: pd.DataFrame, faults: pd.DataFrame, span: Span) -> pd.DataFrame:
+def churn_threads(mm_syscall: pd.DataFrame, faults: pd.DataFrame, span: Span,
+                  freed_by_others: pd.Series | None = None) -> pd.DataFrame:
     """Per thread: mmap/munmap/brk/madvise/mremap rates and sizes and page-fault rates;
     `churning` when calls are frequent and fresh mappings account for the faults.  Only
-    munmap and the madvise that drops pages (MADV_GIVE_BACK) count as memory given back."""
+    munmap and the madvise that drops pages (MADV_GIVE_BACK) count as memory given back,
+    and (`freed_by_others`: bytes per mapping tid) its mappings another thread unmapped."""
     seconds = max(span.seconds, 1e-9)
     lo, hi = span.start_ns, span.end_ns
 
@@ -416,7 +418,8 @@ def churn_threads(mm_syscall: pd.DataFrame, faults: pd.DataFrame, span: Span) ->
     # the pages faulted in, 4 KiB each), memory given back rather than kept (unmapped or
     # madvised away), and mappings that come and go often or in bulk.
     fresh = (per["map_bytes"] + per["unmap_bytes"]) / 4096.0 >= 0.25 * per["faults"]
-    given_back = per["unmap_bytes"] >= 0.5 * per["map_bytes"]
+    others = freed_by_others.reindex(per.index).fillna(0) if freed_by_others is not None else 0
+    given_back = per["unmap_bytes"] + others >= 0.5 * per["map_bytes"]
     often = (per["calls_per_s"] >= CHURN_MIN_CALLS_PER_S) | (per["map_bytes"] / seconds >= CHURN_MIN_BYTES_PER_S)
     per["churning"] = fresh & given_back & often & (per["faults"] > 0)
     per = per.reset_index(names="tid")

@@ -116,7 +116,16 @@ REGISTRY: tuple[Category, ...] = (
             "{faults_per_mib} faults a MiB over {mapped} mapped (THP {thp_mode}); huge pages would take "
             "{faults_with_huge_pages} faults instead of {faults}",
             _SMALL_PAGES_ADVICE.format(first="Pool and reuse buffers (size-class pools, caching allocators) so "
-                                             "memory is not mapped afresh every step, and"))}),
+                                             "memory is not mapped afresh every step, and")),
+            "freed_late": (
+                "{who} lost {s:.2f} s to faults on fresh {size_class} buffers: each lives {lifetime} "
+                "({alive} alive at once), a fresh one is mapped every time and none is reused, so every {per_unit} "
+                "pays {faults} faults; mapped by {mapper}, unmapped by {unmapper}",
+                "{size_class} buffers are held {lifetime} and then unmapped, while a fresh one is mapped and faulted "
+                "in each time: release each at the step boundary after an explicit stream sync (or event "
+                "synchronize) instead of holding it, and keep a pool of {alive} buffers (the pipeline's depth) that "
+                "are reused rather than mapped afresh; that saves {faults} faults {per}."),
+        }),
     Category(
         "page_faults", ev.page_faults, "{who} lost {s:.2f} s in the page-fault path",
         "Time goes to page faults: pre-fault or pin buffers once (MAP_POPULATE, mlock, touching them at start), "

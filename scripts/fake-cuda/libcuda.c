@@ -172,3 +172,16 @@ NOINLINE CUresult cuMemcpyAsync_ptsz(CUdeviceptr d, CUdeviceptr s, size_t n, CUs
 NOINLINE CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return alloc(p, n); }
 /* As the real one: a free waits for the device to finish the work queued before it. */
 NOINLINE CUresult cuMemFree_v2(CUdeviceptr p) { (void)p; return drain_queue(); }
+/* Pinning host memory takes the driver a while: long enough to pass min_cuda_ns. */
+NOINLINE CUresult cuMemHostAlloc(void **p, size_t n, unsigned int flags)
+{
+    (void)flags;
+    sleep_until(now_ns() + 100000);
+    return alloc((CUdeviceptr *)p, n);
+}
+NOINLINE CUresult cuMemFreeHost(void *p)
+{
+    (void)p;
+    sleep_until(now_ns() + 100000);
+    return 0;
+}

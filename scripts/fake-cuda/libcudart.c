@@ -29,6 +29,8 @@ extern int cuMemcpyAsync(CUdeviceptr, CUdeviceptr, size_t, void *);
 extern int cuMemcpyAsync_ptsz(CUdeviceptr, CUdeviceptr, size_t, void *);
 extern int cuMemAlloc_v2(CUdeviceptr *, size_t);
 extern int cuMemFree_v2(CUdeviceptr);
+extern int cuMemHostAlloc(void **, size_t, unsigned int);
+extern int cuMemFreeHost(void *);
 
 NOINLINE cudaError_t cudaGetDeviceCount(int *n) { *n = 1; return 0; }
 
@@ -68,3 +70,16 @@ NOINLINE cudaError_t cudaMemcpyAsync_ptsz(void *d, const void *s, size_t n, int 
 
 NOINLINE cudaError_t cudaMalloc(void **p, size_t n) { return cuMemAlloc_v2((CUdeviceptr *)p, n); }
 NOINLINE cudaError_t cudaFree(void *p) { return cuMemFree_v2((CUdeviceptr)p); }
+NOINLINE cudaError_t cudaHostAlloc(void **p, size_t n, unsigned int flags) { return cuMemHostAlloc(p, n, flags); }
+NOINLINE cudaError_t cudaMallocHost(void **p, size_t n) { return cuMemHostAlloc(p, n, 0); }
+NOINLINE cudaError_t cudaFreeHost(void *p) { return cuMemFreeHost(p); }
+NOINLINE cudaError_t cudaMallocAsync(void **p, size_t n, cudaStream_t st)
+{
+    (void)st;
+    return cuMemAlloc_v2((CUdeviceptr *)p, n);
+}
+NOINLINE cudaError_t cudaFreeAsync(void *p, cudaStream_t st)
+{
+    (void)st;
+    return cuMemFree_v2((CUdeviceptr)p);
+}

@@ -21,7 +21,8 @@ KINDS = ("launch", "wait", "copy", "alloc", "free")
 
 class CudaCall(NamedTuple):
     """One probed call.  `arg` and `bytes` are the positions (from 1; 0: none) of its
-    stream (event for event waits, pointer for frees) and byte-count arguments."""
+    stream (event for event waits, pointer for frees; for allocations the argument the
+    call writes the new pointer to, read at its return) and byte-count arguments."""
 
     name: str
     layer: int  # index into LAYERS
@@ -38,15 +39,18 @@ CALLS: tuple[CudaCall, ...] = tuple(CudaCall(*call) for call in (
     ("cudaLaunchCooperativeKernel", 0, 0, 0, 0), ("cudaGraphLaunch", 0, 0, 0, 0),
     ("cudaStreamSynchronize", 0, 1, 1, 0), ("cudaDeviceSynchronize", 0, 1, 0, 0),
     ("cudaEventSynchronize", 0, 1, 1, 0), ("cudaMemcpy", 0, 2, 0, 3), ("cudaMemcpyAsync", 0, 2, 5, 3),
-    ("cudaMalloc", 0, 3, 0, 2), ("cudaFree", 0, 4, 1, 0),
+    ("cudaMalloc", 0, 3, 1, 2), ("cudaFree", 0, 4, 1, 0),
     ("cuLaunchKernel", 1, 0, 0, 0), ("cuLaunchKernelEx", 1, 0, 0, 0), ("cuGraphLaunch", 1, 0, 0, 0),
     ("cuStreamSynchronize", 1, 1, 1, 0), ("cuCtxSynchronize", 1, 1, 0, 0), ("cuEventSynchronize", 1, 1, 1, 0),
     ("cuMemcpy", 1, 2, 0, 3), ("cuMemcpyAsync", 1, 2, 4, 3), ("cuMemcpyHtoD", 1, 2, 0, 3),
     ("cuMemcpyHtoDAsync", 1, 2, 4, 3), ("cuMemcpyDtoH", 1, 2, 0, 3), ("cuMemcpyDtoHAsync", 1, 2, 4, 3),
     ("cuMemcpyDtoD", 1, 2, 0, 3), ("cuMemcpyDtoDAsync", 1, 2, 4, 3),
-    ("cuMemAlloc", 1, 3, 0, 2), ("cuMemAllocAsync", 1, 3, 3, 2), ("cuMemAllocHost", 1, 3, 0, 2),
-    ("cuMemAllocManaged", 1, 3, 0, 2),
-    ("cuMemFree", 1, 4, 1, 0), ("cuMemFreeHost", 1, 4, 1, 0), ("cuMemFreeAsync", 1, 4, 2, 0),
+    ("cuMemAlloc", 1, 3, 1, 2), ("cuMemAllocAsync", 1, 3, 1, 2), ("cuMemAllocHost", 1, 3, 1, 2),
+    ("cuMemAllocManaged", 1, 3, 1, 2),
+    ("cuMemFree", 1, 4, 1, 0), ("cuMemFreeHost", 1, 4, 1, 0), ("cuMemFreeAsync", 1, 4, 1, 0),
+    # Pinned host memory and stream-ordered allocations.
+    ("cudaHostAlloc", 0, 3, 1, 2), ("cudaMallocHost", 0, 3, 1, 2), ("cudaMallocAsync", 0, 3, 1, 2),
+    ("cudaFreeHost", 0, 4, 1, 0), ("cudaFreeAsync", 0, 4, 1, 0), ("cuMemHostAlloc", 1, 3, 1, 2),
 ))
 # The slots of a thread's current bucket in the probe (cuda_thread): (name, layer, nested).
 LAUNCH_SLOTS = (("runtime", 0, 0), ("driver", 1, 0), ("nested", 1, 1))

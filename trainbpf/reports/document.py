@@ -24,6 +24,7 @@ from trainbpf.analyzers.pipeline import Analysis
 from trainbpf.analyzers.threads.containers import container_of
 from trainbpf.analyzers.threads.states import state_seconds
 from trainbpf.analyzers.vocab import ROLES
+from trainbpf.reports.buffers import buffer_culprits, buffers_section
 from trainbpf.reports.job import job_summary, rank_culprits, ranks_section, straggler_section
 from trainbpf.reports.network import network_culprits, thread_network
 from trainbpf.reports.present import size
@@ -132,6 +133,7 @@ def build_report(analysis: Analysis) -> dict[str, Any]:
         "traces": None,
         "container": None if analysis.containers is None else container_of(analysis.containers, pid),
         "memory": memory_section(analysis),
+        "buffers": buffers_section(analysis.lifetimes),
     }
 
 
@@ -207,9 +209,10 @@ def culprits(category: str, threads: list[dict[str, Any]], evidence: dict[str, A
             row["function"] = _function_label(own["functions"][0])
             row.setdefault("seconds", _seconds(sum(f["seconds"] for f in own["functions"])))
         out.append(row)
-    return (out + _preempting(evidence) + _lock_culprits(evidence, pids) + _io_culprits(evidence)
-            + _memory_culprits(evidence) + _shootdown_senders(evidence) + network_culprits(evidence)
-            + rank_culprits(evidence))
+    return buffer_culprits(out, evidence, pids) + (
+        _preempting(evidence) + _lock_culprits(evidence, pids) + _io_culprits(evidence)
+        + _memory_culprits(evidence) + _shootdown_senders(evidence) + network_culprits(evidence)
+        + rank_culprits(evidence))
 
 
 def _shootdown_senders(evidence: dict[str, Any]) -> list[dict[str, Any]]:

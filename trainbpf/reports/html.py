@@ -12,6 +12,7 @@ from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.options import GPU_IDLE_THRESHOLD
 from trainbpf.analyzers.pipeline import Analysis, observed_ns
 from trainbpf.analyzers.vocab import STATES
+from trainbpf.reports.buffers import buffer_html
 from trainbpf.reports.html_job import rank_section
 from trainbpf.reports.html_timeline import (
     CUDA_COLORS,
@@ -213,6 +214,7 @@ def render_html(rendered: Report, *, gpu_idle_threshold: float = GPU_IDLE_THRESH
         "<h2>Threads</h2>",
         _thread_bars(analysis, report),
         _thread_table(report),
+        *buffer_html(report),
         "</body></html>",
     ]
     return "\n".join(parts) + "\n"

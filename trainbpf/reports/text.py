@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from trainbpf.analyzers.intervals import NS_PER_S
 from trainbpf.analyzers.pipeline import observed_ns
 from trainbpf.analyzers.vocab import STATES
+from trainbpf.reports.buffers import buffer_lines
 from trainbpf.reports.job import rank_lines
 from trainbpf.reports.present import container_words, culprit_lines, memory_sentences, pct, size
 from trainbpf.reports.python_frames import python_line, refused_note
@@ -15,7 +16,7 @@ from trainbpf.trace.printable import printable
 
 if TYPE_CHECKING:
     from trainbpf.analyzers.pipeline import Analysis
-    from trainbpf.reports.document import Report
+from trainbpf.reports.document import Report
 
 # Stack walks lost to stack-map collisions worth a note in the text report (a share).
 STACK_LOSS_NOTE_SHARE = 0.01
@@ -93,6 +94,7 @@ def render_text(rendered: Report) -> str:
     lines.extend(rank_lines(report, analysis.meta))
     lines.extend(_cuda_lines(report, analysis))
     lines.extend(f"  {line}" for line in memory_sentences(report["memory"]))
+    lines.extend(buffer_lines(report))
     lines.append("")
     lines.extend(finding_lines(report["findings"], gpu=bool(gpu["samples"])))
     lines.append("")
