@@ -142,7 +142,8 @@ def test_held_batches_are_a_freed_late_finding(tmp_path):
 def test_batches_freed_at_once_are_no_freed_late_finding(tmp_path):
     report = analysed(tmp_path, depth=0)
     [f] = [f for f in report.doc["findings"] if f["category"] == "allocator_churn"]
-    assert "case" not in f["evidence"] and "held_buffers" not in f["evidence"], f["evidence"]
+    # (its 4 KiB pages may still make it the small_pages case)
+    assert f["evidence"].get("case") != "freed_late" and "held_buffers" not in f["evidence"], f["evidence"]
     assert report.doc["buffers"]["size_classes"][0]["alive_max"] == 1
 
 

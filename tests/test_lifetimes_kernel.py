@@ -44,6 +44,7 @@ def test_held_batches_are_named_with_their_holder_and_depth(tmp_path):
 def test_batches_unmapped_at_once_are_not_freed_late(tmp_path):
     require_root("records a workload with BPF")
     _, report, f = churn_finding(tmp_path, 0)
-    assert f is None or "case" not in f["evidence"], f["evidence"]
+    # (its 4 KiB pages may still make it the small_pages case)
+    assert f is None or f["evidence"].get("case") != "freed_late", f["evidence"]
     [row] = [c for c in report.doc["buffers"]["size_classes"] if c["size_class_bytes"] == BATCH]
     assert row["alive_max"] == 1 and row["buffers"] >= 50, row
