@@ -160,7 +160,7 @@ def share(trace: Any, window: Window | None) -> Shared:
     del offcpu
     release_unused_memory()
     stacks = classify_stacks(stack_rows)
-    evidence_kinds = ("futex", "futex_addr", "mmap_lock", "reclaim", "compaction", "dirty_pause", "block_rq", "net_io")
+    evidence_kinds = ("futex", "futex_addr", "mmap_lock", "reclaim", "compaction", "dirty_pause", "block_rq", "net_io", "socket")
     frames = {kind: view(kind) for kind in evidence_kinds}
     slots, futex_waits = attribute_states(slots, frames, stacks)
     oncpu = frame("oncpu", ONCPU_COLUMNS + (("pystack_id",) if len(pystacks) else ()))

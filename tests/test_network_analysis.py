@@ -25,13 +25,15 @@ PEER = "10.0.0.2:8080"
 MiB = 1 << 20
 
 
-def _slow_store(s: Synth, *, kstack=RECV_STACK, traffic: bool = True, period: float = 0.2) -> None:
+def _slow_store(s: Synth, *, kstack=RECV_STACK, traffic: bool = True, period: float = 0.2,
+                family: str = "ipv4") -> None:
     """The trainer runs 130 ms then waits 70 ms on a futex for the loader, which waits
     95 ms for each 1 MiB batch from the store (one request, answered after 95 ms), runs
     5 ms and hands it over."""
     s.thread(TRAINER, "python")
     s.thread(LOADER, "loader")
-    s.socket(LOADER, STORE, PEER)
+    s.socket(LOADER, STORE, PEER if family != "unix" else "/run/store.sock", family=family,
+             protocol=6 if family != "unix" else 0)
     for x in periodic(0.0, s.duration_s, period):
         s.offcpu(TRAINER, x + 0.13, 0.07, waker=LOADER, kstack=("schedule", "futex_wait_queue", "futex_wait"))
         s.futex(TRAINER, x + 0.13, 0.069, addr=0x7F00_0000_1000)
@@ -76,6 +78,14 @@ def test_a_poll_wait_is_network_io_only_where_the_thread_received_then(tmp_path)
     assert f["chain"][-1]["state"] == "network_io"
     quiet = build_report(_trace(tmp_path, kstack=POLL_STACK, traffic=False, name="quiet.parquet"))
     assert "network_io" not in {g["category"] for g in quiet["findings"]}, quiet["findings"]
+
+
+def test_a_poll_wait_beside_unix_socket_traffic_is_no_network_wait(tmp_path):
+    """A UNIX socket's peer is on this machine (a DataLoader's workers pass shared-memory
+    descriptors through one while the trainer polls its result pipe): its traffic makes
+    no poll wait a network wait."""
+    local = build_report(_trace(tmp_path, kstack=POLL_STACK, family="unix"))
+    assert "network_io" not in {g["category"] for g in local["findings"]}, local["findings"]
 
 
 def test_retransmits_are_counted_per_peer(tmp_path):

@@ -116,10 +116,10 @@ def attribute_states(
     kcls = stack_class_codes(stacks, slots["kstack_id"].to_numpy()[blocked])
     for name in reversed(STACK_STATES):
         code[kcls == CLASS_CODE[name]] = STATE_CODE[name]
-    # A poll/select/epoll wait is a network wait where the thread received on a socket then.
+    # A poll/select/epoll wait is a network wait where the thread received on an IP socket then.
     poll = np.flatnonzero(kcls == CLASS_CODE["poll_wait"])
     on_net = waits_on_network(b["tid"].to_numpy()[poll], b["start_ns"].to_numpy()[poll], b["end_ns"].to_numpy()[poll],
-                              frames.get("net_io"))
+                              frames.get("net_io"), frames.get("socket"))
     code[poll[on_net]] = STATE_CODE["network_io"]
     for kind, name in EVIDENCE_KINDS:
         hit = overlapping(kind)

@@ -50,11 +50,23 @@ def _near(rows_ts: np.ndarray, bucket_ns: int, start: np.ndarray, end: np.ndarra
     return lo, np.maximum(hi, lo)
 
 
-def waits_on_network(tid: np.ndarray, start: np.ndarray, end: np.ndarray, net_io: pd.DataFrame | None) -> np.ndarray:
+# Families whose traffic makes a poll wait a network wait.  A UNIX socket's peer is on
+# this machine: a DataLoader's workers hand over shared-memory descriptors through one,
+# while the trainer polls its result pipe.
+NETWORK_FAMILIES = ("ipv4", "ipv6")
+
+
+def waits_on_network(tid: np.ndarray, start: np.ndarray, end: np.ndarray, net_io: pd.DataFrame | None,
+                     socket: pd.DataFrame | None = None) -> np.ndarray:
     """Per wait (tid, start_ns, end_ns) of a poll/select/epoll stack, whether its thread
-    received on a socket in a bucket the wait overlaps or in the next one."""
+    received on an IP socket (NETWORK_FAMILIES, by the `socket` rows) in a bucket the
+    wait overlaps or in the next one."""
     out = np.zeros(len(tid), dtype=bool)
     recv = _recv_rows(net_io if net_io is not None else pd.DataFrame())
+    if len(recv):
+        ip = sockets({"socket": socket if socket is not None else pd.DataFrame()})
+        ip = ip[ip["family"].astype(str).isin(NETWORK_FAMILIES).to_numpy()]
+        recv = recv[np.isin(as_int64(recv["socket"], -1), as_int64(ip["socket"], -1))]
     if not len(recv) or not len(tid):
         return out
     rtid, rts = as_int64(recv["tid"]), as_int64(recv["ts_ns"], 0)

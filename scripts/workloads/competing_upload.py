@@ -16,11 +16,11 @@ import common
 import slow_store
 
 UPLOAD_WRITE_BYTES = 1 << 20
-# A batch as four 512 KiB requests: every batch then waits about as long behind the
+# A batch as six 512 KiB requests: every batch then waits about as long behind the
 # upload's queue (the GPU partly busy in every sample); with fewer, larger ones the
 # waits came in bursts of TCP stalls.
 CHUNK_BYTES = 512 << 10
-CHUNKS_PER_BATCH = 4
+CHUNKS_PER_BATCH = 6
 
 
 def upload_forever(address: str, stop: threading.Event) -> None:

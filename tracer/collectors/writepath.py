@@ -49,8 +49,17 @@ class WritePathCollector(Collector):
         }
 
     def attach(self, bpf) -> None:
-        # named apart from probes/writeback.bpf.c's program on the same tracepoint
-        bpf.attach_tracepoint(tp="writeback:writeback_dirty_folio", fn_name="writepath_dirty_folio")
+        # Named apart from probes/writeback.bpf.c's program on the same tracepoint.  bcc
+        # keeps one perf event per tracepoint name: the second would replace the first's
+        # and leave it open after detach (loader.detach closes what tracepoint_fds hold),
+        # so it is kept under a name of its own (bcc's detach of a tracepoint by name is
+        # only the close of its perf event).
+        tp = b"writeback:writeback_dirty_folio"
+        first = bpf.tracepoint_fds.pop(tp, None)
+        bpf.attach_tracepoint(tp=tp, fn_name="writepath_dirty_folio")
+        bpf.tracepoint_fds[tp + b".writepath"] = bpf.tracepoint_fds.pop(tp)
+        if first is not None:
+            bpf.tracepoint_fds[tp] = first
 
     def device(self, dev: int) -> str:
         """A kernel dev_t as its whole disk "MAJ:MIN"; "" for none (io_uring rows)."""
