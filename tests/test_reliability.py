@@ -318,3 +318,21 @@ def test_detach_survives_a_perf_event_already_closed():
     loader.detach(bpf)
     assert held_program_ids(os.getpid()) - before == set(), f"programs left after closing {tp!r} early"
     assert not bpf.tracepoint_fds
+
+
+def test_detach_passes_over_a_program_descriptor_already_closed():
+    """bcc's cleanup closes every program's descriptor and raises on one already closed
+    (the trace is written by then): detach leaves such a program out, closes the rest."""
+    import types
+
+    from trainbpf.tracer import loader
+
+    gone, held = os.open("/dev/null", os.O_RDONLY), os.open("/dev/null", os.O_RDONLY)
+    os.close(gone)
+    bpf = types.SimpleNamespace(tracepoint_fds={}, uprobe_fds={},
+                                funcs={"gone": types.SimpleNamespace(fd=gone), "held": types.SimpleNamespace(fd=held)})
+    bpf.cleanup = lambda: [os.close(fn.fd) for fn in bpf.funcs.values()]  # as bcc's close() does
+    loader.detach(bpf)
+    assert list(bpf.funcs) == ["held"]
+    with pytest.raises(OSError):
+        os.fstat(held)  # closed by the cleanup

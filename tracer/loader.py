@@ -246,6 +246,12 @@ def detach(bpf) -> None:
         for name, fd in list(fds.items()):
             if not _is_open(fd):
                 del fds[name]
+    # The same for a program's descriptor (its attachment holds the program): fresh-clone
+    # CI runs met one already closed at the stop, the trace written, and bcc's close
+    # raised.  Something closes a descriptor number it no longer owns: not found yet.
+    for name, fn in list(bpf.funcs.items()):
+        if not _is_open(fn.fd):
+            del bpf.funcs[name]
     bpf.cleanup()
 
 
