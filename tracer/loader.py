@@ -55,6 +55,7 @@ BTF_VMLINUX = Path("/sys/kernel/btf/vmlinux")
 KALLSYMS = Path("/proc/kallsyms")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 MAX_RECORD_BYTES = 176  # the largest event struct plus the ring buffer's 8-byte header, rounded up
+MAX_DETACH_THREADS = 64  # closes waited on side by side at the stop
 # Threads one recording traces at once: every per-thread map (the traced set, the probes'
 # entries in flight) holds this many, preallocated.
 MAX_THREADS = 65536
@@ -230,14 +231,17 @@ def load(collectors: list[Collector], settings: Settings):
 
 
 def detach(bpf) -> None:
-    """Detach every program and perf event (bpf.cleanup), the tracepoints concurrently:
+    """Detach every program and perf event (bpf.cleanup), tracepoints and uprobes concurrently:
     closing a tracepoint's perf event waits for an RCU grace period in the kernel, and
     side by side the waits overlap (docs/performance.md, "Costs the code is shaped by").
     ctypes drops the GIL around each close."""
-    tracepoints = list(bpf.tracepoint_fds)
-    if tracepoints:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(tracepoints)) as pool:
-            for done in [pool.submit(bpf.detach_tracepoint, tp) for tp in tracepoints]:
+    # Uprobes the same: each close waits for the kernel to unregister the probe (~0.1 s
+    # here), and a recording with the CUDA, NCCL or allocator probes holds tens of them.
+    detaching = [(bpf.detach_tracepoint, tp) for tp in bpf.tracepoint_fds] + \
+                [(bpf.detach_uprobe_event, ev) for ev in bpf.uprobe_fds]
+    if detaching:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(detaching), MAX_DETACH_THREADS)) as pool:
+            for done in [pool.submit(fn, name) for fn, name in detaching]:
                 done.exception()  # whatever failed, cleanup() below retries and raises
     # A perf event whose descriptor is already gone is already detached (the kernel let go
     # of it with its last reference); bcc would retry the close, fail on EBADF and leave
