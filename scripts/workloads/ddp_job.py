@@ -21,7 +21,7 @@ import torch.distributed as dist
 from decode_torch import BATCH_SIZE, SlowDecodeDataset
 from torch.utils.data import DataLoader
 
-# The slow rank's extra work per step, in GPU steps (--step-ms).
+# The slow rank's extra work per step, in GPU steps (--step-ms), unless --slow-steps says.
 SLOW_STEPS = 0.75
 # Small gradients: the all_reduce itself takes well under a millisecond on loopback.
 GRADIENT_ELEMENTS = 1 << 12
@@ -32,6 +32,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--slow", choices=("input", "faults", "none"), default="input",
                         help="what makes --slow-rank late: decoding its own batches, page faults, or nothing")
     parser.add_argument("--slow-rank", type=int, default=1, help="the rank that is late (1)")
+    parser.add_argument("--slow-steps", type=float, default=SLOW_STEPS,
+                        help=f"how late, in GPU steps of its own work per step ({SLOW_STEPS})")
 
 
 def main() -> None:
@@ -40,7 +42,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     late = dist.get_rank() == args.slow_rank and args.slow != "none"
     if late and args.slow == "input":
-        batches = iter(DataLoader(SlowDecodeDataset(SLOW_STEPS), batch_size=BATCH_SIZE))  # num_workers=0
+        batches = iter(DataLoader(SlowDecodeDataset(args.slow_steps), batch_size=BATCH_SIZE))  # num_workers=0
     else:
         batches = iter(lambda: None, object())  # batches at hand
     gradients = torch.ones(GRADIENT_ELEMENTS)
@@ -49,7 +51,7 @@ def main() -> None:
 
     def step(batch) -> None:
         if late and args.slow == "faults":
-            common.repeat_for(SLOW_STEPS * common.STEP_S,
+            common.repeat_for(args.slow_steps * common.STEP_S,
                               lambda: common.touch_fresh_mapping(FAULT_BUFFER_BYTES, huge_pages=False))
         gpu.step(common.STEP_S)
         dist.all_reduce(gradients)
