@@ -86,6 +86,24 @@ static __always_inline void count_lost(u32 probe)
         (*n)++;
 }
 
+/* The counted maps (per bucket and task, drained whole at every flush) get their entries
+ * in one call at each probe, NULL when the map is full (the caller counts it lost):
+ *
+ *     struct x_count fresh = {};
+ *     struct x_count *c = x_counts.lookup_or_try_init(&k, owned_entry(&fresh, &fresh.pid, fresh.comm));
+ *
+ * bcc writes lookup_or_try_init out as lookup, insert, lookup again, with the second
+ * argument inside the insert's branch, so the task is named once per key, not per
+ * event.  The call itself stays at each probe: bcc rewrites map calls neither inside a
+ * macro nor through a pointer to the map. */
+static __always_inline void *owned_entry(void *fresh, u32 *pid, char *comm)
+{
+    *pid = current_tgid();
+    if (comm) /* char[16] in every entry that keeps a name; NULL: none kept */
+        bpf_get_current_comm(comm, 16);
+    return fresh;
+}
+
 /* Argument n (from 1; 0: none, read as 0) of the function a uprobe sits at the start of,
  * by the x86-64 calling convention: six in registers, the 7th on the stack just above
  * the return address, which the stack pointer points at on the first instruction. */

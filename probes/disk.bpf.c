@@ -65,17 +65,11 @@ static __always_inline int disk_count(u32 dev, const char *rwbs, u64 bytes, u64 
         return 0;
     struct disk_key k = {.bucket = bpf_ktime_get_ns() / DISK_BUCKET_NS, .dev = dev, .tid = (u32)id,
                          .direction = disk_direction(rwbs, bytes)};
-    struct disk_count *c = disk_counts.lookup(&k);
+    struct disk_count fresh = {};
+    struct disk_count *c = disk_counts.lookup_or_try_init(&k, owned_entry(&fresh, &fresh.pid, fresh.comm));
     if (!c) {
-        /* the issuer's name once per key, not per request */
-        struct disk_count fresh = {.pid = id >> 32};
-        bpf_get_current_comm(fresh.comm, sizeof(fresh.comm));
-        disk_counts.insert(&k, &fresh);
-        c = disk_counts.lookup(&k);
-        if (!c) {
-            count_lost(PROBE_DISK);
-            return 0;
-        }
+        count_lost(PROBE_DISK);
+        return 0;
     }
     __sync_fetch_and_add(&c->bytes, bytes);
     __sync_fetch_and_add(&c->requests, requests);

@@ -271,16 +271,11 @@ static __always_inline int count_socket_io(const void *sk, u16 family, u16 proto
         }
     }
     struct net_key k = {.bucket = now / NET_BUCKET_NS, .ino = ino, .tid = tid, .direction = direction};
-    struct net_count *c = net_counts.lookup(&k);
+    struct net_count fresh = {};
+    struct net_count *c = net_counts.lookup_or_try_init(&k, owned_entry(&fresh, &fresh.pid, fresh.comm));
     if (!c) {
-        struct net_count fresh = {.pid = current_tgid()};
-        bpf_get_current_comm(fresh.comm, sizeof(fresh.comm));
-        net_counts.insert(&k, &fresh);
-        c = net_counts.lookup(&k);
-        if (!c) {
-            count_lost(PROBE_NET);
-            return 0;
-        }
+        count_lost(PROBE_NET);
+        return 0;
     }
     __sync_fetch_and_add(&c->bytes, ret);
     __sync_fetch_and_add(&c->calls, 1);
@@ -330,17 +325,12 @@ static __always_inline int count_packet(const char *ifname, u32 len, u32 directi
         return 0;
     struct device_key k = {.bucket = bpf_ktime_get_ns() / NET_BUCKET_NS, .tid = (u32)id, .direction = direction};
     __builtin_memcpy(k.ifname, ifname, sizeof(k.ifname));
-    struct device_count *c = device_counts.lookup(&k);
+    struct device_count fresh = {}; /* outside task context no task is named */
+    struct device_count *c =
+        device_counts.lookup_or_try_init(&k, id ? owned_entry(&fresh, &fresh.pid, fresh.comm) : &fresh);
     if (!c) {
-        struct device_count fresh = {.pid = id >> 32};
-        if (id)
-            bpf_get_current_comm(fresh.comm, sizeof(fresh.comm));
-        device_counts.insert(&k, &fresh);
-        c = device_counts.lookup(&k);
-        if (!c) {
-            count_lost(PROBE_NET);
-            return 0;
-        }
+        count_lost(PROBE_NET);
+        return 0;
     }
     __sync_fetch_and_add(&c->bytes, len);
     __sync_fetch_and_add(&c->packets, 1);

@@ -60,15 +60,11 @@ TRACEPOINT_PROBE(tlb, tlb_flush)
     if (!is_traced(tid))
         return 0;
     struct tlb_key k = {.bucket = bpf_ktime_get_ns() / DISK_BUCKET_NS, .tid = tid, .side = side};
-    struct tlb_count *c = tlb_counts.lookup(&k);
+    struct tlb_count fresh = {};
+    struct tlb_count *c = tlb_counts.lookup_or_try_init(&k, owned_entry(&fresh, &fresh.pid, NULL));
     if (!c) {
-        struct tlb_count fresh = {.pid = current_tgid()};
-        tlb_counts.insert(&k, &fresh);
-        c = tlb_counts.lookup(&k);
-        if (!c) {
-            count_lost(PROBE_TLB);
-            return 0;
-        }
+        count_lost(PROBE_TLB);
+        return 0;
     }
     __sync_fetch_and_add(&c->flushes, 1);
     /* TLB_FLUSH_ALL is -1 */

@@ -94,21 +94,15 @@ static __always_inline int count_inode(u32 what, const char *bdi, u64 ino, u64 n
         return 0;
     struct inode_key k = {.bucket = bpf_ktime_get_ns() / DISK_BUCKET_NS, .ino = ino, .tid = (u32)id};
     __builtin_memcpy(k.bdi, bdi, sizeof(k.bdi));
-    struct inode_count *c = what == INODE_WRITTEN ? written_inodes.lookup(&k) : dirtied_inodes.lookup(&k);
+    struct inode_count fresh = {};
+    struct inode_count *c;
+    if (what == INODE_WRITTEN)
+        c = written_inodes.lookup_or_try_init(&k, owned_entry(&fresh, &fresh.pid, fresh.comm));
+    else
+        c = dirtied_inodes.lookup_or_try_init(&k, owned_entry(&fresh, &fresh.pid, fresh.comm));
     if (!c) {
-        struct inode_count fresh = {.pid = id >> 32};
-        bpf_get_current_comm(fresh.comm, sizeof(fresh.comm));
-        if (what == INODE_WRITTEN) {
-            written_inodes.insert(&k, &fresh);
-            c = written_inodes.lookup(&k);
-        } else {
-            dirtied_inodes.insert(&k, &fresh);
-            c = dirtied_inodes.lookup(&k);
-        }
-        if (!c) {
-            count_lost(PROBE_WRITEBACK);
-            return 0;
-        }
+        count_lost(PROBE_WRITEBACK);
+        return 0;
     }
     __sync_fetch_and_add(&c->count, n);
     return 0;

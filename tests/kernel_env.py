@@ -122,6 +122,19 @@ def which_or_fail(exe: str, package: str) -> str:
     return path
 
 
+def without_cap_syslog() -> list[str]:
+    """A command prefix that runs a command as root without CAP_SYSLOG (dropped from the
+    bounding set, so root's exec does not regain it): /proc/kallsyms then shows every
+    address as 0.  Skips where this kernel shows them anyway (kernel.kptr_restrict=0 with
+    kernel.perf_event_paranoid <= 1)."""
+    require_root("drops CAP_SYSLOG")
+    prefix = [which_or_fail("setpriv", "util-linux"), "--bounding-set", "-syslog"]
+    first = subprocess.run([*prefix, "grep", "-m1", " [Tt] ", "/proc/kallsyms"], capture_output=True, text=True)
+    if not first.stdout.startswith("0" * 16 + " "):
+        missing(f"kernel addresses are visible without CAP_SYSLOG here: {first.stdout.strip()!r}")
+    return prefix
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 15) -> None:
     """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
     if proc.poll() is None:

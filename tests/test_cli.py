@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kernel_env import require_root, which_or_fail
+from kernel_env import require_root, which_or_fail, without_cap_syslog
 from trainbpf.trace.reader import read_trace
 
 TRAINBPF = str(Path(sys.executable).with_name("trainbpf"))
@@ -84,8 +84,9 @@ def test_doctor_checks_everything_and_passes_here():
     require_root()
     res = subprocess.run([TRAINBPF, "doctor"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
-    for name in ("privileges", "bpf syscall", "tracefs", "kernel headers", "bcc", "tracepoints: sched",
-                 "tracepoints: mm", "fault counters", "uprobes", "gpu sampling", "delay accounting", "probes load"):
+    for name in ("privileges", "bpf syscall", "tracefs", "kernel headers", "bcc", "kernel symbols",
+                 "tracepoints: sched", "tracepoints: mm", "fault counters", "uprobes", "gpu sampling",
+                 "delay accounting", "probes load"):
         assert name in res.stdout, f"doctor does not report {name}"
     assert "recording can work on this machine" in res.stdout
 
@@ -97,6 +98,16 @@ def test_doctor_fails_without_tracefs(tmp_path):
     assert res.returncode == 12
     assert "recording cannot work: tracefs" in res.stdout
     assert "fix: sudo mount -t tracefs" in res.stdout
+
+
+def test_doctor_fails_where_kernel_addresses_are_hidden():
+    """Without CAP_SYSLOG /proc/kallsyms shows every address as 0 and a recording spent
+    its time naming kernel frames; doctor now says so."""
+    res = subprocess.run([*without_cap_syslog(), TRAINBPF, "doctor", "--no-load"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 12, res.stdout + res.stderr
+    assert "recording cannot work: kernel symbols" in res.stdout, res.stdout
+    assert "fix: run as root with CAP_SYSLOG" in res.stdout, res.stdout
 
 
 def test_doctor_without_root_says_what_it_cannot_see():

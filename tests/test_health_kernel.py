@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kernel_env import require_root, stop_process, which_or_fail
+from kernel_env import require_root, stop_process, which_or_fail, without_cap_syslog
 from test_health_outputs import parse_exposition
 from trainbpf.health.config import NODE_CHECKS, TEXTFILE_NAME
 
@@ -335,3 +335,18 @@ def test_time_limit_ends_a_long_recording(tmp_path):
     assert run.samples[("trainbpf_health_status", ())] == 3
     if "reached while recording" in run.proc.stderr:  # the soft stop: the recorder detached its probes
         assert_programs_gone(run)
+
+
+def test_hidden_kernel_addresses_fail_the_check_at_once(tmp_path):
+    """Without CAP_SYSLOG /proc/kallsyms shows every address as 0: bcc read the whole file
+    again for each kernel frame and the check ran into its time limit (63 s for a 3 s
+    recording).  It now stops before any probe is loaded, with one line that says why."""
+    config = write_config(tmp_path)
+    command = [*without_cap_syslog(), *trainbpf_cmd(), "health"]
+    run = run_health(tmp_path, "--duration", "3", "--config", str(config), command=command)
+    assert run.proc.returncode == 3, (run.proc.stdout, run.proc.stderr)
+    assert run.elapsed < 15, f"took {run.elapsed:.0f} s to fail"
+    why = "kernel symbols: /proc/kallsyms shows every address as 0 (no CAP_SYSLOG); run `trainbpf doctor`"
+    assert run.proc.stderr == f"trainbpf: error: {why}\n", run.proc.stderr
+    assert (run.doc["status"], run.doc["error"]) == ("unknown", why)
+    assert not run.prog_ids, "probes were loaded"

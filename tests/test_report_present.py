@@ -19,7 +19,7 @@ from trainbpf.analyzers.job_traces import analyze_traces
 from trainbpf.analyzers.pipeline import Analysis, analyze, trace_ranks
 from trainbpf.reports.document import Report
 from trainbpf.reports.html import render_html
-from trainbpf.reports.present import duration, evidence_lines, number, pct, size
+from trainbpf.reports.present import culprit_lines, duration, evidence_lines, number, pct, size
 from trainbpf.trace.reader import read_trace
 
 def _evidence(page: str, key: str) -> str:
@@ -92,3 +92,21 @@ def test_the_html_renderer_shades_by_its_own_threshold(tmp_path):
     assert "grey: below 5%" in low and "grey: below 60%" in high
     # The input-bound trainer keeps its GPU at 9.5-47.5%: every sample is shaded under 60, none under 5.
     assert high.count('fill="#f1f1f1"') > 0 == low.count('fill="#f1f1f1"')
+
+
+def test_culprit_lines_name_tasks_as_the_cpu_line_does():
+    """Every line names a task "name (tid)", its process too where known and different:
+    the culprits' lines as the text report's "took the CPU" line."""
+    culprits = [
+        {"kind": "thread", "name": "ckpt_writer", "tid": 101, "pid": 100, "folios": 5, "function": None},
+        {"kind": "process", "name": "rm", "tid": 900, "pid": 900, "bytes": 4096, "direction": "write"},
+        {"kind": "process", "name": None, "tid": 901, "pid": 902, "bytes": 4096, "direction": "read"},
+        {"kind": "process", "name": "rclone", "tid": 300, "pid": None, "bytes": 2000, "rate_bytes_per_s": 1000.0,
+         "uploader": True, "interface": "eth0"},
+    ]
+    assert culprit_lines(culprits) == [
+        "dirtied by: ckpt_writer (101, pid 100), 5 folios",
+        "other I/O: rm (900) 4.1 kB write",
+        "other I/O: ? (901, pid 902) 4.1 kB read",
+        "upload: rclone (300) sent 2 kB on eth0 during the waits (1 kB/s)",
+    ]

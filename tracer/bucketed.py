@@ -1,5 +1,5 @@
-"""Counts a probe keeps in a BPF hash per time bucket and issuing task, for every task on
-the machine (probes/disk.bpf.c, probes/writeback.bpf.c), as trace rows.
+"""Counts a probe keeps in a BPF hash per time bucket and task (the disk, writeback,
+writepath, net and tlb probes), as trace rows.
 
 The hash is drained whole at every flush (atomically, tracer/collector.py drain_hash), so
 the bucket still counting would be cut in two rows; BucketCounts keeps it until a later

@@ -14,6 +14,7 @@ from trainbpf.trace.errors import EnvironmentCheckError, NotRootError, TrainbpfE
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
+KALLSYMS = Path("/proc/kallsyms")
 DOCTOR = "run `trainbpf doctor`"
 
 
@@ -81,9 +82,35 @@ def check_bcc() -> Check:
     return Check("bcc", OK, f"bcc {version} from {Path(bcc.__file__).parent}")
 
 
+def check_kernel_symbols(path: Path = KALLSYMS) -> Check:
+    """Kernel stacks are named from /proc/kallsyms, which shows every address as 0 to a
+    process without CAP_SYSLOG (or to all, with kernel.kptr_restrict=2): bcc then reads
+    the whole file again for each address it cannot place, and a recording spends its
+    time, and a health check all of its time limit, naming frames."""
+    if os.geteuid() != 0 and not effective_caps() & (1 << CAP_BPF | 1 << CAP_SYS_ADMIN):
+        return Check("kernel symbols", WARN, "not checked without privileges", "run doctor with sudo")
+    with path.open() as lines:
+        # the first code symbol: per-CPU data ("A"), listed first on some kernels, is at 0
+        first = next((fields for fields in map(str.split, lines) if fields[1:2] in (["T"], ["t"])), None)
+    if first is None or int(first[0], 16) != 0:
+        return Check("kernel symbols", OK, f"{path} shows addresses")
+    if _sysctl("kernel/kptr_restrict") == "2":
+        return Check("kernel symbols", FAIL, f"{path} shows every address as 0 (kernel.kptr_restrict=2)",
+                     "sysctl kernel.kptr_restrict=1")
+    return Check("kernel symbols", FAIL, f"{path} shows every address as 0 (no CAP_SYSLOG)",
+                 "run as root with CAP_SYSLOG (a container: add the SYSLOG capability)")
+
+
+def _sysctl(name: str) -> str | None:
+    try:
+        return Path("/proc/sys", name).read_text().strip()
+    except OSError:
+        return None
+
+
 # What record checks before it compiles anything: privileges first (before the target and
 # the output are looked at), then the rest.
-ENVIRONMENT: tuple[Callable[[], Check], ...] = (check_tracefs, check_headers, check_bcc)
+ENVIRONMENT: tuple[Callable[[], Check], ...] = (check_tracefs, check_headers, check_bcc, check_kernel_symbols)
 
 
 def require(*checks: Callable[[], Check]) -> None:

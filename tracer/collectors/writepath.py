@@ -9,7 +9,9 @@ import os
 import numpy as np
 import pyarrow as pa
 
-from trainbpf.tracer.collector import Collector, bucket_batches, delete_keys, drain_hash
+from trainbpf.trace.spool import make_batch
+from trainbpf.tracer.bucketed import BucketCounts, bucket_span
+from trainbpf.tracer.collector import Collector, delete_keys
 from trainbpf.tracer.disks import KernelDisks
 
 # The path codes of write_key.path (0 unused), passed to the probe as -D WP_<NAME>.
@@ -37,6 +39,9 @@ class WritePathCollector(Collector):
     def __init__(self, settings):
         super().__init__(settings)
         self.disks = KernelDisks()
+        # the key holds the writer's pid: the value holds only the counts
+        self.counts = BucketCounts("write_counts", settings.disk_bucket_ns,
+                                   ("bucket", "tid", "pid", "dev", "ino", "path"), ("bytes", "calls"), task=False)
 
     def defines(self) -> dict[str, int]:
         return {
@@ -66,16 +71,19 @@ class WritePathCollector(Collector):
         return "" if dev == 0 else self.disks.name(dev)
 
     def drain(self, bpf, now_ns: int, *, final: bool = False) -> list[pa.RecordBatch]:
-        # A bucket still counting when drained goes on in a new entry: its rows add up.
-        keys, counts = drain_hash(bpf["write_counts"])
-        rows = list(zip(*(a.tolist() for a in (keys["bucket"], keys["tid"], keys["pid"], counts["calls"],
-                                                counts["bytes"], keys["dev"], keys["ino"], keys["path"]))))
-        return bucket_batches("write_path", rows, self.settings.disk_bucket_ns, counted="calls", extra={
-            "bytes": lambda b: b,
-            "device": lambda devs: np.array([self.device(d) for d in devs.tolist()], dtype=object),
-            "inode": lambda ino: ino.astype(np.uint64),
-            "path": lambda paths: np.array([PATHS[p - 1] for p in paths.tolist()], dtype=object),
-        })
+        counts = self.counts.drain(bpf, now_ns, final=final)
+        if not len(counts["bucket"]):
+            return []
+        return [make_batch("write_path", {
+            **bucket_span(counts["bucket"], self.counts.width),
+            "tid": counts["tid"].astype(np.int32),
+            "pid": counts["pid"].astype(np.int32),
+            "calls": counts["calls"],
+            "bytes": counts["bytes"],
+            "device": np.array([self.device(d) for d in counts["dev"].tolist()], dtype=object),
+            "inode": counts["ino"].astype(np.uint64),
+            "path": np.array([PATHS[p - 1] for p in counts["path"].tolist()], dtype=object),
+        })]
 
     def forget(self, bpf, tids: list[int]) -> None:
         delete_keys(bpf["write_calls"], tids)

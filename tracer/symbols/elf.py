@@ -6,6 +6,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import zlib
 
 import numpy as np
 
@@ -54,6 +55,7 @@ class ElfSymbols:
         self.loads: list[tuple[int, int, int]] = []  # PT_LOAD (file offset, vaddr, file size)
         self.build_id = ""
         self.debuglink = ""
+        self.debuglink_crc: int | None = None  # the debug file's CRC32, as .gnu_debuglink gives it
         self.value = np.zeros(0, np.uint64)
         self.size = np.zeros(0, np.uint64)
         self._name_at = np.zeros(0, np.int64)  # (table << 40) | offset in its string table
@@ -138,7 +140,11 @@ class ElfSymbols:
                 desc = off + 12 + ((namesz + 3) & ~3)
                 self.build_id = bytes(data[desc:desc + descsz]).hex()
             elif section == b".gnu_debuglink":
-                self.debuglink = _cstring(data, off).decode(errors="replace")
+                name = _cstring(data, off)
+                self.debuglink = name.decode(errors="replace")
+                at = off + ((len(name) + 4) & ~3)  # the name, its NUL, padded to 4 bytes, then the CRC
+                if at + 4 <= min(off + size, len(data)):
+                    self.debuglink_crc = int.from_bytes(data[at:at + 4], "little")
 
     def file_vaddr(self, file_offset: int) -> int | None:
         """The address as linked of a byte at `file_offset` in the file, None outside
@@ -216,20 +222,35 @@ def _cstring(data, start: int) -> bytes:
 
 def debug_file(path: str, elf: ElfSymbols, *, fetch: bool = False) -> str | None:
     """Where a stripped file's debug symbols are, as bcc looks: by build-id, then by
-    debuglink beside the file, in .debug/ there, and under /usr/lib/debug; else, with
-    `fetch` and where the user names debuginfod servers, fetched by build-id
+    debuglink beside the file, in .debug/ there, and under /usr/lib/debug, a file found
+    by its debuglink name only where its CRC32 is the one the link gives (a container's
+    library named the same as a host debug file of another build is not named from it);
+    else, with `fetch` and where the user names debuginfod servers, fetched by build-id
     (tracer/symbols/debuginfod.py)."""
-    candidates = []
+    local = None
     if elf.build_id:
-        candidates.append(f"{DEBUG_ROOT}/.build-id/{elf.build_id[:2]}/{elf.build_id[2:]}.debug")
-    if elf.debuglink:
+        by_id = f"{DEBUG_ROOT}/.build-id/{elf.build_id[:2]}/{elf.build_id[2:]}.debug"
+        local = by_id if by_id != path and os.path.isfile(by_id) else None
+    if local is None and elf.debuglink and elf.debuglink_crc is not None:
         folder = os.path.dirname(path)
-        candidates += [f"{folder}/{elf.debuglink}", f"{folder}/.debug/{elf.debuglink}",
-                       f"{DEBUG_ROOT}{folder}/{elf.debuglink}"]
-    local = next((c for c in candidates if c != path and os.path.isfile(c)), None)
+        linked = (f"{folder}/{elf.debuglink}", f"{folder}/.debug/{elf.debuglink}",
+                  f"{DEBUG_ROOT}{folder}/{elf.debuglink}")
+        local = next((c for c in linked if c != path and os.path.isfile(c) and _crc32(c) == elf.debuglink_crc), None)
     if local or not fetch or not elf.build_id:
         return local
     return debuginfod.cached(elf.build_id) or _fetched(elf.build_id)
+
+
+def _crc32(path: str) -> int | None:
+    """The CRC32 of a whole file (gdb's and bcc's debuglink check), None when unreadable."""
+    crc = 0
+    try:
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                crc = zlib.crc32(chunk, crc)
+    except OSError:
+        return None
+    return crc
 
 
 def _fetched(build_id: str) -> str | None:

@@ -108,6 +108,13 @@ def evidence_lines(key: str, value: Any) -> list[str]:
     return [number(key, value)]
 
 
+def task_label(c: dict[str, Any]) -> str:
+    """A task a culprit names, as every report line names one: "name (tid)", its process
+    too where that is known and differs, "name (tid, pid P)"."""
+    where = f"{c['tid']}" if c["pid"] in (None, c["tid"]) else f"{c['tid']}, pid {c['pid']}"
+    return f"{c['name'] or '?'} ({where})"
+
+
 def culprit_lines(culprits: list[dict[str, Any]]) -> list[str]:
     """What a disk, memory or network finding blames: the device, the memory cgroup, the
     files (written back, added to the cache, read again) with who dirtied them, the
@@ -127,14 +134,14 @@ def culprit_lines(culprits: list[dict[str, Any]]) -> list[str]:
         elif c["kind"] == "peer":
             lines.append(_peer_line(c))
         elif c.get("uploader"):
-            lines.append(f"upload: {c['name']} ({c['tid']}, pid {c['pid'] if c['pid'] is not None else '?'}) sent "
+            lines.append(f"upload: {task_label(c)} sent "
                          f"{size(c['bytes'])} on {c['interface'] or 'the interface'} during the waits "
                          f"({size(c['rate_bytes_per_s'])}/s)")
         elif "folios" in c:
             at = f" at {c['function']}" if c.get("function") else ""
-            lines.append(f"dirtied by: {c['name']} ({c['tid']}, pid {c['pid']}){at}, {c['folios']} folios")
+            lines.append(f"dirtied by: {task_label(c)}{at}, {c['folios']} folios")
         elif "direction" in c:
-            lines.append(f"other I/O: {c['name']} ({c['tid']}, pid {c['pid']}) {size(c['bytes'])} {c['direction']}")
+            lines.append(f"other I/O: {task_label(c)} {size(c['bytes'])} {c['direction']}")
     return lines
 
 

@@ -10,7 +10,7 @@ from trainbpf.analyzers.pipeline import observed_ns
 from trainbpf.analyzers.vocab import STATES
 from trainbpf.reports.buffers import buffer_lines
 from trainbpf.reports.job import rank_lines
-from trainbpf.reports.present import container_words, culprit_lines, memory_sentences, pct, size
+from trainbpf.reports.present import container_words, culprit_lines, memory_sentences, pct, size, task_label
 from trainbpf.reports.python_frames import python_line, refused_note
 from trainbpf.trace.printable import printable
 
@@ -28,9 +28,7 @@ def _thread_label(t: dict[str, Any]) -> str:
 
 def _process_label(c: dict[str, Any]) -> str:
     """A task that preempted the finding's threads: its name, process and preemptions."""
-    # (tid) as every other line names a thread; its process too where that differs
-    where = f"{c['tid']}" if c["pid"] in (None, c["tid"]) else f"{c['tid']}, pid {c['pid']}"
-    return f"{c['name'] or '?'} ({where}) {c['count']} time{'s' if c['count'] != 1 else ''}"
+    return f"{task_label(c)} {c['count']} time{'s' if c['count'] != 1 else ''}"
 
 
 def render_text(rendered: Report) -> str:
