@@ -97,6 +97,8 @@ def test_the_report_names_the_event_that_held_frees_back(tmp_path):
     assert line in text, text
     assert "CUDA pinned host" in text and "CUDA device" in text, text
     assert "frees held back by event 0xf000 (recorded on stream 0x7777): 1 stream waits over 30 ms" in text, text
+    assert "do: release each buffer at the step boundary after an explicit stream sync" in text, text
+    assert "size the pool to the pipeline's depth" in text
     assert "<li>CUDA frees held back by event" in render_html(report)
 
 

@@ -21,6 +21,9 @@ MAX_EVENTS = 5
 # The table is shown when a size class has at least this many buffers: one large
 # mapping held for the whole run is no churn.
 SHOWN_MIN_BUFFERS = 3
+# What the report advises where a free was held back by an event.
+HELD_BACK_ADVICE = ("release each buffer at the step boundary after an explicit stream sync instead of polling its "
+                    "event, and size the pool to the pipeline's depth (alive at once)")
 # What each memory is called in the table.
 MEMORY_LABELS = {"mapped": "mapped", "cuda_device": "CUDA device", "cuda_host": "CUDA pinned host"}
 
@@ -93,7 +96,8 @@ def buffer_lines(report: dict[str, Any]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["", "Buffer lifetimes (mappings paired with their unmappings, per size class):"] + [
         "  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows] + [
-        f"  CUDA {held_back_text(e)}" for e in section.get("held_back") or []]
+        f"  CUDA {held_back_text(e)}" for e in section.get("held_back") or []] + (
+        [f"  do: {HELD_BACK_ADVICE}"] if section.get("held_back") else [])
 
 
 def buffer_html(report: dict[str, Any]) -> list[str]:
@@ -107,7 +111,7 @@ def buffer_html(report: dict[str, Any]) -> list[str]:
                    for c in section["size_classes"])
     held = "".join(f"<li>CUDA {esc(held_back_text(e))}</li>" for e in section.get("held_back") or [])
     return ["<h2>Buffer lifetimes</h2>", f'<table class="num"><tr>{head}</tr>{rows}</table>'] + (
-        [f"<ul>{held}</ul>"] if held else [])
+        [f"<ul>{held}</ul>", f"<p>Do: {esc(HELD_BACK_ADVICE)}.</p>"] if held else [])
 
 
 def buffer_culprits(rows: list[dict[str, Any]], evidence: dict[str, Any], pids: Any) -> list[dict[str, Any]]:
