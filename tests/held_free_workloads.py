@@ -7,8 +7,8 @@
 Loads the runtime only after "go" and waits for the uprobes on it.  Two threads then run
 the same ring for SECONDS: each step (RING_STEP_S) pins a fresh batch (cudaHostAlloc),
 copies it (cudaMemcpyAsync) and records an event for it on its stream; DEPTH steps later
-it polls that batch's event (cudaEventQuery, every POLL_S) until ready and frees the
-batch (cudaFreeHost).  tb_held's events stay not ready for HELD_QUERIES queries after
+it polls that batch's event (cudaEventQuery, after POLL_S of CPU work in Python each
+time) until ready and frees the batch (cudaFreeHost).  tb_held's events stay not ready for HELD_QUERIES queries after
 each record (the stand-in's fakecuda_hold_event); tb_prompt's are ready at once."""
 
 from __future__ import annotations
@@ -25,11 +25,23 @@ from kernel_workloads import set_thread_name, wait_for_uprobes
 DEPTH = 3
 HELD_QUERIES = 4
 RING_STEP_S = 0.02
-POLL_S = 0.003
+POLL_S = 0.001
 BATCH = 4 << 20
 NOT_READY = 600
 # Each thread's stream and first event handle (the stand-in takes any pointer-sized value).
 HANDLES = {"held": (0x5151, 0xE100), "prompt": (0x6161, 0xE200)}
+
+
+def release_when_ready(rt: ctypes.CDLL, ptr: ctypes.c_void_p, event: ctypes.c_void_p) -> None:
+    """Poll the batch's event until ready, with POLL_S of Python work (bookkeeping, say)
+    between queries, then free it."""
+    while True:
+        stop = time.thread_time() + POLL_S
+        while time.thread_time() < stop:
+            pass
+        if rt.cudaEventQuery(event) != NOT_READY:
+            break
+    rt.cudaFreeHost(ptr)
 
 
 def ring(rt: ctypes.CDLL, drv: ctypes.CDLL, role: str, seconds: float, out: dict) -> None:
@@ -52,9 +64,7 @@ def ring(rt: ctypes.CDLL, drv: ctypes.CDLL, role: str, seconds: float, out: dict
         pending.append((ptr, event))
         if len(pending) > DEPTH:
             old, old_event = pending.pop(0)
-            while rt.cudaEventQuery(old_event) == NOT_READY:
-                time.sleep(POLL_S)
-            rt.cudaFreeHost(old)
+            release_when_ready(rt, old, old_event)
             out["frees"][role] += 1
         step += 1
         time.sleep(RING_STEP_S)

@@ -62,6 +62,18 @@ def _busiest_frame(ctx: "EvidenceContext", tid: int) -> dict[str, Any] | None:
     return {**ctx.thread(tid), "function": frame}
 
 
+def _python_frame(ctx: "EvidenceContext", tid: int) -> dict[str, Any]:
+    """Thread `tid` named, with the Python function it ran most where its samples have
+    Python stacks, else the function _busiest_frame names."""
+    s = ctx.samples
+    if s is not None and "pystack_id" in s and "host_frame" in s and len(s):
+        mine = s[(s["tid"].to_numpy(np.int64) == tid) & (s["pystack_id"].fillna(-1).to_numpy(np.int64) >= 0)
+                 & (s["host_frame"].astype(str) != "").to_numpy()]
+        if len(mine):
+            return {**ctx.thread(tid), "function": str(mine["host_frame"].value_counts().idxmax())}
+    return _busiest_frame(ctx, tid) or {**ctx.thread(tid), "function": ""}
+
+
 def _thread_label(named: dict[str, Any]) -> str:
     label = f"{named['comm'] or 'thread'} ({named['tid']})"
     return f"{label} in {named['function']}" if named["function"] else label
@@ -77,7 +89,7 @@ def held_back_table(ctx: "EvidenceContext", tids: list[int] | None = None) -> pd
     if tids is not None:
         held = held[held["tid"].isin(tids)]
     events = held_events(held)
-    named = {int(t): _busiest_frame(ctx, int(t)) for t in events["tid"].unique()}
+    named = {int(t): _python_frame(ctx, int(t)) for t in events["tid"].unique()}
     return events.assign(comm=[named[int(t)]["comm"] for t in events["tid"]],
                          function=[named[int(t)]["function"] for t in events["tid"]])
 
