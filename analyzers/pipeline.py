@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from trainbpf.analyzers.causes.freed_late import held_back_table
 from trainbpf.analyzers.causes.network import thread_traffic
 from trainbpf.analyzers.findings.ranking import build_findings
 from trainbpf.analyzers.intervals import Span, as_int64
@@ -73,6 +74,7 @@ class Analysis:
     shootdowns: pd.DataFrame | None = None  # tlb.CHARGE_COLUMNS: TLB shootdowns each thread received, by sender
     mm_calls: pd.DataFrame | None = None  # tlb.CALL_COLUMNS: each thread's mm syscalls in the window
     lifetimes: pd.DataFrame | None = None  # lifetimes.LIFETIME_COLUMNS: the trainer's buffers per size class
+    held_frees: pd.DataFrame | None = None  # freed_late.HELD_BACK_COLUMNS: CUDA frees held back by events
     _states: pd.DataFrame | None = field(default=None, repr=False)
 
     @property
@@ -225,6 +227,7 @@ def _analysis(sh: Shared, threads: pd.DataFrame, part: TrainerPart, starved: pd.
         pystacks=sh.pystacks, job=job, traffic=thread_traffic(trace.view("net_io"), sh.win.start_ns, sh.win.end_ns),
         containers=process_containers(trace.view("container")), pages=sh.pages, thp=sh.thp,
         shootdowns=sh.shootdowns, mm_calls=sh.mm_calls, lifetimes=part.ctx.lifetimes,
+        held_frees=held_back_table(part.ctx),
     )
 
 

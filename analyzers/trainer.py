@@ -25,6 +25,7 @@ from trainbpf.analyzers.causes.evidence import EvidenceContext
 from trainbpf.analyzers.causes.host import HostSplit, host_labels
 from trainbpf.analyzers.causes.huge_pages import process_pages, thp_state
 from trainbpf.analyzers.causes.io_culprits import IO_KINDS
+from trainbpf.analyzers.causes.held_frees import held_frees
 from trainbpf.analyzers.causes.lifetimes import buffers, busy_period_starts, freed_by_others, lifetimes
 from trainbpf.analyzers.causes.network import NET_KINDS
 from trainbpf.analyzers.causes.numa import gpu_node, memory_placement, thread_placement
@@ -245,6 +246,7 @@ def trainer_part(sh: Shared, threads: pd.DataFrame, trainer: int | None, states:
         churn=sh.churn, placement=sh.placement, memory_nodes=memory_placement(sh.trace.view("numa_maps"), topology),
         gpu_node=gpu_node(topology), pystacks=sh.pystacks, samples=sh.samples, pages=sh.pages, thp=sh.thp,
         shootdowns=sh.shootdowns, mm_calls=sh.mm_calls, lifetimes=buffer_lifetimes,
+        held_frees=held_frees(sh.trace.view("cuda_call"), win),
     )
     return TrainerPart(trainer=trainer, states=states, gpu_windows=gpu_windows, starved=attribute(pieces),
                        chains=chains, chain_ends=chain_ends, ctx=ctx, uses_cuda=uses_cuda,

@@ -31,7 +31,7 @@ The tracers are in bench/tracers.py, the accounted cost and its tables in
 bench/overhead_cost.py.
 
     sudo .venv/bin/python scripts/bench_overhead.py [--rounds 5] [--steps 1200] [--cost-runs 5]
-        [--baseline REV] [--no-perf] [--quick]     (--rounds 0: the accounted cost alone)
+        [--baseline REV] [--no-perf] [--quick] [--unmapper]     (--rounds 0: the accounted cost alone)
 """
 
 from __future__ import annotations
@@ -117,6 +117,8 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
                     help="runs of each tool under kernel.bpf_stats_enabled for the accounted cost (median, range)")
     ap.add_argument("--tools", default=",".join(COST_TOOLS), metavar="NAMES",
                     help=f"which tools the cost runs measure, of {', '.join(COST_TOOLS)} (default: all)")
+    ap.add_argument("--unmapper", action="store_true",
+                    help="the workload with a thread unmapping fresh buffers in a loop (TLB shootdowns)")
     ap.add_argument("--baseline", metavar="REV",
                     help="also measure the accounted cost of git revision REV's recorder, alternating with this one")
     args = ap.parse_args()
@@ -184,7 +186,8 @@ def main() -> None:
     args, chosen = parse_args()
     bl.require_root()
     rounds, steps = (2, 400) if args.quick else (args.rounds, args.steps)
-    argv = [bl.python(), str(bl.BENCH / "trainer_steps.py"), "--steps", str(steps), "--hold"]
+    argv = [bl.python(), str(bl.BENCH / "trainer_steps.py"), "--steps", str(steps), "--hold"] + (
+        ["--unmapper"] if args.unmapper else [])
     bl.print_machine()
     notes: list[str] = []
     tracers = timed_tracers(args.no_perf, notes)

@@ -13,6 +13,7 @@ TOP_KEYS = {"schema", "trace", "gpu", "starved_s", "host_bound_s", "ranks", "str
             "traces", "container", "memory", "buffers"}
 BUFFER_CLASS_KEYS = {"memory", "size_class_bytes", "buffers", "freed", "alive_at_once", "alive_max", "lifetime_s",
                      "lifetime_steps", "maps_per_step", "faults_per_step", "faults_per_s", "map_tid", "unmap_tid"}
+HELD_BACK_KEYS = {"pid", "tid", "comm", "function", "memory", "event", "stream", "frees", "queries", "waits", "held_ms"}
 CONTAINER_KEYS = {"id", "runtime", "pod_uid", "cgroup"}
 TRACE_KEYS = {"path", "duration_s", "pid", "lost_events"}
 GPU_KEYS = {"source", "samples", "idle_fraction"}
@@ -136,7 +137,11 @@ def _validate_memory(memory: dict[str, Any]) -> None:
 
 def _validate_buffers(section: dict[str, Any]) -> None:
     """The `buffers` section: the lifetime table, a row per size class, largest first."""
-    assert set(section) == {"unit", "size_classes"} and section["unit"] in ("steps", "seconds"), section
+    assert set(section) == {"unit", "size_classes", "held_back"} and section["unit"] in ("steps", "seconds"), section
+    for e in section["held_back"]:
+        assert set(e) == HELD_BACK_KEYS, set(e) ^ HELD_BACK_KEYS
+        assert e["memory"] in MEMORY and e["frees"] >= 1 and e["queries"] + e["waits"] >= e["frees"], e
+        _nonneg_float(e["held_ms"])
     order = [(MEMORY.index(c["memory"]), -c["size_class_bytes"]) for c in section["size_classes"]]
     assert order == sorted(order) and all(c["size_class_bytes"] & (c["size_class_bytes"] - 1) == 0
                                           for c in section["size_classes"]), order

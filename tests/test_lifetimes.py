@@ -234,3 +234,17 @@ def test_a_loader_whose_batches_the_trainer_unmaps_churns(tmp_path):
     assert "mapped by loader (200) in load_batch (/srv/data.py:31), unmapped by python (100)" in f["summary"], f["summary"]
     by_tid = {c["tid"]: c for c in f["culprits"] if c["kind"] == "thread"}
     assert by_tid[LOADER]["mapper"] and by_tid[TRAINER]["unmapper"], f["culprits"]
+
+
+def test_one_large_mapping_shows_no_lifetime_table(tmp_path):
+    """A mapping held for the whole run is no churn: the JSON keeps its row, the text and
+    HTML show no table."""
+    s = Synth(duration_s=2)
+    s.thread(TRAINER, "python")
+    s.mm_syscall(TRAINER, 0.1, 0.0001, "mmap", 64 << 20, addr=0, ret=0x7F0000000000)
+    s.gpu_series(lambda ts: 50.0, period=0.05)
+    report = Report.of(analyze(s.read(tmp_path)))
+    assert "Buffer lifetimes" not in render_text(report), render_text(report)
+    assert "Buffer lifetimes" not in render_html(report)
+    assert report.doc["buffers"]["size_classes"][0]["buffers"] == 1, report.doc["buffers"]
+    validate_report(report.doc)

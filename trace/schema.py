@@ -202,8 +202,12 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # (the event for event waits), the pointer freed (frees) or allocated (allocations:
     # read at the return; 0 where the call failed to write it); 0 where the call has none,
     # size = bytes for copies and allocations, count = return value (cudaError_t /
-    # CUresult, 0 = success), ustack_id = caller's user stack.
-    "cuda_call": ("ts_ns", "dur_ns", "tid", "pid", "name", "state", "op", "addr", "size", "count", "ustack_id"),
+    # CUresult, 0 = success), ustack_id = caller's user stack.  Event calls
+    # (cudaEventRecord, cudaEventQuery, cudaStreamWaitEvent and their cu* twins) come
+    # whatever their duration, state = "event", addr = the event, runq_ns = the stream it
+    # is recorded on or that is made to wait (0 for queries; null before 2026-12-08).
+    "cuda_call": ("ts_ns", "dur_ns", "tid", "pid", "name", "state", "op", "addr", "size", "count", "ustack_id",
+                  "runq_ns"),
     # An NCCL call that returned (ncclAllReduce, ncclBroadcast, ncclReduce, ncclAllGather,
     # ncclReduceScatter, ncclSend, ncclRecv, ncclGroupEnd; pnccl* aliases map to them),
     # every one, no threshold: ts_ns = entry, dur_ns = entry -> return, name = the call,
@@ -344,7 +348,7 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "file": {"state": "device", "addr": "inode", "name": "path"},
     "block_device": {"state": "device"},
     "cuda_launch": {"name": "layer", "op": "nested", "count": "launches"},
-    "cuda_call": {"op": "nested", "size": "bytes", "count": "ret"},
+    "cuda_call": {"op": "nested", "size": "bytes", "count": "ret", "runq_ns": "stream"},
     "collective": {"op": "seq", "addr": "comm", "size": "elements", "count": "ret"},
     "write_path": {"name": "device", "addr": "inode", "state": "path", "size": "bytes", "count": "calls"},
     "socket": {"addr": "socket", "state": "family", "name": "peer", "op": "protocol", "comm": "interface"},

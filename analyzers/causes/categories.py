@@ -120,7 +120,7 @@ REGISTRY: tuple[Category, ...] = (
             "freed_late": (
                 "{who} lost {s:.2f} s to faults on fresh {size_class} buffers: each lives {lifetime} "
                 "({alive} alive at once), a fresh one is mapped every time and none is reused, so every {per_unit} "
-                "pays {faults} faults; mapped by {mapper}, unmapped by {unmapper}",
+                "pays {faults} faults; mapped by {mapper}, unmapped by {unmapper}{held_back}",
                 "{size_class} buffers are held {lifetime} and then unmapped, while a fresh one is mapped and faulted "
                 "in each time: release each at the step boundary after an explicit stream sync (or event "
                 "synchronize) instead of holding it, and keep a pool of {alive} buffers (the pipeline's depth) that "

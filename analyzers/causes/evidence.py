@@ -12,9 +12,9 @@ import numpy as np
 import pandas as pd
 
 from trainbpf.analyzers.causes.attribution import address_names
+from trainbpf.analyzers.causes.freed_late import freed_late
 from trainbpf.analyzers.causes.huge_pages import PAGE_COLUMNS, page_evidence
 from trainbpf.analyzers.causes.io_culprits import io_culprits
-from trainbpf.analyzers.causes.lifetimes import class_label, held_class
 from trainbpf.analyzers.causes.locks import holder_frames, lock_identity
 from trainbpf.analyzers.causes.numa import REMOTE_MIN_FRACTION
 from trainbpf.analyzers.causes.page_cache import reclaim_culprits
@@ -57,6 +57,7 @@ class EvidenceContext:
     shootdowns: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(CHARGE_COLUMNS)))
     mm_calls: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(CALL_COLUMNS)))
     lifetimes: pd.DataFrame | None = None  # lifetimes.LIFETIME_COLUMNS: buffers per size class
+    held_frees: pd.DataFrame | None = None  # held_frees.HELD_COLUMNS: CUDA frees held back by events
     _ranges: dict[int, tuple[int, int]] | None = field(default=None, repr=False)
     _slot_columns: tuple[np.ndarray, list[np.ndarray]] | None = field(default=None, repr=False)
     _named: dict[int, dict[str, Any]] | None = field(default=None, repr=False)
@@ -296,49 +297,6 @@ def allocator_churn(ctx: EvidenceContext, pieces: pd.DataFrame, roots: list[int]
         **_huge_pages(ctx, roots),
         **freed_late(ctx, roots),
     }
-
-
-def freed_late(ctx: EvidenceContext, roots: list[int]) -> dict[str, Any]:
-    """The `freed_late` case: batch-sized buffers held several at once (lifetimes.held_class)
-    and mapped afresh each time, with the threads that map and unmap them (and the Python
-    frame each ran most in the fault and mapping paths); {} when no class is."""
-    table = ctx.lifetimes
-    row = held_class(table, roots) if table is not None and len(table) else None
-    if row is None:
-        return {}
-    in_steps = not np.isnan(row["lifetime_steps"])
-    held = {k: (None if isinstance(v, float) and np.isnan(v) else v.item() if hasattr(v, "item") else v)
-            for k, v in row.items()}
-    mapper, unmapper = _busiest_frame(ctx, held["map_tid"]), _busiest_frame(ctx, held["unmap_tid"])
-    return {"case": "freed_late", "held_buffers": held, "mapper": mapper, "unmapper": unmapper, "names": {
-        "size_class": class_label(held["size_class"]), "alive": f"{held['alive_at_once']:g}",
-        "lifetime": f"{held['lifetime_steps']:g} steps" if in_steps else f"{held['lifetime_s']:.2f} s",
-        "faults": f"{held['faults_per_step'] if in_steps else held['faults_per_s']:,.0f}",
-        "per": "a step" if in_steps else "a second", "per_unit": "step" if in_steps else "second",
-        "mapper": _thread_label(mapper), "unmapper": _thread_label(unmapper) if unmapper else "nobody"}}
-
-
-# The on-CPU sample classes of a thread mapping, unmapping or faulting memory in.
-_MAPPING_CLASSES = ("allocator_churn", "page_faults", "mmap_lock")
-
-
-def _busiest_frame(ctx: EvidenceContext, tid: int) -> dict[str, Any] | None:
-    """Thread `tid` named, with the function (Python where recorded) it ran most in the
-    mapping and fault paths, else in any of its samples ("" when none names one)."""
-    if tid < 0:
-        return None
-    s, frame = ctx.samples, ""
-    if s is not None and "host_frame" in s and len(s):
-        mine = s[(s["tid"].to_numpy(np.int64) == tid) & (s["host_frame"].astype(str) != "").to_numpy()]
-        paths = mine[mine["cls"].astype(str).isin(_MAPPING_CLASSES).to_numpy()]
-        pick = paths if len(paths) else mine
-        frame = str(pick["host_frame"].value_counts().idxmax()) if len(pick) else ""
-    return {**ctx.thread(tid), "function": frame}
-
-
-def _thread_label(named: dict[str, Any]) -> str:
-    label = f"{named['comm'] or 'thread'} ({named['tid']})"
-    return f"{label} in {named['function']}" if named["function"] else label
 
 
 def _huge_pages(ctx: EvidenceContext, roots: list[int]) -> dict[str, Any]:

@@ -5,7 +5,12 @@ write every few steps.  Stdlib + numpy only.
 Threads start at once and wait; the steps start when a line arrives on stdin (so a
 tracer can attach first).  Prints one JSON line: the wall time of the steps alone.
 
-    python trainer_steps.py [--steps 600] [--workers 2] [--checkpoint-every 200]
+    python trainer_steps.py [--steps 600] [--workers 2] [--checkpoint-every 200] [--unmapper]
+
+--unmapper adds a thread that, while the steps run, maps a fresh UNMAP_KIB buffer, writes
+it (every page faults in) and unmaps it, in a loop with UNMAP_PAUSE_S between rounds: each
+munmap flushes the TLBs of the other CPUs the process runs on (TLB shootdowns, the tlb
+probe's events).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(var, "1")
 
 import argparse  # noqa: E402
+import mmap  # noqa: E402
 import json  # noqa: E402
 import queue  # noqa: E402
 import sys  # noqa: E402
@@ -29,6 +35,8 @@ import numpy as np  # noqa: E402
 BATCH = 64
 IMAGE = (3, 64, 64)
 HIDDEN = 64
+UNMAP_KIB = 256
+UNMAP_PAUSE_S = 0.0005
 
 
 def encoded_batches(n: int, seed: int) -> list[bytes]:
@@ -48,6 +56,17 @@ def decode(raw: bytes, rng: np.random.Generator) -> np.ndarray:
     return np.ascontiguousarray(x.reshape(BATCH, -1))
 
 
+def unmapper(start: threading.Event, stop: threading.Event) -> None:
+    """Map, fill and unmap a fresh buffer, again and again, until `stop`."""
+    fill = b"\1" * (UNMAP_KIB << 10)
+    start.wait()
+    while not stop.is_set():
+        m = mmap.mmap(-1, len(fill), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        m.write(fill)
+        m.close()  # munmap
+        time.sleep(UNMAP_PAUSE_S)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=600)
@@ -56,6 +75,7 @@ def main() -> None:
     ap.add_argument("--checkpoint-mb", type=int, default=64)
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp folder)")
     ap.add_argument("--no-wait", action="store_true", help="start at once, without waiting for stdin")
+    ap.add_argument("--unmapper", action="store_true", help="a thread unmapping fresh buffers in a loop")
     ap.add_argument("--hold", action="store_true",
                     help="after printing the result, wait for stdin to close before exiting "
                          "(so a tracer's figures can be read while it still traces)")
@@ -82,6 +102,8 @@ def main() -> None:
 
     workers = [threading.Thread(target=worker, args=(i,), name=f"data_worker{i}", daemon=True)
                for i in range(args.workers)]
+    if args.unmapper:
+        workers.append(threading.Thread(target=unmapper, args=(start, stop), name="unmapper", daemon=True))
     for t in workers:
         t.start()
     rng = np.random.default_rng(7)

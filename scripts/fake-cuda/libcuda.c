@@ -11,9 +11,15 @@
  * stand-ins sample (scripts/fake-nvidia-smi, scripts/fake-nvml): each kernel appends its
  * busy interval "start_ns end_ns pid\n" (CLOCK_MONOTONIC) to that file, and each process
  * that launches lists its pid once in "<file>.pids" (a CUDA context: a compute process).
- * Copies are not kernels and are not written. */
+ * Copies are not kernels and are not written.
+ *
+ * Events: an event recorded stays not ready (cuEventQuery returns CUDA_ERROR_NOT_READY,
+ * 600) for as many queries as fakecuda_hold_event(event, queries) last set for it
+ * ($FAKECUDA_EVENT_QUERIES, default 0, for events never set), counted from each record;
+ * a stream wait on an event returns at once. */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -107,11 +113,46 @@ static CUresult alloc(CUdeviceptr *p, size_t bytes)
 
 NOINLINE void fakecuda_set_kernel_ns(uint64_t ns) { __atomic_store_n(&kernel_ns, ns, __ATOMIC_RELAXED); }
 
+#define NOT_READY 600 /* CUDA_ERROR_NOT_READY, as cudaErrorNotReady */
+#define EVENTS 64
+static struct {
+    CUevent event;
+    unsigned hold; /* not-ready queries after each record */
+    unsigned left; /* of them, still to come */
+} events[EVENTS];
+static unsigned default_hold;
+static pthread_mutex_t events_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* The event's slot, taken for it on first use (the last slot when all are taken);
+ * events_lock held. */
+static unsigned event_slot(CUevent e)
+{
+    unsigned i;
+    for (i = 0; i < EVENTS - 1 && events[i].event && events[i].event != e; i++) {
+    }
+    if (events[i].event != e) {
+        events[i].event = e;
+        events[i].hold = default_hold;
+        events[i].left = 0;
+    }
+    return i;
+}
+
+NOINLINE void fakecuda_hold_event(CUevent e, unsigned queries)
+{
+    pthread_mutex_lock(&events_lock);
+    events[event_slot(e)].hold = queries;
+    pthread_mutex_unlock(&events_lock);
+}
+
 __attribute__((constructor)) static void init(void)
 {
     const char *env = getenv("FAKECUDA_KERNEL_NS");
     if (env)
         kernel_ns = strtoull(env, NULL, 10);
+    const char *hold = getenv("FAKECUDA_EVENT_QUERIES");
+    if (hold)
+        default_hold = (unsigned)strtoul(hold, NULL, 10);
     const char *sim = getenv("TRAINBPF_SIM_GPU");
     struct stat st;
     if (!sim || !*sim || snprintf(sim_pids, sizeof sim_pids, "%s.pids", sim) >= (int)sizeof sim_pids)
@@ -183,5 +224,32 @@ NOINLINE CUresult cuMemFreeHost(void *p)
 {
     (void)p;
     sleep_until(now_ns() + 100000);
+    return 0;
+}
+
+NOINLINE CUresult cuEventRecord(CUevent e, CUstream s)
+{
+    (void)s;
+    pthread_mutex_lock(&events_lock);
+    unsigned i = event_slot(e);
+    events[i].left = events[i].hold;
+    pthread_mutex_unlock(&events_lock);
+    return 0;
+}
+
+NOINLINE CUresult cuEventQuery(CUevent e)
+{
+    pthread_mutex_lock(&events_lock);
+    unsigned i = event_slot(e);
+    CUresult ret = events[i].left ? NOT_READY : 0;
+    if (events[i].left)
+        events[i].left--;
+    pthread_mutex_unlock(&events_lock);
+    return ret;
+}
+
+NOINLINE CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags)
+{
+    (void)s; (void)e; (void)flags;
     return 0;
 }

@@ -31,6 +31,9 @@ extern int cuMemAlloc_v2(CUdeviceptr *, size_t);
 extern int cuMemFree_v2(CUdeviceptr);
 extern int cuMemHostAlloc(void **, size_t, unsigned int);
 extern int cuMemFreeHost(void *);
+extern int cuEventRecord(void *, void *);
+extern int cuEventQuery(void *);
+extern int cuStreamWaitEvent(void *, void *, unsigned int);
 
 NOINLINE cudaError_t cudaGetDeviceCount(int *n) { *n = 1; return 0; }
 
@@ -82,4 +85,10 @@ NOINLINE cudaError_t cudaFreeAsync(void *p, cudaStream_t st)
 {
     (void)st;
     return cuMemFree_v2((CUdeviceptr)p);
+}
+NOINLINE cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t st) { return cuEventRecord(e, st); }
+NOINLINE cudaError_t cudaEventQuery(cudaEvent_t e) { return cuEventQuery(e); }
+NOINLINE cudaError_t cudaStreamWaitEvent(cudaStream_t st, cudaEvent_t e, unsigned int flags)
+{
+    return cuStreamWaitEvent(st, e, flags);
 }

@@ -16,19 +16,24 @@ from trainbpf.tracer.libprobe import LibraryCalls, LibraryCollector
 from trainbpf.tracer.symbols.maps import Mapping
 
 LAYERS = ("runtime", "driver")
-KINDS = ("launch", "wait", "copy", "alloc", "free")
+# "event": an event's record or query, or a stream's wait on one (cudaStreamWaitEvent
+# enqueues the wait; the host does not block): streamed whatever their duration, as a
+# not-ready query returns at once.
+KINDS = ("launch", "wait", "copy", "alloc", "free", "event")
 
 
 class CudaCall(NamedTuple):
     """One probed call.  `arg` and `bytes` are the positions (from 1; 0: none) of its
-    stream (event for event waits, pointer for frees; for allocations the argument the
-    call writes the new pointer to, read at its return) and byte-count arguments."""
+    stream (event for event waits and event calls, pointer for frees; for allocations
+    the argument the call writes the new pointer to, read at its return) and byte-count
+    arguments; `stream` that of the stream an event call records on or makes wait."""
 
     name: str
     layer: int  # index into LAYERS
     kind: int  # index into KINDS
     arg: int
     bytes: int
+    stream: int = 0
 
 
 # The calls probed, declared only here; the position is the call code.  The probe compiles
@@ -51,6 +56,10 @@ CALLS: tuple[CudaCall, ...] = tuple(CudaCall(*call) for call in (
     # Pinned host memory and stream-ordered allocations.
     ("cudaHostAlloc", 0, 3, 1, 2), ("cudaMallocHost", 0, 3, 1, 2), ("cudaMallocAsync", 0, 3, 1, 2),
     ("cudaFreeHost", 0, 4, 1, 0), ("cudaFreeAsync", 0, 4, 1, 0), ("cuMemHostAlloc", 1, 3, 1, 2),
+    # Events: what a free waits on (a not-ready query, a stream made to wait).
+    ("cudaEventQuery", 0, 5, 1, 0), ("cuEventQuery", 1, 5, 1, 0),
+    ("cudaStreamWaitEvent", 0, 5, 2, 0, 1), ("cuStreamWaitEvent", 1, 5, 2, 0, 1),
+    ("cudaEventRecord", 0, 5, 1, 0, 2), ("cuEventRecord", 1, 5, 1, 0, 2),
 ))
 # The slots of a thread's current bucket in the probe (cuda_thread): (name, layer, nested).
 LAUNCH_SLOTS = (("runtime", 0, 0), ("driver", 1, 0), ("nested", 1, 1))
@@ -65,8 +74,9 @@ CUDA_LIBRARIES = LibraryCalls(LIBRARY_RE, "/libcud", SYMBOL_RE)
 
 
 def call_list() -> str:
-    """CALLS as the probe's CUDA_CALLS define: CALL(symbol,code,layer,kind,arg,bytes) for each."""
-    return "".join(f"CALL({c.name},{code},{c.layer},{c.kind},{c.arg},{c.bytes})" for code, c in enumerate(CALLS))
+    """CALLS as the probe's CUDA_CALLS define: CALL(symbol,code,layer,kind,arg,bytes,stream) for each."""
+    return "".join(f"CALL({c.name},{code},{c.layer},{c.kind},{c.arg},{c.bytes},{c.stream})"
+                   for code, c in enumerate(CALLS))
 
 
 def nest_jiffies(hz: int) -> int:
@@ -146,6 +156,7 @@ class CudaCollector(LibraryCollector):
                     "addr": r["addr"],
                     "bytes": r["bytes"].astype(np.int64),
                     "ret": r["ret"].astype(np.int64),
+                    "stream": r["stream"].astype(np.int64),
                     "ustack_id": stack_ids(r["ustack_id"]),
                 },
             )

@@ -133,7 +133,7 @@ def build_report(analysis: Analysis) -> dict[str, Any]:
         "traces": None,
         "container": None if analysis.containers is None else container_of(analysis.containers, pid),
         "memory": memory_section(analysis),
-        "buffers": buffers_section(analysis.lifetimes),
+        "buffers": buffers_section(analysis.lifetimes, analysis.held_frees),
     }
 
 
