@@ -245,14 +245,14 @@ def detach(bpf) -> None:
                 done.exception()  # whatever failed, cleanup() below retries and raises
     # A perf event whose descriptor is already gone is already detached (the kernel let go
     # of it with its last reference); bcc would retry the close, fail on EBADF and leave
-    # every later program attached.  A fresh-clone CI run met one such descriptor once.
+    # every later program attached.  Descriptors went missing while bcc named process
+    # addresses (it closed numbers it never opened: tracer/symbols/anon.py), which the
+    # recorder no longer asks it to; this stays for whatever else may close one.
     for fds in (bpf.tracepoint_fds, bpf.uprobe_fds):
         for name, fd in list(fds.items()):
             if not _is_open(fd):
                 del fds[name]
-    # The same for a program's descriptor (its attachment holds the program): fresh-clone
-    # CI runs met one already closed at the stop, the trace written, and bcc's close
-    # raised.  Something closes a descriptor number it no longer owns: not found yet.
+    # The same for a program's descriptor (its attachment holds the program).
     for name, fn in list(bpf.funcs.items()):
         if not _is_open(fn.fd):
             del bpf.funcs[name]

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trainbpf.trace.spool import make_batch
+from trainbpf.tracer.symbols.anon import AnonymousCode
 from trainbpf.tracer.symbols.elf import FUNCTION_KINDS, ElfSymbols, symbol_tables
 from trainbpf.tracer.symbols.maps import MapsIndex, Mapping, ProcMaps, open_if_mapped, open_mapped
 
@@ -47,6 +48,7 @@ class StackSymbolizer:
         self._user_frames: dict[tuple[int, int], Frame] = {}  # (pid, addr); cleared on exec
         self._maps: dict[int, MapsIndex | None] = {}  # as first seen; re-read on a miss
         self.files = MappedFiles(proc)
+        self.anon = AnonymousCode(proc)
         self._pending: list[tuple[int, int, list[Frame]]] = []  # (stack id, pid, frames)
 
     def _ips(self, stack_id: int) -> list[int]:
@@ -130,8 +132,8 @@ class StackSymbolizer:
         file); the file by device and inode, not by path: in another mount namespace (a
         container) the same path can be another file.  Below mmap_min_addr or outside
         the process's executable memory: a frame-pointer walk gone astray, not a return
-        address, left as a number.  Anonymous code (a JIT's) or a process gone before its
-        maps were read: bcc, now, while the process can still say."""
+        address, left as a number.  Code in no file (a JIT's, the vdso) or a process
+        gone before its maps were read: named now (anon.py), or left as a number."""
         if addr < MMAP_MIN_ADDR:
             return _raw(addr)
         index = self._maps.get(pid)
@@ -147,20 +149,16 @@ class StackSymbolizer:
                 index = self._maps[pid] = fresh
                 i = index.index_of(addr) if index is not None else -1
         if index is None:
-            return self._bcc_name(addr, pid)
+            return self._anonymous_name(addr, pid, None)
         if not _is_code(index, i):
             return _raw(addr)
         m = index.maps[i]
         if m.path.startswith("/") and m.file[1] and self.files.hold(pid, m):
             return (*m.file, addr - m.start + m.offset)
-        return self._bcc_name(addr, pid)
+        return self._anonymous_name(addr, pid, m)
 
-    def _bcc_name(self, addr: int, pid: int) -> str:
-        try:
-            name = self.bpf.sym(addr, pid, show_module=True).decode(errors="replace")
-        except Exception:
-            name = "[unknown]"
-        return name if name != "[unknown]" else f"0x{addr:x}"
+    def _anonymous_name(self, addr: int, pid: int, m: Mapping | None) -> str:
+        return self.anon.name(addr, pid, m) or f"0x{addr:x}"
 
 
 def _is_code(index: MapsIndex | None, i: int) -> bool:
