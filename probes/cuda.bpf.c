@@ -8,8 +8,8 @@
  * the hash the collector drains (cuda_launches) when a launch falls in a later bucket;
  * the collector takes the records' last buckets at the stop.
  * Waits, copies, allocations and frees lasting at least MIN_CUDA_NS are streamed with
- * their start, duration, stream (or pointer) argument, bytes, return value and the user
- * stack at the call.  The runtime calls the driver inside its own calls, so entries are
+ * their start, duration, stream (or pointer) argument, bytes, return value, source pointer
+ * (copies) and the user stack at the call.  The runtime calls the driver inside its own calls, so entries are
  * kept per (tid, layer) and a driver call made inside a runtime call is marked nested.
  * Launches have no return probe (a uretprobe costs several times the uprobe): a runtime
  * launch leaves a mark that the driver launch it makes within CUDA_NEST_JIFFIES consumes. */
@@ -74,6 +74,7 @@ struct cuda_event {
     u32 nested; /* a driver call made inside a runtime call */
     s32 ustack_id;
     u32 layer;
+    u64 src; /* a copy's source pointer, 0 for other calls */
 };
 
 struct cuda_key {
@@ -85,6 +86,7 @@ struct cuda_call {
     u64 ts_ns;
     u64 arg;
     u64 bytes;
+    u64 src;
     u32 call;
     u32 nested;
 };
@@ -204,7 +206,8 @@ static __always_inline int cuda_launch(u32 layer)
 /* Arguments are read with common.h uprobe_arg; none of the calls read here has what we
  * need beyond the sixth (cuLaunchKernel's stream, the 9th, is on the stack, but launches
  * are only counted). */
-static __always_inline int cuda_enter(struct pt_regs *ctx, u32 call, u32 layer, u32 kind, u64 arg, u64 bytes)
+static __always_inline int cuda_enter(struct pt_regs *ctx, u32 call, u32 layer, u32 kind, u64 arg, u64 bytes,
+                                      u64 src)
 {
     if (kind == CUDA_LAUNCH)
         return cuda_launch(layer);
@@ -217,7 +220,7 @@ static __always_inline int cuda_enter(struct pt_regs *ctx, u32 call, u32 layer, 
         nested = cuda_calls.lookup(&outer) != NULL;
     }
     struct cuda_key key = {.tid = tid, .layer = layer};
-    struct cuda_call c = {.ts_ns = bpf_ktime_get_ns(), .arg = arg, .bytes = bytes, .call = call, .nested = nested};
+    struct cuda_call c = {.ts_ns = bpf_ktime_get_ns(), .arg = arg, .bytes = bytes, .src = src, .call = call, .nested = nested};
     cuda_calls.update(&key, &c);
     return 0;
 }
@@ -247,6 +250,7 @@ static __always_inline int cuda_return(struct pt_regs *ctx, u32 layer, u32 kind)
             bpf_probe_read_user(&e->addr, sizeof(e->addr), (void *)c.arg);
     }
     e->bytes = c.bytes;
+    e->src = c.src;
     e->ret = (s32)PT_REGS_RC(ctx); /* cudaError_t / CUresult: a C enum */
     e->tid = key.tid;
     e->pid = current_tgid();
@@ -259,12 +263,13 @@ static __always_inline int cuda_return(struct pt_regs *ctx, u32 layer, u32 kind)
 }
 
 /* One entry/return pair per call: CUDA_CALLS is CALL(symbol, call code, layer, kind,
- * stream argument, bytes argument) for each, from tracer/collectors/cuda.py CALLS (the call code
- * being its position there; an argument number 0 reads nothing). */
-#define CALL(sym, call, layer, kind, arg_n, bytes_n)                                           \
+ * stream argument, bytes argument, source argument) for each, from tracer/collectors/cuda.py
+ * CALLS (the call code being its position there; an argument number 0 reads nothing). */
+#define CALL(sym, call, layer, kind, arg_n, bytes_n, src_n)                                    \
     int enter_##sym(struct pt_regs *ctx)                                                       \
     {                                                                                          \
-        return cuda_enter(ctx, call, layer, kind, uprobe_arg(ctx, arg_n), uprobe_arg(ctx, bytes_n)); \
+        return cuda_enter(ctx, call, layer, kind, uprobe_arg(ctx, arg_n), uprobe_arg(ctx, bytes_n), \
+                          uprobe_arg(ctx, src_n));                                             \
     }                                                                                          \
     int return_##sym(struct pt_regs *ctx) { return cuda_return(ctx, layer, kind); }
 

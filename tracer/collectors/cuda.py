@@ -20,15 +20,17 @@ KINDS = ("launch", "wait", "copy", "alloc", "free")
 
 
 class CudaCall(NamedTuple):
-    """One probed call.  `arg` and `bytes` are the positions (from 1; 0: none) of its
-    stream (event for event waits, pointer for frees; for allocations the argument the
-    call writes the new pointer to, read at its return) and byte-count arguments."""
+    """One probed call.  `arg`, `bytes` and `src` are the positions (from 1; 0: none) of
+    its stream (event for event waits, pointer for frees; for allocations the argument
+    the call writes the new pointer to, read at its return), byte-count and source
+    pointer (copies) arguments."""
 
     name: str
     layer: int  # index into LAYERS
     kind: int  # index into KINDS
     arg: int
     bytes: int
+    src: int = 0
 
 
 # The calls probed, declared only here; the position is the call code.  The probe compiles
@@ -38,13 +40,14 @@ CALLS: tuple[CudaCall, ...] = tuple(CudaCall(*call) for call in (
     ("cudaLaunchKernel", 0, 0, 0, 0), ("cudaLaunchKernelExC", 0, 0, 0, 0),
     ("cudaLaunchCooperativeKernel", 0, 0, 0, 0), ("cudaGraphLaunch", 0, 0, 0, 0),
     ("cudaStreamSynchronize", 0, 1, 1, 0), ("cudaDeviceSynchronize", 0, 1, 0, 0),
-    ("cudaEventSynchronize", 0, 1, 1, 0), ("cudaMemcpy", 0, 2, 0, 3), ("cudaMemcpyAsync", 0, 2, 5, 3),
+    ("cudaEventSynchronize", 0, 1, 1, 0), ("cudaMemcpy", 0, 2, 0, 3, 2), ("cudaMemcpyAsync", 0, 2, 5, 3, 2),
     ("cudaMalloc", 0, 3, 1, 2), ("cudaFree", 0, 4, 1, 0),
     ("cuLaunchKernel", 1, 0, 0, 0), ("cuLaunchKernelEx", 1, 0, 0, 0), ("cuGraphLaunch", 1, 0, 0, 0),
     ("cuStreamSynchronize", 1, 1, 1, 0), ("cuCtxSynchronize", 1, 1, 0, 0), ("cuEventSynchronize", 1, 1, 1, 0),
-    ("cuMemcpy", 1, 2, 0, 3), ("cuMemcpyAsync", 1, 2, 4, 3), ("cuMemcpyHtoD", 1, 2, 0, 3),
-    ("cuMemcpyHtoDAsync", 1, 2, 4, 3), ("cuMemcpyDtoH", 1, 2, 0, 3), ("cuMemcpyDtoHAsync", 1, 2, 4, 3),
-    ("cuMemcpyDtoD", 1, 2, 0, 3), ("cuMemcpyDtoDAsync", 1, 2, 4, 3),
+    # Copies: (dst, src, bytes[, ..., stream]).
+    ("cuMemcpy", 1, 2, 0, 3, 2), ("cuMemcpyAsync", 1, 2, 4, 3, 2), ("cuMemcpyHtoD", 1, 2, 0, 3, 2),
+    ("cuMemcpyHtoDAsync", 1, 2, 4, 3, 2), ("cuMemcpyDtoH", 1, 2, 0, 3, 2), ("cuMemcpyDtoHAsync", 1, 2, 4, 3, 2),
+    ("cuMemcpyDtoD", 1, 2, 0, 3, 2), ("cuMemcpyDtoDAsync", 1, 2, 4, 3, 2),
     ("cuMemAlloc", 1, 3, 1, 2), ("cuMemAllocAsync", 1, 3, 1, 2), ("cuMemAllocHost", 1, 3, 1, 2),
     ("cuMemAllocManaged", 1, 3, 1, 2),
     ("cuMemFree", 1, 4, 1, 0), ("cuMemFreeHost", 1, 4, 1, 0), ("cuMemFreeAsync", 1, 4, 1, 0),
@@ -62,11 +65,13 @@ CALL_INDEX = {call.name: i for i, call in enumerate(CALLS)}
 SYMBOL_RE = r"^(" + "|".join(call.name for call in CALLS) + r")((_v2|_v3)?(_ptsz|_ptds)?)$"
 LIBRARY_RE = re.compile(r"/lib(cudart|cuda)\.so(\.\d+)*$")
 CUDA_LIBRARIES = LibraryCalls(LIBRARY_RE, "/libcud", SYMBOL_RE)
+# Copies whose source is device memory by the call's name: their pages are not asked about.
+DEVICE_SOURCE_CALLS = frozenset(c.name for c in CALLS if "DtoH" in c.name or "DtoD" in c.name)
 
 
 def call_list() -> str:
-    """CALLS as the probe's CUDA_CALLS define: CALL(symbol,code,layer,kind,arg,bytes) for each."""
-    return "".join(f"CALL({c.name},{code},{c.layer},{c.kind},{c.arg},{c.bytes})" for code, c in enumerate(CALLS))
+    """CALLS as the probe's CUDA_CALLS define: CALL(symbol,code,layer,kind,arg,bytes,src) for each."""
+    return "".join(f"CALL({c.name},{code},{c.layer},{c.kind},{c.arg},{c.bytes},{c.src})" for code, c in enumerate(CALLS))
 
 
 def nest_jiffies(hz: int) -> int:
@@ -147,6 +152,7 @@ class CudaCollector(LibraryCollector):
                     "bytes": r["bytes"].astype(np.int64),
                     "ret": r["ret"].astype(np.int64),
                     "ustack_id": stack_ids(r["ustack_id"]),
+                    "src": r["src"].astype(np.int64),  # user addresses stay below 2**63
                 },
             )
         ]
