@@ -96,8 +96,9 @@ class PageNodes:
             return known[1]
         if pid in self.gone:
             return None
-        if now - self.window_ns >= 1_000_000_000:
+        if now - self.window_ns >= 1_000_000_000:  # a new second: answers past their time go
             self.window_ns, self.asked = now, 0
+            self.answers = {k: v for k, v in self.answers.items() if now - v[0] < PAGE_TTL_NS}
         if self.asked >= self.pages_per_s:
             return None
         self.asked += 1
