@@ -69,6 +69,23 @@ def test_lookups_are_cached_a_second_and_limited_per_second():
     assert asked == [0x1000, 0x200000, 0x3000, 0x4000, 0x1000]
 
 
+def test_a_process_gone_keeps_its_pages_last_answers():
+    """The last copies of a process are read after it exited: what its pages answered
+    before stands; a page never asked about is unknown."""
+    now, alive = [0], [True]
+
+    def query(pid: int, addrs: list[int]) -> list[int]:
+        if not alive[0]:
+            raise OSError(errno.ESRCH, "gone")
+        return [1 for _ in addrs]
+
+    pages = PageNodes(clock=lambda: now[0], query=query)
+    assert pages.node(5, 0x1000) == 1
+    now[0], alive[0] = 1_500_000_000, False
+    assert pages.node(5, 0x1000) == 1 and pages.node(5, 0x2000) is None and pages.gone == {5}
+    assert pages.node(5, 0x1000) == 1
+
+
 def test_copy_rows_say_host_device_or_unknown():
     def query(pid: int, addrs: list[int]) -> list[int]:
         if pid == 3:

@@ -50,8 +50,9 @@ def query_page_nodes(pid: int, addrs: list[int]) -> list[int]:
     pages = (ctypes.c_void_p * count)(*[a & ~(PAGE_SIZE - 1) for a in addrs])
     status = (ctypes.c_int * count)(*([-errno.ENOENT] * count))
     nodes = None  # never a target array: nothing moves
+    # every argument a full register wide: syscall(2) passes them on as longs
     if _libc.syscall(ctypes.c_long(nr), ctypes.c_long(pid), ctypes.c_ulong(count), pages, nodes, status,
-                     ctypes.c_int(0)) < 0:
+                     ctypes.c_long(0)) < 0:
         err = ctypes.get_errno()
         raise OSError(err, f"move_pages({pid}): {os.strerror(err)}")
     return list(status)
@@ -89,16 +90,17 @@ class PageNodes:
 
     def node(self, pid: int, addr: int) -> int | None:
         """The node of `addr`'s page in `pid` (>= 0), -errno when it is not host memory,
-        None when not asked (rate limit, process gone)."""
+        None when not asked (rate limit, process gone).  Once the process is gone (its
+        last copies are read after it exited), a page's last answer, however old, stands."""
         now, page = self.clock(), addr & ~(PAGE_SIZE - 1)
         known = self.answers.get((pid, page))
-        if known is not None and now - known[0] < PAGE_TTL_NS:
+        if known is not None and (now - known[0] < PAGE_TTL_NS or pid in self.gone):
             return known[1]
         if pid in self.gone:
             return None
         if now - self.window_ns >= 1_000_000_000:  # a new second: answers past their time go
             self.window_ns, self.asked = now, 0
-            self.answers = {k: v for k, v in self.answers.items() if now - v[0] < PAGE_TTL_NS}
+            self.answers = {k: v for k, v in self.answers.items() if now - v[0] < PAGE_TTL_NS or k[0] in self.gone}
         if self.asked >= self.pages_per_s:
             return None
         self.asked += 1
@@ -107,7 +109,10 @@ class PageNodes:
             status = self.query(pid, [page])[0]
         except OSError:
             self.gone.add(pid)
-            return None
+            if known is None:
+                return None
+            self.answers[(pid, page)] = known
+            return known[1]
         self.answers[(pid, page)] = (now, status)
         return status
 
