@@ -8,12 +8,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trainbpf.tracer import loader
-from trainbpf.tracer.samplers import containers, jobenv, procfs, taskstats
 from trainbpf.tracer.collectors.cuda import DEVICE_SOURCE_CALLS
+from trainbpf.tracer.samplers import containers, jobenv, procfs, taskstats
 from trainbpf.tracer.samplers.memcg import CgroupSampler, cgroup_batch
-from trainbpf.tracer.samplers.pagenodes import Affinities, PageNodes
 from trainbpf.tracer.samplers.files import FileNames
 from trainbpf.tracer.samplers.gpu import GpuSampler
+from trainbpf.tracer.samplers.pagenodes import Affinities, PageNodes
 from trainbpf.tracer.source import Source
 from trainbpf.tracer.symbols.addrs import AddressDescriber, futex_pairs
 from trainbpf.tracer.symbols.maps import ProcMaps
@@ -248,9 +248,9 @@ class CopySources(Source):
         if not self.wanted:
             return rows, []
         copies = rows.filter(pc.and_(pc.equal(rows.column("kind"), "cuda_call"), pc.equal(rows.column("state"), "copy")))
+        # nested driver copies are the runtime copy's own; runq_ns holds the source pointer
         copies = copies.filter(pc.and_(pc.equal(copies.column("op"), 0), pc.greater(copies.column("runq_ns"), 0)))
-        host_side = pc.invert(pc.is_in(copies.column("name"), pa.array(sorted(DEVICE_SOURCE_CALLS))))
-        copies = copies.filter(host_side)  # nested driver copies are the runtime copy's own
+        copies = copies.filter(pc.invert(pc.is_in(copies.column("name"), pa.array(sorted(DEVICE_SOURCE_CALLS)))))
         if not copies.num_rows:
             return rows, []
         cols = (copies.column(c).to_pylist() for c in ("ts_ns", "tid", "pid", "runq_ns", "size"))
