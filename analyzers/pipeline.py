@@ -75,6 +75,7 @@ class Analysis:
     mm_calls: pd.DataFrame | None = None  # tlb.CALL_COLUMNS: each thread's mm syscalls in the window
     lifetimes: pd.DataFrame | None = None  # lifetimes.LIFETIME_COLUMNS: the trainer's buffers per size class
     held_frees: pd.DataFrame | None = None  # freed_late.HELD_BACK_COLUMNS: CUDA frees held back by events
+    copies: dict[str, Any] | None = None  # numa.copy_sources: where the bytes copied to the GPU came from
     _states: pd.DataFrame | None = field(default=None, repr=False)
 
     @property
@@ -226,7 +227,7 @@ def _analysis(sh: Shared, threads: pd.DataFrame, part: TrainerPart, starved: pd.
         cuda_steps=step_summary(part.step_rows) if len(part.step_rows) else None, cuda=sh.cuda,
         pystacks=sh.pystacks, job=job, traffic=thread_traffic(trace.view("net_io"), sh.win.start_ns, sh.win.end_ns),
         containers=process_containers(trace.view("container")), pages=sh.pages, thp=sh.thp,
-        shootdowns=sh.shootdowns, mm_calls=sh.mm_calls, lifetimes=part.ctx.lifetimes,
+        shootdowns=sh.shootdowns, mm_calls=sh.mm_calls, lifetimes=part.ctx.lifetimes, copies=part.ctx.copies,
         held_frees=held_back_table(part.ctx),
     )
 

@@ -28,7 +28,7 @@ from trainbpf.analyzers.causes.io_culprits import IO_KINDS
 from trainbpf.analyzers.causes.held_frees import held_frees
 from trainbpf.analyzers.causes.lifetimes import buffers, busy_period_starts, freed_by_others, lifetimes
 from trainbpf.analyzers.causes.network import NET_KINDS
-from trainbpf.analyzers.causes.numa import gpu_node, memory_placement, thread_placement
+from trainbpf.analyzers.causes.numa import copy_sources, gpu_node, memory_placement, thread_placement
 from trainbpf.analyzers.causes.stack_reading import classify_stacks, python_stacks
 from trainbpf.analyzers.causes.tlb import mm_call_counts, shootdown_charges
 from trainbpf.analyzers.findings.ranking import attribute_starved
@@ -244,7 +244,9 @@ def trainer_part(sh: Shared, threads: pd.DataFrame, trainer: int | None, states:
         window=win, threads=threads, slots=sh.slots, trainer_states=states, futex_waits=sh.futex_waits,
         stacks=sh.stacks, frames={**sh.frames, **{k: sh.trace.view(k) for k in ("faults", "mm_syscall", "preempted_by") + IO_KINDS + NET_KINDS}},
         churn=sh.churn, placement=sh.placement, memory_nodes=memory_placement(sh.trace.view("numa_maps"), topology),
-        gpu_node=gpu_node(topology), pystacks=sh.pystacks, samples=sh.samples, pages=sh.pages, thp=sh.thp,
+        gpu_node=gpu_node(topology), topology=topology, pystacks=sh.pystacks,
+        copies=copy_sources(sh.trace.view("copy_node"), sh.trace.view("affinity"), sh.placement, topology,
+                            win.start_ns, win.end_ns), samples=sh.samples, pages=sh.pages, thp=sh.thp,
         shootdowns=sh.shootdowns, mm_calls=sh.mm_calls, lifetimes=buffer_lifetimes,
         held_frees=held_frees(sh.trace.view("cuda_call"), win),
     )

@@ -8,9 +8,10 @@
  * the hash the collector drains (cuda_launches) when a launch falls in a later bucket;
  * the collector takes the records' last buckets at the stop.
  * Waits, copies, allocations and frees lasting at least MIN_CUDA_NS are streamed with
- * their start, duration, stream (or pointer) argument, bytes, return value and the user
- * stack at the call; event records, queries and stream waits on events every one (a
- * not-ready query returns at once, and it is what holds a free back).  The runtime calls the driver inside its own calls, so entries are
+ * their start, duration, stream (or pointer) argument, bytes, return value, source pointer
+ * (copies) and the user stack at the call; event records, queries and stream waits on
+ * events every one (a not-ready query returns at once, and it is what holds a free
+ * back).  The runtime calls the driver inside its own calls, so entries are
  * kept per (tid, layer) and a driver call made inside a runtime call is marked nested.
  * Launches have no return probe (a uretprobe costs several times the uprobe): a runtime
  * launch leaves a mark that the driver launch it makes within CUDA_NEST_JIFFIES consumes. */
@@ -79,6 +80,7 @@ struct cuda_event {
     s32 ustack_id;
     u32 layer;
     u64 stream; /* the stream an event is recorded on or made to wait, 0 for other calls */
+    u64 src; /* a copy's source pointer, 0 for other calls */
 };
 
 struct cuda_key {
@@ -91,6 +93,7 @@ struct cuda_call {
     u64 arg;
     u64 bytes;
     u64 stream;
+    u64 src;
     u32 call;
     u32 nested;
 };
@@ -211,7 +214,7 @@ static __always_inline int cuda_launch(u32 layer)
  * need beyond the sixth (cuLaunchKernel's stream, the 9th, is on the stack, but launches
  * are only counted). */
 static __always_inline int cuda_enter(struct pt_regs *ctx, u32 call, u32 layer, u32 kind, u64 arg, u64 bytes,
-                                      u64 stream)
+                                      u64 stream, u64 src)
 {
     if (kind == CUDA_LAUNCH)
         return cuda_launch(layer);
@@ -225,7 +228,7 @@ static __always_inline int cuda_enter(struct pt_regs *ctx, u32 call, u32 layer, 
     }
     struct cuda_key key = {.tid = tid, .layer = layer};
     struct cuda_call c = {.ts_ns = bpf_ktime_get_ns(), .arg = arg, .bytes = bytes, .stream = stream,
-                         .call = call, .nested = nested};
+                         .src = src, .call = call, .nested = nested};
     cuda_calls.update(&key, &c);
     return 0;
 }
@@ -256,6 +259,7 @@ static __always_inline int cuda_return(struct pt_regs *ctx, u32 layer, u32 kind)
     }
     e->bytes = c.bytes;
     e->stream = c.stream;
+    e->src = c.src;
     e->ret = (s32)PT_REGS_RC(ctx); /* cudaError_t / CUresult: a C enum */
     e->tid = key.tid;
     e->pid = current_tgid();
@@ -268,13 +272,14 @@ static __always_inline int cuda_return(struct pt_regs *ctx, u32 layer, u32 kind)
 }
 
 /* One entry/return pair per call: CUDA_CALLS is CALL(symbol, call code, layer, kind,
- * stream argument, bytes argument, event call's stream argument) for each, from tracer/collectors/cuda.py CALLS (the call code
- * being its position there; an argument number 0 reads nothing). */
-#define CALL(sym, call, layer, kind, arg_n, bytes_n, stream_n)                                 \
+ * stream argument, bytes argument, event call's stream argument, copy's source argument)
+ * for each, from tracer/collectors/cuda.py CALLS (the call code being its position there;
+ * an argument number 0 reads nothing). */
+#define CALL(sym, call, layer, kind, arg_n, bytes_n, stream_n, src_n)                        \
     int enter_##sym(struct pt_regs *ctx)                                                       \
     {                                                                                          \
         return cuda_enter(ctx, call, layer, kind, uprobe_arg(ctx, arg_n), uprobe_arg(ctx, bytes_n), \
-                          uprobe_arg(ctx, stream_n));                                          \
+                          uprobe_arg(ctx, stream_n), uprobe_arg(ctx, src_n));                  \
     }                                                                                          \
     int return_##sym(struct pt_regs *ctx) { return cuda_return(ctx, layer, kind); }
 

@@ -10,7 +10,9 @@ from trainbpf.analyzers.causes.lifetimes import MEMORY
 from trainbpf.analyzers.vocab import ROLES, STATES
 
 TOP_KEYS = {"schema", "trace", "gpu", "starved_s", "host_bound_s", "ranks", "straggler", "findings", "threads", "cuda",
-            "traces", "container", "memory", "buffers"}
+            "traces", "container", "memory", "buffers", "numa"}
+NUMA_KEYS = {"gpu_node", "copied_bytes", "bytes_by_node", "remote_bytes", "remote_share", "device_source_bytes",
+             "unknown_bytes", "policies", "threads"}
 BUFFER_CLASS_KEYS = {"memory", "size_class_bytes", "buffers", "freed", "alive_at_once", "alive_max", "lifetime_s",
                      "lifetime_steps", "maps_per_step", "faults_per_step", "faults_per_s", "map_tid", "unmap_tid"}
 HELD_BACK_KEYS = {"pid", "tid", "comm", "function", "memory", "event", "stream", "frees", "queries", "waits", "held_ms"}
@@ -120,6 +122,17 @@ def validate_report(doc: dict[str, Any]) -> None:
         _validate_memory(doc["memory"])
     if doc["buffers"] is not None:
         _validate_buffers(doc["buffers"])
+    if doc["numa"] is not None:
+        _validate_numa(doc["numa"])
+
+
+def _validate_numa(numa: dict[str, Any]) -> None:
+    """The `numa` section: the bytes copied to the GPU per source page node."""
+    assert set(numa) == NUMA_KEYS
+    assert numa["copied_bytes"] == sum(numa["bytes_by_node"].values())
+    assert numa["remote_share"] is None or 0.0 <= numa["remote_share"] <= 1.0
+    for t in numa["threads"]:
+        assert set(t) == {"tid", "bytes", "cpus", "mems", "restricted", "ran_on_node"}
 
 
 def _validate_memory(memory: dict[str, Any]) -> None:

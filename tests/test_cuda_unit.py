@@ -57,13 +57,15 @@ def test_call_table_matches_the_probe():
     position as call code, its layer and kind, in the codes LAYER_* and CUDA_* name, and
     where its arguments are), and keeps no table of its own."""
     defines = CudaCollector(Settings()).defines()
-    calls = re.findall(r"CALL\((\w+),(\d+),(\d+),(\d+),(\d+),(\d+),(\d+)\)", str(defines["CUDA_CALLS"]))
+    calls = re.findall(r"CALL\((\w+),(\d+),(\d+),(\d+),(\d+),(\d+),(\d+),(\d+)\)", str(defines["CUDA_CALLS"]))
     layer_of = {defines[f"LAYER_{layer.upper()}"]: layer for layer in LAYERS}
     kind_of = {defines[f"CUDA_{kind.upper()}"]: kind for kind in KINDS}
-    assert [(name, int(code), layer_of[int(layer)], kind_of[int(kind)], int(arg), int(size), int(stream))
-            for name, code, layer, kind, arg, size, stream in calls] == [
-        (c.name, i, LAYERS[c.layer], KINDS[c.kind], c.arg, c.bytes, c.stream) for i, c in enumerate(CALLS)
+    assert [(name, int(code), layer_of[int(layer)], kind_of[int(kind)], int(arg), int(size), int(stream), int(src))
+            for name, code, layer, kind, arg, size, stream, src in calls] == [
+        (c.name, i, LAYERS[c.layer], KINDS[c.kind], c.arg, c.bytes, c.stream, c.src) for i, c in enumerate(CALLS)
     ]
+    # every copy reads its source pointer (the second argument), no other call does
+    assert {c.name: c.src for c in CALLS if c.src} == {c.name: 2 for c in CALLS if KINDS[c.kind] == "copy"}
     text = PROBE.read_text()
     assert not re.findall(r"^#define ARGS_", text, re.M), "the argument table lives in tracer/collectors/cuda.py CALLS"
     assert re.search(r"^CUDA_CALLS$", text, re.M) and '#error "CUDA_CALLS must be defined by the loader"' in text

@@ -153,7 +153,7 @@ def _compiled_calls(collector, tmp_path) -> list[tuple[str, ...]]:
 def test_uprobe_programs_are_the_python_call_tables(tmp_path):
     """The probes' entry programs are CALLS row for row: symbol, call code, (for CUDA)
     layer and kind, and the argument numbers read (uprobe_arg)."""
-    cuda = [(c.name, code, c.layer, c.kind, c.arg, c.bytes, c.stream) for code, c in enumerate(cuda_calls.CALLS)]
+    cuda = [(c.name, code, c.layer, c.kind, c.arg, c.bytes, c.stream, c.src) for code, c in enumerate(cuda_calls.CALLS)]
     assert _compiled_calls(cuda_calls.CudaCollector(Settings()), tmp_path) == cuda
     nccl = [(c.name, code, c.comm, c.elements) for code, c in enumerate(nccl_calls.CALLS)]
     assert _compiled_calls(nccl_calls.NcclCollector(Settings()), tmp_path) == nccl

@@ -202,12 +202,25 @@ KIND_COLUMNS: dict[str, tuple[str, ...]] = {
     # (the event for event waits), the pointer freed (frees) or allocated (allocations:
     # read at the return; 0 where the call failed to write it); 0 where the call has none,
     # size = bytes for copies and allocations, count = return value (cudaError_t /
-    # CUresult, 0 = success), ustack_id = caller's user stack.  Event calls
-    # (cudaEventRecord, cudaEventQuery, cudaStreamWaitEvent and their cu* twins) come
-    # whatever their duration, state = "event", addr = the event, runq_ns = the stream it
-    # is recorded on or that is made to wait (0 for queries; null before 2026-12-08).
+    # CUresult, 0 = success), ustack_id = caller's user stack, value = a copy's source
+    # pointer (0 for other calls; exact: user addresses lie below 2**47; null in traces
+    # recorded before it).  Event calls (cudaEventRecord, cudaEventQuery,
+    # cudaStreamWaitEvent and their cu* twins) come whatever their duration, state =
+    # "event", addr = the event, runq_ns = the stream it is recorded on or that is made to
+    # wait (0 for queries; null before 2026-12-08).
     "cuda_call": ("ts_ns", "dur_ns", "tid", "pid", "name", "state", "op", "addr", "size", "count", "ustack_id",
-                  "runq_ns"),
+                  "runq_ns", "value"),
+    # Where a CUDA copy's bytes came from (a cuda_call copy row, not nested, with a
+    # source pointer; tracer/samplers/pagenodes.py): the node of its source page by a
+    # query-only move_pages(2).  ts_ns/tid/pid = the copy's, addr = src, size = bytes,
+    # state = "host" (node = the page's node), "not_host" (a device pointer: the kernel
+    # answered -EFAULT/-ENOENT) or "unknown" (not asked: rate limit, process gone), node
+    # = -1 unless host, name = the memory policy of the mapping holding it (numa_maps:
+    # "default", "bind:1", ...; "" unless host).
+    "copy_node": ("ts_ns", "tid", "pid", "addr", "size", "node", "state", "name"),
+    # A traced thread's CPU affinity and allowed memory nodes when it was first seen
+    # (/proc/PID/task/TID/status): state = Cpus_allowed_list, name = Mems_allowed_list.
+    "affinity": ("ts_ns", "tid", "pid", "state", "name"),
     # An NCCL call that returned (ncclAllReduce, ncclBroadcast, ncclReduce, ncclAllGather,
     # ncclReduceScatter, ncclSend, ncclRecv, ncclGroupEnd; pnccl* aliases map to them),
     # every one, no threshold: ts_ns = entry, dur_ns = entry -> return, name = the call,
@@ -348,7 +361,9 @@ KIND_NAMES: dict[str, dict[str, str]] = {
     "file": {"state": "device", "addr": "inode", "name": "path"},
     "block_device": {"state": "device"},
     "cuda_launch": {"name": "layer", "op": "nested", "count": "launches"},
-    "cuda_call": {"op": "nested", "size": "bytes", "count": "ret", "runq_ns": "stream"},
+    "cuda_call": {"op": "nested", "size": "bytes", "count": "ret", "runq_ns": "stream", "value": "src"},
+    "copy_node": {"addr": "src", "size": "bytes", "state": "source", "name": "policy"},
+    "affinity": {"state": "cpus", "name": "mems"},
     "collective": {"op": "seq", "addr": "comm", "size": "elements", "count": "ret"},
     "write_path": {"name": "device", "addr": "inode", "state": "path", "size": "bytes", "count": "calls"},
     "socket": {"addr": "socket", "state": "family", "name": "peer", "op": "protocol", "comm": "interface"},

@@ -5,12 +5,15 @@ chooses), in the order the session calls them: a new source is a Source subclass
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from trainbpf.tracer import loader
+from trainbpf.tracer.collectors.cuda import DEVICE_SOURCE_CALLS
 from trainbpf.tracer.samplers import containers, jobenv, procfs, taskstats
 from trainbpf.tracer.samplers.memcg import CgroupSampler, cgroup_batch
 from trainbpf.tracer.samplers.files import FileNames
 from trainbpf.tracer.samplers.gpu import GpuSampler
+from trainbpf.tracer.samplers.pagenodes import Affinities, PageNodes
 from trainbpf.tracer.source import Source
 from trainbpf.tracer.symbols.addrs import AddressDescriber, futex_pairs
 from trainbpf.tracer.symbols.maps import ProcMaps
@@ -222,6 +225,41 @@ class NumaPages(Source):
         return ended + _present(procfs.numa_maps_batch(self.session.threads.tgids(), "end")) if final else ended
 
 
+class CopySources(Source):
+    """The NUMA node of each CUDA copy's source page (`copy_node` rows, a query-only
+    move_pages while the process lives: tracer/samplers/pagenodes.py), and each traced
+    thread's CPU affinity and allowed memory nodes when first seen (`affinity` rows)."""
+
+    name = "copy_sources"
+
+    def open(self, session) -> None:
+        super().open(session)
+        self.pages = PageNodes()
+        self.affinities = Affinities()
+        self.wanted = any(p.name == "cuda" for p in session.probes)  # only its rows have a source pointer
+
+    def seed(self, walked: list) -> list[pa.RecordBatch]:
+        return self.flush(self.session.start_ns, final=False)
+
+    def flush(self, now_ns: int, *, final: bool) -> list[pa.RecordBatch]:
+        return _present(self.affinities.take(self.session.threads.live()))
+
+    def describe(self, rows: pa.RecordBatch, maps: ProcMaps) -> tuple[pa.RecordBatch, list[pa.RecordBatch]]:
+        if not self.wanted:
+            return rows, []
+        copies = rows.filter(pc.and_(pc.equal(rows.column("kind"), "cuda_call"), pc.equal(rows.column("state"), "copy")))
+        # nested driver copies are the runtime copy's own; value holds the source pointer
+        copies = copies.filter(pc.and_(pc.equal(copies.column("op"), 0), pc.greater(copies.column("value"), 0)))
+        copies = copies.filter(pc.invert(pc.is_in(copies.column("name"), pa.array(sorted(DEVICE_SOURCE_CALLS)))))
+        if not copies.num_rows:
+            return rows, []
+        ts, tid, pid, src, size = (copies.column(c).to_pylist() for c in ("ts_ns", "tid", "pid", "value", "size"))
+        return rows, _present(self.pages.copy_rows(ts, tid, pid, [int(a) for a in src], size))
+
+    def meta(self) -> dict:
+        return {"copy_sources": {"page_queries": self.pages.queries}}
+
+
 class JobEnvironments(Source):
     """Each traced process's rank variables (`process_env` rows), read when it joins or
     execs, and the target's as the trace's `job` (tracer/samplers/jobenv.py)."""
@@ -284,6 +322,6 @@ class TaskDelays(Source):
 # source's end() sees what the ones before it ended.
 SOURCES: list[type[Source]] = [
     StackNames, FutexAddresses, PythonFrames, FileNames, JobEnvironments, Containers, GpuSamples, ProcSamples, MemoryCgroups,
-    NumaPages,
+    NumaPages, CopySources,
     TaskDelays,
 ]

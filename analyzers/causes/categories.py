@@ -225,7 +225,13 @@ REGISTRY: tuple[Category, ...] = (
         "node (numactl --cpunodebind/--membind, sched_setaffinity in worker_init_fn).",
         "#17becf", health_checks=("numa_remote_ratio",),
         unmeasured="{who} ran mostly on a NUMA node other than the GPU's (node {gpu_node}), "
-        "without measurable starved time"),
+        "without measurable starved time",
+        cases={"remote_copies": (
+            "{remote_pct} of the {copied} copied to GPU {gpu} (node {gpu_node}) came from {source_nodes} pages; "
+            "{copiers}",
+            "The bytes copied to the GPU sit on a NUMA node other than the GPU's: run the loader threads on the "
+            "GPU's node (sched_setaffinity in worker_init_fn, or numactl --cpunodebind={gpu_node} "
+            "--membind={gpu_node}) and allocate the pinned buffers there.")}),
     Category(
         "host_compute", host.host_compute,
         "{who} was busy on the CPU for {s:.2f} s while the GPU idled ({where})",

@@ -16,7 +16,7 @@ from trainbpf.analyzers.causes.freed_late import freed_late
 from trainbpf.analyzers.causes.huge_pages import PAGE_COLUMNS, page_evidence
 from trainbpf.analyzers.causes.io_culprits import io_culprits
 from trainbpf.analyzers.causes.locks import holder_frames, lock_identity
-from trainbpf.analyzers.causes.numa import REMOTE_MIN_FRACTION
+from trainbpf.analyzers.causes.numa import REMOTE_MIN_FRACTION, copy_case
 from trainbpf.analyzers.causes.page_cache import reclaim_culprits
 from trainbpf.analyzers.causes.stack_reading import (
     PYTHON_STACK_COLUMNS,
@@ -47,6 +47,8 @@ class EvidenceContext:
     placement: pd.DataFrame
     memory_nodes: dict[int, int] = field(default_factory=dict)
     gpu_node: int | None = None
+    copies: dict[str, Any] | None = None  # numa.copy_sources: where the bytes copied to the GPU came from
+    topology: dict[str, Any] = field(default_factory=dict)
     # The trace's Python stacks (stacks.python_stacks; empty: none) and the on-CPU samples
     # (attribution.SAMPLE_COLUMNS) their ids are looked up for.
     pystacks: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=list(PYTHON_STACK_COLUMNS)))
@@ -361,6 +363,7 @@ def numa_placement(ctx: EvidenceContext, roots: list[int]) -> dict[str, Any]:
             for r in (focus if len(focus) else remote).head(MAX_THREADS).itertuples()
         ],
         "memory_pages_by_node": {str(k): v for k, v in ctx.memory_nodes.items()},
+        "copies": ctx.copies, **copy_case(ctx.copies, ctx.topology, ctx.thread),
     }
 
 

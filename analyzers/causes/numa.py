@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -89,3 +89,91 @@ def memory_placement(numa_maps: pd.DataFrame, topology: Mapping[str, Any] | None
     })
     latest = df[df["ts"] == df["ts"].max()]
     return {int(n): int(c) for n, c in latest.groupby("node")["count"].sum().items() if n >= 0}
+
+
+# Copies to the GPU count as remote when at least this share of their host bytes came
+# from pages on other nodes.
+COPY_REMOTE_MIN_SHARE = 0.5
+
+
+def allowed_cpus(cpus: str) -> set[int]:
+    """A Cpus_allowed_list ("0-3,8") as a set; empty when unreadable."""
+    out: set[int] = set()
+    for part in (cpus or "").split(","):
+        lo, _, hi = part.strip().partition("-")
+        if lo.isdigit() and (not hi or hi.isdigit()):
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _copier(tid: int, nbytes: int, affinity: pd.DataFrame, placement: pd.DataFrame, topology) -> dict[str, Any]:
+    """A copying thread: its bytes, affinity (restricted or not) and the node it ran on:
+    the placement's main node, else the one node its allowed CPUs lie on, else None."""
+    mine = affinity[as_int64(affinity["tid"]) == tid]
+    cpus = str(mine["cpus"].iloc[-1]) if len(mine) else ""
+    mems = str(mine["mems"].iloc[-1]) if len(mine) else ""
+    mapping = cpu_nodes(topology)
+    allowed = allowed_cpus(cpus)
+    placed = placement[placement["tid"] == tid] if len(placement) else placement
+    nodes_allowed = {mapping[c] for c in allowed if c in mapping}
+    ran_on = int(placed["main_node"].iloc[0]) if len(placed) else (nodes_allowed.pop() if len(nodes_allowed) == 1 else None)
+    return {"tid": tid, "bytes": nbytes, "cpus": cpus, "mems": mems,
+            "restricted": bool(allowed) and bool(mapping) and not set(mapping) <= allowed, "ran_on_node": ran_on}
+
+
+def copy_sources(copy_node: pd.DataFrame, affinity: pd.DataFrame, placement: pd.DataFrame,
+                 topology: Mapping[str, Any] | None, start_ns: int, end_ns: int) -> dict[str, Any] | None:
+    """Where the bytes copied to the GPU in [start_ns, end_ns) came from (copy_node rows):
+    host bytes per source node, the share from nodes other than the GPU's (None when the
+    GPU's node is unknown), bytes from device memory and not asked about, and the
+    copying threads (most bytes first).  None when no copy was seen."""
+    ts = as_int64(copy_node["ts_ns"])
+    rows = copy_node[(ts >= start_ns) & (ts < end_ns)]
+    if not len(rows):
+        return None
+    source = rows["source"].astype(str).to_numpy()
+    nbytes = as_int64(rows["bytes"], 0)
+    node = as_int64(rows["node"], -1)
+    host = source == "host"
+    by_node = pd.Series(nbytes[host]).groupby(node[host]).sum()
+    copied = int(nbytes[host].sum())
+    home = gpu_node(topology)
+    remote = int(by_node[by_node.index != home].sum()) if home is not None else None
+    per_thread = pd.Series(nbytes[host]).groupby(as_int64(rows["tid"])[host]).sum().sort_values(ascending=False)
+    return {
+        "gpu_node": home,
+        "copied_bytes": copied,
+        "bytes_by_node": {str(int(n)): int(b) for n, b in by_node.items()},
+        "remote_bytes": remote,
+        "remote_share": remote / copied if remote is not None and copied else None,
+        "device_source_bytes": int(nbytes[source == "not_host"].sum()),
+        "unknown_bytes": int(nbytes[source == "unknown"].sum()),
+        "policies": sorted({str(p) for p in rows.loc[host, "policy"].dropna() if str(p)}),
+        "threads": [_copier(int(t), int(b), affinity, placement, topology) for t, b in per_thread.items()],
+    }
+
+
+def copies_remote(copies: Mapping[str, Any] | None) -> bool:
+    share = (copies or {}).get("remote_share")
+    return share is not None and share >= COPY_REMOTE_MIN_SHARE
+
+
+def copy_case(copies: Mapping[str, Any] | None, topology: Mapping[str, Any] | None,
+              thread: Callable[[int], Mapping[str, Any]]) -> dict[str, Any]:
+    """The numa_remote case of copies mostly from remote pages: `case` and the `names`
+    its sentences quote ({} when the copies are not remote).  `thread`: tid -> {comm}."""
+    if not copies_remote(copies):
+        return {}
+    home = copies["gpu_node"]
+    gpus = [g for g in (topology or {}).get("gpus") or [] if g.get("node") == home]
+    remote_nodes = sorted(n for n in copies["bytes_by_node"] if int(n) != home)
+    said = []
+    for t in copies["threads"][:3]:
+        ran = "had" if t["ran_on_node"] is None else f"ran on node {t['ran_on_node']} with"
+        bound = f"affinity to CPUs {t['cpus']}" if t["restricted"] else "no affinity"
+        said.append(f"{thread(t['tid']).get('comm') or '?'} ({t['tid']}) {ran} {bound}")
+    return {"case": "remote_copies", "names": {
+        "remote_pct": f"{copies['remote_share']:.0%}", "copied_bytes": copies["copied_bytes"],
+        "gpu": str(gpus[0]["index"]) if gpus else "?", "gpu_node": home,
+        "source_nodes": "node " + ", ".join(remote_nodes) if len(remote_nodes) == 1 else "nodes " + ", ".join(remote_nodes),
+        "copiers": "; ".join(said) or "no copying thread is known"}}

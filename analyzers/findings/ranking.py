@@ -35,7 +35,7 @@ from trainbpf.analyzers.causes.evidence import (
     numa_placement,
     trainer_waits,
 )
-from trainbpf.analyzers.causes.numa import REMOTE_MIN_FRACTION
+from trainbpf.analyzers.causes.numa import REMOTE_MIN_FRACTION, copies_remote
 from trainbpf.analyzers.findings.python_ends import no_python_frames, python_frames
 from trainbpf.analyzers.intervals import NS_PER_S, run_parallel
 from trainbpf.analyzers.timeline.cuda_calls import in_gaps_ns
@@ -225,7 +225,8 @@ def build_findings(
     def finding(category: str) -> dict[str, Any] | None:
         ns = float(per_cat.get(category, 0.0))
         if ns < MIN_FINDING_NS:
-            if category == "numa_remote" and len(ctx.placement) and (ctx.placement["remote_fraction"] > REMOTE_MIN_FRACTION).any():
+            if category == "numa_remote" and (copies_remote(ctx.copies) or len(ctx.placement) and (
+                    ctx.placement["remote_fraction"] > REMOTE_MIN_FRACTION).any()):
                 return _finding(category, 0.0, 0.0, window_s, [], [], _with(numa_placement(ctx, []), no_python_frames(ctx)),
                                 ctx, float("nan") if gaps is None else 0.0)
             return None

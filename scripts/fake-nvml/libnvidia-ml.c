@@ -6,7 +6,7 @@
  *    a line without a pid belongs to the first pid listed in "<file>.pids";
  *  - the live pids in "<file>.pids" ("<file>.<i>.pids") are the GPU's compute processes;
  *  - $TRAINBPF_SIM_GPU_COUNT GPUs (1), with the uuids and PCI bus ids nvidia-smi's
- *    stand-in prints.
+ *    stand-in prints, all on NUMA node $FAKE_NVML_NUMA_NODE (unset: not supported).
  *
  * Like the driver, each device keeps utilisation samples on a fixed grid
  * ($TRAINBPF_SIM_NVML_SAMPLE_MS, default 167: 1/6 s), each the busy percent of the period
@@ -245,7 +245,6 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
 
 nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
 nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
-
 nvmlReturn_t nvmlShutdown(void) {
     if (!initialized) return NVML_ERROR_UNINITIALIZED;
     initialized--;
@@ -284,9 +283,7 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *dev
     *device = &devices[index];
     return NVML_SUCCESS;
 }
-nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device) {
-    return nvmlDeviceGetHandleByIndex_v2(index, device);
-}
+nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int i, nvmlDevice_t *d) { return nvmlDeviceGetHandleByIndex_v2(i, d); }
 
 /* The device's index, or -1 for a handle this library did not give out. */
 static int device_index(nvmlDevice_t device) {
@@ -329,6 +326,15 @@ nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci) {
 }
 nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfo_t *pci) { return nvmlDeviceGetPciInfo_v3(device, pci); }
 nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfo_t *pci) { return nvmlDeviceGetPciInfo_v3(device, pci); }
+
+nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, unsigned int *node) {
+    CHECK_DEVICE(device);
+    int value = env_int("FAKE_NVML_NUMA_NODE", -1);
+    if (node == NULL || index < 0) return NVML_ERROR_INVALID_ARGUMENT;
+    if (value < 0) return NVML_ERROR_NOT_SUPPORTED; /* the caller reads the PCI device's node */
+    *node = (unsigned int)value;
+    return NVML_SUCCESS;
+}
 
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
     CHECK_DEVICE(device);

@@ -23,10 +23,11 @@ KINDS = ("launch", "wait", "copy", "alloc", "free", "event")
 
 
 class CudaCall(NamedTuple):
-    """One probed call.  `arg` and `bytes` are the positions (from 1; 0: none) of its
-    stream (event for event waits and event calls, pointer for frees; for allocations
-    the argument the call writes the new pointer to, read at its return) and byte-count
-    arguments; `stream` that of the stream an event call records on or makes wait."""
+    """One probed call.  `arg`, `bytes` and `src` are the positions (from 1; 0: none) of
+    its stream (event for event waits and event calls, pointer for frees; for allocations
+    the argument the call writes the new pointer to, read at its return), byte-count and
+    source pointer (copies) arguments; `stream` that of the stream an event call records
+    on or makes wait."""
 
     name: str
     layer: int  # index into LAYERS
@@ -34,6 +35,7 @@ class CudaCall(NamedTuple):
     arg: int
     bytes: int
     stream: int = 0
+    src: int = 0
 
 
 # The calls probed, declared only here; the position is the call code.  The probe compiles
@@ -43,13 +45,14 @@ CALLS: tuple[CudaCall, ...] = tuple(CudaCall(*call) for call in (
     ("cudaLaunchKernel", 0, 0, 0, 0), ("cudaLaunchKernelExC", 0, 0, 0, 0),
     ("cudaLaunchCooperativeKernel", 0, 0, 0, 0), ("cudaGraphLaunch", 0, 0, 0, 0),
     ("cudaStreamSynchronize", 0, 1, 1, 0), ("cudaDeviceSynchronize", 0, 1, 0, 0),
-    ("cudaEventSynchronize", 0, 1, 1, 0), ("cudaMemcpy", 0, 2, 0, 3), ("cudaMemcpyAsync", 0, 2, 5, 3),
+    ("cudaEventSynchronize", 0, 1, 1, 0), ("cudaMemcpy", 0, 2, 0, 3, 0, 2), ("cudaMemcpyAsync", 0, 2, 5, 3, 0, 2),
     ("cudaMalloc", 0, 3, 1, 2), ("cudaFree", 0, 4, 1, 0),
     ("cuLaunchKernel", 1, 0, 0, 0), ("cuLaunchKernelEx", 1, 0, 0, 0), ("cuGraphLaunch", 1, 0, 0, 0),
     ("cuStreamSynchronize", 1, 1, 1, 0), ("cuCtxSynchronize", 1, 1, 0, 0), ("cuEventSynchronize", 1, 1, 1, 0),
-    ("cuMemcpy", 1, 2, 0, 3), ("cuMemcpyAsync", 1, 2, 4, 3), ("cuMemcpyHtoD", 1, 2, 0, 3),
-    ("cuMemcpyHtoDAsync", 1, 2, 4, 3), ("cuMemcpyDtoH", 1, 2, 0, 3), ("cuMemcpyDtoHAsync", 1, 2, 4, 3),
-    ("cuMemcpyDtoD", 1, 2, 0, 3), ("cuMemcpyDtoDAsync", 1, 2, 4, 3),
+    # Copies: (dst, src, bytes[, ..., stream]); the source pointer is the second argument.
+    ("cuMemcpy", 1, 2, 0, 3, 0, 2), ("cuMemcpyAsync", 1, 2, 4, 3, 0, 2), ("cuMemcpyHtoD", 1, 2, 0, 3, 0, 2),
+    ("cuMemcpyHtoDAsync", 1, 2, 4, 3, 0, 2), ("cuMemcpyDtoH", 1, 2, 0, 3, 0, 2), ("cuMemcpyDtoHAsync", 1, 2, 4, 3, 0, 2),
+    ("cuMemcpyDtoD", 1, 2, 0, 3, 0, 2), ("cuMemcpyDtoDAsync", 1, 2, 4, 3, 0, 2),
     ("cuMemAlloc", 1, 3, 1, 2), ("cuMemAllocAsync", 1, 3, 1, 2), ("cuMemAllocHost", 1, 3, 1, 2),
     ("cuMemAllocManaged", 1, 3, 1, 2),
     ("cuMemFree", 1, 4, 1, 0), ("cuMemFreeHost", 1, 4, 1, 0), ("cuMemFreeAsync", 1, 4, 1, 0),
@@ -71,11 +74,13 @@ CALL_INDEX = {call.name: i for i, call in enumerate(CALLS)}
 SYMBOL_RE = r"^(" + "|".join(call.name for call in CALLS) + r")((_v2|_v3)?(_ptsz|_ptds)?)$"
 LIBRARY_RE = re.compile(r"/lib(cudart|cuda)\.so(\.\d+)*$")
 CUDA_LIBRARIES = LibraryCalls(LIBRARY_RE, "/libcud", SYMBOL_RE)
+# Copies whose source is device memory by the call's name: their pages are not asked about.
+DEVICE_SOURCE_CALLS = frozenset(c.name for c in CALLS if "DtoH" in c.name or "DtoD" in c.name)
 
 
 def call_list() -> str:
-    """CALLS as the probe's CUDA_CALLS define: CALL(symbol,code,layer,kind,arg,bytes,stream) for each."""
-    return "".join(f"CALL({c.name},{code},{c.layer},{c.kind},{c.arg},{c.bytes},{c.stream})"
+    """CALLS as the probe's CUDA_CALLS define: CALL(symbol,code,layer,kind,arg,bytes,stream,src) for each."""
+    return "".join(f"CALL({c.name},{code},{c.layer},{c.kind},{c.arg},{c.bytes},{c.stream},{c.src})"
                    for code, c in enumerate(CALLS))
 
 
@@ -158,6 +163,7 @@ class CudaCollector(LibraryCollector):
                     "ret": r["ret"].astype(np.int64),
                     "stream": r["stream"].astype(np.int64),
                     "ustack_id": stack_ids(r["ustack_id"]),
+                    "src": r["src"].astype(np.int64),  # user addresses stay below 2**63
                 },
             )
         ]

@@ -51,7 +51,7 @@ class NvmlSource:
             self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
             for i, h in enumerate(self._handles):
                 self.gpus.append({"index": i, "uuid": _text(pynvml.nvmlDeviceGetUUID(h)),
-                                  "bus_id": _text(pynvml.nvmlDeviceGetPciInfo(h).busId)})
+                                  "bus_id": _text(pynvml.nvmlDeviceGetPciInfo(h).busId), "node": _numa_node(pynvml, h)})
         except pynvml.NVMLError:
             self.close()
             return False
@@ -172,6 +172,15 @@ class NvmlSource:
             except self._nv.NVMLError:
                 pass
             self._nv = None
+
+
+def _numa_node(pynvml, handle) -> int | None:
+    """The device's NUMA node where the driver knows it (None: read the PCI device's)."""
+    try:
+        node = int(pynvml.nvmlDeviceGetNumaNodeId(handle))
+    except (pynvml.NVMLError, AttributeError):  # not supported, or bindings without the call
+        return None
+    return node if node >= 0 else None
 
 
 def _text(v) -> str:

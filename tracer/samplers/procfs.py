@@ -147,12 +147,15 @@ def numa_nodes(root: Path = Path("/sys/devices/system/node")) -> dict[str, list[
     return nodes
 
 
-def pci_numa_node(bus_id: str) -> int | None:
-    """NUMA node of a PCI device given nvidia-smi's bus id (00000000:19:00.0)."""
-    dom, _, rest = bus_id.lower().partition(":")
-    sysfs = Path("/sys/bus/pci/devices") / f"{dom[-4:]}:{rest}"
+PCI_DEVICES = Path("/sys/bus/pci/devices")
+
+
+def pci_numa_node(bus_id: str, devices: Path = PCI_DEVICES) -> int | None:
+    """NUMA node of a PCI device given NVML's or nvidia-smi's bus id (00000000:19:00.0):
+    sysfs names it with a 4-digit domain in lower case; -1 there means no node."""
+    dom, _, rest = bus_id.strip().lower().partition(":")
     try:
-        node = int((sysfs / "numa_node").read_text())
+        node = int((devices / f"{dom[-4:]:0>4}:{rest}" / "numa_node").read_text())
     except (OSError, ValueError):
         return None
     return node if node >= 0 else None
@@ -173,23 +176,32 @@ def declared_topology(path: Path) -> dict:
     return {"nodes": nodes, "gpus": gpu_list}
 
 
-def topology(gpus: list[dict], declared: dict | None) -> dict:
-    """CPUs per node and each GPU's node; a declared topology (declared_topology)
-    overrides both."""
+def device_gpus(gpus: list[dict], devices: Path = PCI_DEVICES) -> list[dict]:
+    """Each GPU's node from the device: NVML's where it said one, else its PCI device's."""
+    return [{"index": g["index"], "bus_id": g["bus_id"],
+             "node": g["node"] if g.get("node") is not None else pci_numa_node(g["bus_id"] or "", devices)}
+            for g in gpus]
+
+
+def topology(gpus: list[dict], declared: dict | None, devices: Path = PCI_DEVICES) -> dict:
+    """CPUs per node and each GPU's node from the device (device_gpus); a declared
+    topology (declared_topology) overrides the nodes, and the node of each GPU it
+    gives one; GPUs it names without a node keep the device's."""
+    gpu_list = device_gpus(gpus, devices)
+    nodes = numa_nodes() if declared is None else declared["nodes"]
     if declared is not None:
-        nodes, gpu_list = declared["nodes"], declared["gpus"]
-        is_declared = True
-    else:
-        nodes = numa_nodes()
-        gpu_list = [{"index": g["index"], "bus_id": g["bus_id"], "node": pci_numa_node(g["bus_id"])}
-                    for g in gpus]
-        is_declared = False
+        by_index = {g["index"]: g for g in gpu_list}
+        for g in declared["gpus"]:
+            found = by_index.setdefault(g["index"], {"index": g["index"], "bus_id": g.get("bus_id"), "node": None})
+            if g.get("node") is not None:
+                found["node"] = g["node"]
+        gpu_list = [by_index[i] for i in sorted(by_index)]
     gpu_nodes = {g["node"] for g in gpu_list if g.get("node") is not None}
     return {
         "nodes": nodes,
         "gpus": gpu_list,
         "gpu_node": gpu_nodes.pop() if len(gpu_nodes) == 1 else None,
-        "declared": is_declared,
+        "declared": declared is not None,
     }
 
 

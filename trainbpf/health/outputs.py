@@ -47,6 +47,7 @@ METRICS: dict[str, str] = {
     "trainbpf_target_step_p99_seconds": "99th percentile of the training step time.",
     "trainbpf_target_host_bound_ratio": "Share of the step time from the end of a GPU wait to the next kernel launch (the host preparing work; reported, not graded).",
     "trainbpf_target_faults_per_step": "Page faults the target's threads took per training step (about 256 per MiB of fresh memory with 4 KiB pages, 0.5 with 2 MiB huge pages).",
+    "trainbpf_target_numa_remote_copy_ratio": "Share of the bytes the target copied from host memory to the GPU whose source pages were on a NUMA node other than the GPU's (a query-only move_pages of each copy's source page).",
     "trainbpf_thread_state_seconds": "Seconds the target's threads of one role spent in one state, summed over those threads.",
     "trainbpf_rank_starved_seconds": "Seconds one rank's trainer was starved (stalled while its GPU idled; without GPU samples, while it was not running), its waits for late ranks included.",
     "trainbpf_rank_collective_wait_seconds": "Seconds one rank's trainer waited inside collectives for the other ranks.",
@@ -112,6 +113,7 @@ def metric_samples(result: HealthResult) -> list[Sample]:
             add("trainbpf_target_cuda_traced", int(t.steps.traced), pid=pid)
             for key, metric in STEP_METRICS.items():
                 add(metric, getattr(t.steps, key), pid=pid)
+        add("trainbpf_target_numa_remote_copy_ratio", t.remote_copy_share, pid=pid)
         for (role, state), seconds in sorted(t.role_seconds.items()):
             add("trainbpf_thread_state_seconds", seconds, pid=pid, role=role, state=state)
     if result.job is not None:  # a job of several ranks: each rank by its process and number

@@ -89,6 +89,7 @@ class TargetResult:
     error: str | None = None
     steps: StepMetrics | None = None  # None: not analysed
     network_wait: dict[str, float] = field(default_factory=dict)  # peer (top few, then "other") -> starved s
+    remote_copy_share: float | None = None  # host->GPU bytes from pages off the GPU's node / all (report's numa)
 
     @property
     def top(self) -> dict[str, Any] | None:
@@ -115,6 +116,7 @@ def grade_report(target: Target, report: Mapping[str, Any], *, tids: set[int],
     result.starved_ratio = result.starved_s / duration if duration > 0 else None
     result.host_bound_s = float(report["host_bound_s"])
     result.gpu_idle_fraction = report["gpu"]["idle_fraction"]
+    result.remote_copy_share = (report.get("numa") or {}).get("remote_share")
     result.findings = [{k: f[k] for k in ("category", "share", "seconds", "severity", "summary")} for f in report["findings"]]
     for th in report["threads"]:
         if th["tid"] in tids:

@@ -134,7 +134,17 @@ def build_report(analysis: Analysis) -> dict[str, Any]:
         "container": None if analysis.containers is None else container_of(analysis.containers, pid),
         "memory": memory_section(analysis),
         "buffers": buffers_section(analysis.lifetimes, analysis.held_frees),
+        "numa": numa_section(analysis.copies),
     }
+
+
+def numa_section(copies: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The report's `numa` section: the bytes copied to the GPU per source page node
+    (analyzers/causes/numa.py copy_sources); None when no copy's source was looked up."""
+    if copies is None:
+        return None
+    share = copies["remote_share"]
+    return {**copies, "remote_share": None if share is None else round(float(share), 4)}
 
 
 def memory_section(analysis: Analysis) -> dict[str, Any]:
@@ -328,7 +338,8 @@ def finding_summary(category: str, share: float, seconds: float, threads: list[d
     who = _who(threads)
     case = record.cases.get(evidence.get("case"))
     if case:
-        return case[0].format(who=who, s=seconds, **_case_names(evidence)) + f" ({share:.0%} of starved time)"
+        said = case[0].format(who=who, s=seconds, **_case_names(evidence))
+        return said + f" ({share:.0%} of starved time)" if seconds else said
     if seconds == 0 and record.unmeasured:
         return record.unmeasured.format(who=who, gpu_node=evidence.get("gpu_node"))
     own = evidence.get("trainer_loading")

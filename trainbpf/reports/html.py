@@ -24,7 +24,8 @@ from trainbpf.reports.html_timeline import (
     esc,
     timeline,
 )
-from trainbpf.reports.present import container_words, culprit_lines, evidence_lines, memory_sentences, pct
+from trainbpf.reports.present import (container_words, culprit_lines, evidence_lines, memory_sentences,
+                                      numa_sentences, pct)
 from trainbpf.reports.python_frames import python_line
 
 if TYPE_CHECKING:
@@ -78,8 +79,9 @@ def _cuda_section(analysis: Analysis, report: dict[str, Any]) -> list[str]:
 
 
 def _memory_section(report: dict[str, Any]) -> list[str]:
-    """The THP mode and each process's faults per MiB newly mapped; nothing when unknown."""
-    sentences = memory_sentences(report["memory"])
+    """The THP mode, each process's faults per MiB newly mapped and the copies' source
+    nodes; nothing when unknown."""
+    sentences = memory_sentences(report["memory"]) + numa_sentences(report.get("numa"))
     return ["<h2>Memory</h2>", *(f'<p class="meta">{esc(s)}</p>' for s in sentences)] if sentences else []
 
 

@@ -185,6 +185,20 @@ def memory_sentences(memory: dict[str, Any]) -> list[str]:
     return out
 
 
+def numa_sentences(numa: dict[str, Any] | None) -> list[str]:
+    """The `numa` section in words: the bytes copied to the GPU per source page node."""
+    if not numa:
+        return []
+    nodes = ", ".join(f"{size(b)} from node {n}" for n, b in sorted(numa["bytes_by_node"].items()))
+    home = "the GPU's node unknown" if numa["gpu_node"] is None else f"GPU on node {numa['gpu_node']}"
+    remote = "" if numa["remote_share"] is None else f": {numa['remote_share']:.0%} from other nodes"
+    out = [f"Copied to the GPU from host memory: {size(numa['copied_bytes'])} ({nodes or 'none'}; {home}){remote}"]
+    if numa["device_source_bytes"] or numa["unknown_bytes"]:
+        out.append(f"Not counted: {size(numa['device_source_bytes'])} copied from device memory, "
+                   f"{size(numa['unknown_bytes'])} whose source page was not looked up")
+    return out
+
+
 def shootdown_sender(s: dict[str, Any]) -> str:
     """A thread whose mapping changes sent TLB shootdowns: "tb_unmapper (12) sent 181
     with its unmaps (munmap 266, mmap 266)"."""

@@ -10,7 +10,8 @@ from trainbpf.analyzers.pipeline import observed_ns
 from trainbpf.analyzers.vocab import STATES
 from trainbpf.reports.buffers import buffer_lines
 from trainbpf.reports.job import rank_lines
-from trainbpf.reports.present import container_words, culprit_lines, memory_sentences, pct, size, task_label
+from trainbpf.reports.present import (container_words, culprit_lines, memory_sentences, numa_sentences, pct, size,
+                                      task_label)
 from trainbpf.reports.python_frames import python_line, refused_note
 from trainbpf.trace.printable import printable
 
@@ -91,7 +92,7 @@ def render_text(rendered: Report) -> str:
         lines.append(_host_line(report))
     lines.extend(rank_lines(report, analysis.meta))
     lines.extend(_cuda_lines(report, analysis))
-    lines.extend(f"  {line}" for line in memory_sentences(report["memory"]))
+    lines.extend(f"  {line}" for line in memory_sentences(report["memory"]) + numa_sentences(report.get("numa")))
     lines.extend(buffer_lines(report))
     lines.append("")
     lines.extend(finding_lines(report["findings"], gpu=bool(gpu["samples"])))
