@@ -28,6 +28,10 @@ DATASET_BYTES = 64 << 20
 # the checkpoint's writeback, two to six steps (with half as much, some runs' writeback
 # slowed the loader by less than the step's slack and barely starved the GPU).
 BATCH_BYTES = 96 << 20
+# Behind the O_DIRECT checkpoint's 8 MiB writes a 96 MiB batch stalled the trainer for
+# longer than a 167 ms NVML sample, leaving whole samples idle: half as much keeps the
+# starvation at step scale and the disk's queue still the cause.
+DIRECT_BATCH_BYTES = 48 << 20
 READ_BYTES = 1 << 20
 DECODE_STEPS = 0.05
 
@@ -37,12 +41,12 @@ def _aligned(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
-def load_forever(path: str, batches: queue.Queue) -> None:
+def load_forever(path: str, batches: queue.Queue, batch_bytes: int) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     buffer = _aligned(READ_BYTES)
     offset = 0
     while True:
-        for _ in range(BATCH_BYTES // READ_BYTES):
+        for _ in range(batch_bytes // READ_BYTES):
             os.preadv(fd, [buffer], offset)
             offset = (offset + READ_BYTES) % DATASET_BYTES
         batches.put(common.decode_batch(DECODE_STEPS * common.STEP_S, batch_bytes=1 << 16))
@@ -74,7 +78,8 @@ def main() -> None:
         dataset, checkpoint = os.path.join(folder, "dataset.bin"), os.path.join(folder, "checkpoint.bin")
         common.write_dataset(dataset, DATASET_BYTES)
         batches: queue.Queue = queue.Queue(maxsize=2)
-        common.start_thread(common.DATALOADER_COMM, load_forever, dataset, batches)
+        common.start_thread(common.DATALOADER_COMM, load_forever, dataset, batches,
+                            DIRECT_BATCH_BYTES if args.direct_checkpoint else BATCH_BYTES)
         if args.direct_checkpoint:
             with common.background_thread("ckpt_writer", write_direct_forever, checkpoint, cpus=common.BACKGROUND_CPUS):
                 common.train(args.seconds, batches.get)
